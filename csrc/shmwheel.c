@@ -1,0 +1,1139 @@
+/*
+ * shmwheel.c - the operations on a shmwheel segment.  See shmwheel.h for the
+ * design and the byte layout.
+ *
+ * Conventions: public functions are shmw_*, file-local helpers have no
+ * prefix.  Every public function checks its arguments and reads the clock
+ * before it takes the lock; under the lock there is only arithmetic and
+ * loads and stores to the segment.
+ */
+#define _GNU_SOURCE
+#include "shmwheel.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ALIGN_UP(x, a) (((x) + (uint64_t)(a) - 1) & ~((uint64_t)(a) - 1))
+
+struct shmw {
+    /* Private copies of the parameters: bounds are checked against these,
+     * never against the segment, which any process can scribble on. */
+    char                *base;
+    struct shmw_header  *hdr;
+    struct shmw_bucket  *buckets;
+    uint32_t            *heap;
+    char                *slab;
+    uint64_t             size;
+    int64_t              tick_ns;
+    uint32_t             capacity;
+    uint32_t             payload_size;
+    uint32_t             wheel_bits;
+    uint32_t             wheel_mask;
+    uint32_t             levels;
+    uint32_t             nbuckets;
+    uint32_t             slot_bits;
+    uint32_t             stride;
+    uint64_t             max_generation;
+};
+
+/* ---- process identity ---------------------------------------------------
+ * getpid() is a system call on current glibc; the pid is cached and
+ * refreshed in the child after fork so the add path never makes one. */
+
+static pid_t cached_pid;
+static pthread_once_t pid_once = PTHREAD_ONCE_INIT;
+
+static void refresh_pid(void) { cached_pid = getpid(); }
+
+static void pid_init(void)
+{
+    refresh_pid();
+    pthread_atfork(NULL, NULL, refresh_pid);
+}
+
+/* ---- pure arithmetic ---------------------------------------------------- */
+
+uint64_t shmw_ticks_ceil(int64_t ns, int64_t tick_ns)
+{
+    if (ns <= 0)
+        return 0;
+    return (uint64_t)ns / (uint64_t)tick_ns + ((uint64_t)ns % (uint64_t)tick_ns != 0);
+}
+
+uint32_t shmw_level_for(uint64_t elapsed, uint64_t t, uint32_t wheel_bits)
+{
+    /* The lowest level whose window of W buckets past its own clock holds t.
+     * A t at or before the clock belongs in level 0 (it is due). */
+    uint64_t w = 1ULL << wheel_bits;
+    uint32_t level = 0;
+    uint32_t shift = 0;
+
+    if (t <= elapsed)
+        return 0;
+    for (; shift < 64; level++, shift += wheel_bits)
+        if ((t >> shift) - (elapsed >> shift) < w)
+            return level;
+    return level;               /* both shifted to 0 */
+}
+
+uint32_t shmw_slot_for(uint64_t t, uint32_t level, uint32_t wheel_bits)
+{
+    uint32_t shift = level * wheel_bits;
+
+    if (shift >= 64)
+        return 0;
+    return (uint32_t)((t >> shift) & ((1ULL << wheel_bits) - 1));
+}
+
+uint64_t shmw_bucket_expiry(uint64_t t, uint32_t level, uint32_t wheel_bits)
+{
+    uint32_t shift = level * wheel_bits;
+
+    if (shift >= 64)
+        return 0;
+    return t & ~((1ULL << shift) - 1);
+}
+
+uint32_t shmw_levels_for(int64_t tick_ns, uint32_t wheel_bits)
+{
+    /* Smallest L whose top window, (W - 1) * W^(L-1) ticks, exceeds twice
+     * the longest delay: the delay itself plus as much again of driver lag
+     * (elapsed behind the real clock), so that every accepted timer has a
+     * level even if nobody polls for a century. */
+    uint64_t need = 2 * shmw_ticks_ceil(SHMW_MAX_DELAY_NS, tick_ns) + 2;
+    uint64_t w = 1ULL << wheel_bits;
+    uint64_t window = w - 1;
+    uint32_t levels = 1;
+
+    while (window <= need && levels < SHMW_MAX_LEVELS) {
+        if (window > UINT64_MAX / w)
+            return levels + 1;  /* the next level covers every uint64_t */
+        window *= w;
+        levels++;
+    }
+    return levels;
+}
+
+uint32_t shmw_slot_bits(uint32_t capacity)
+{
+    uint32_t bits = 0;
+
+    while (bits < 32 && (1ULL << bits) < capacity)
+        bits++;
+    return bits;
+}
+
+int shmw_seconds_to_ns(double seconds, int64_t *out)
+{
+    double ns;
+
+    if (isnan(seconds) || isinf(seconds) || seconds < 0)
+        return SHMW_ETIME;
+    ns = nearbyint(seconds * 1e9);
+    if (ns >= 9.2e18)           /* just under INT64_MAX */
+        return SHMW_ERANGE;
+    *out = (int64_t)ns;
+    return SHMW_OK;
+}
+
+int64_t shmw_now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);  /* vDSO: no system call */
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* ---- segment lifetime --------------------------------------------------- */
+
+static int check_params(const struct shmw_params *p)
+{
+    if (p->capacity < 1 || p->capacity > SHMW_MAX_CAPACITY)
+        return SHMW_EINVAL;
+    if (p->payload_size > SHMW_MAX_PAYLOAD)
+        return SHMW_EINVAL;
+    if (p->wheel_bits < SHMW_MIN_WHEEL_BITS || p->wheel_bits > SHMW_MAX_WHEEL_BITS)
+        return SHMW_EINVAL;
+    if (p->tick_ns < SHMW_MIN_TICK_NS || p->tick_ns > SHMW_MAX_TICK_NS)
+        return SHMW_EINVAL;
+    if (shmw_levels_for(p->tick_ns, p->wheel_bits) > SHMW_MAX_LEVELS)
+        return SHMW_EINVAL;
+    return SHMW_OK;
+}
+
+struct layout {
+    uint64_t buckets_off;
+    uint64_t heap_off;
+    uint64_t slab_off;
+    uint64_t size;
+    uint32_t stride;
+    uint32_t nbuckets;
+    uint32_t levels;
+};
+
+static void compute_layout(const struct shmw_params *p, struct layout *l)
+{
+    l->levels = shmw_levels_for(p->tick_ns, p->wheel_bits);
+    l->nbuckets = l->levels << p->wheel_bits;
+    l->stride = (uint32_t)ALIGN_UP(sizeof(struct shmw_entry) + p->payload_size, 8);
+    l->buckets_off = ALIGN_UP(sizeof(struct shmw_header), 64);
+    l->heap_off = l->buckets_off + (uint64_t)l->nbuckets * sizeof(struct shmw_bucket);
+    l->slab_off = ALIGN_UP(l->heap_off + (uint64_t)l->nbuckets * sizeof(uint32_t), 64);
+    l->size = l->slab_off + (uint64_t)p->capacity * l->stride;
+}
+
+int shmw_segment_size(const struct shmw_params *p, uint64_t *size)
+{
+    struct layout l;
+    int rc = check_params(p);
+
+    if (rc)
+        return rc;
+    compute_layout(p, &l);
+    *size = l.size;
+    return SHMW_OK;
+}
+
+static inline struct shmw_entry *entry_at(const shmw_t *w, uint32_t i)
+{
+    return (struct shmw_entry *)(w->slab + (uint64_t)i * w->stride);
+}
+
+int shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t now_ns)
+{
+    struct shmw_header *h = base;
+    pthread_mutexattr_t attr;
+    struct layout l;
+    char *slab;
+    uint32_t i;
+    int rc = check_params(p);
+
+    if (rc)
+        return rc;
+    compute_layout(p, &l);
+    if (size < l.size)
+        return SHMW_ESIZE;
+
+    /* A fresh tmpfs segment reads as zeroes; clear anyway so that init
+     * over reused memory gives the same state. */
+    memset(base, 0, l.slab_off);
+    h->version = SHMW_LAYOUT_VERSION;
+    h->header_size = sizeof(struct shmw_header);
+    h->entry_size = sizeof(struct shmw_entry);
+    h->bucket_size = sizeof(struct shmw_bucket);
+    h->mutex_size = sizeof(pthread_mutex_t);
+    h->segment_size = l.size;
+    h->tick_ns = p->tick_ns;
+    h->capacity = p->capacity;
+    h->payload_size = p->payload_size;
+    h->wheel_bits = p->wheel_bits;
+    h->levels = l.levels;
+    h->slot_bits = shmw_slot_bits(p->capacity);
+    h->stride = l.stride;
+    h->created_ns = now_ns;
+    pthread_once(&pid_once, pid_init);
+    h->creator_pid = cached_pid;
+
+    h->elapsed = shmw_ticks_ceil(now_ns, p->tick_ns);
+    for (i = 0; i < l.levels; i++)
+        h->level_clock[i] = shmw_bucket_expiry(h->elapsed, i, p->wheel_bits);
+
+    for (i = 0; i < l.nbuckets; i++) {
+        struct shmw_bucket *b = (struct shmw_bucket *)((char *)base + l.buckets_off) + i;
+        b->head = b->tail = SHMW_NIL;
+        b->heap_pos = SHMW_NIL;
+    }
+
+    /* Free list in index order, so a new wheel hands out slots 0, 1, 2... */
+    slab = (char *)base + l.slab_off;
+    for (i = 0; i < p->capacity; i++) {
+        struct shmw_entry *e = (struct shmw_entry *)(slab + (uint64_t)i * l.stride);
+        memset(e, 0, sizeof(*e));
+        e->generation = 1;
+        e->state = SHMW_FREE;
+        e->next = (i + 1 < p->capacity) ? i + 1 : SHMW_NIL;
+        e->prev = e->bucket = SHMW_NIL;
+    }
+    h->free_head = 0;
+    h->free_count = p->capacity;
+
+    /* Robust: a holder that dies hands EOWNERDEAD to the next locker
+     * instead of blocking everyone.  No priority inheritance: it would put
+     * a system call into every unlock. */
+    if (pthread_mutexattr_init(&attr))
+        return SHMW_ELOCK;
+    rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED)
+      || pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST)
+      || pthread_mutex_init(&h->mutex, &attr);
+    pthread_mutexattr_destroy(&attr);
+    if (rc)
+        return SHMW_ELOCK;
+
+    __atomic_store_n(&h->magic, SHMW_MAGIC, __ATOMIC_RELEASE);
+    return SHMW_OK;
+}
+
+int shmw_open(void *base, uint64_t size, shmw_t **out)
+{
+    struct shmw_header *h = base;
+    struct shmw_params p;
+    struct layout l;
+    shmw_t *w;
+
+    if (size < sizeof(uint64_t) || __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHMW_MAGIC)
+        return SHMW_EMAGIC;
+    if (size < sizeof(struct shmw_header))
+        return SHMW_ESIZE;
+    if (h->version != SHMW_LAYOUT_VERSION)
+        return SHMW_EVERSION;
+    if (h->header_size != sizeof(struct shmw_header)
+        || h->entry_size != sizeof(struct shmw_entry)
+        || h->bucket_size != sizeof(struct shmw_bucket)
+        || h->mutex_size != sizeof(pthread_mutex_t))
+        return SHMW_EABI;
+
+    p.capacity = h->capacity;
+    p.payload_size = h->payload_size;
+    p.wheel_bits = h->wheel_bits;
+    p.tick_ns = h->tick_ns;
+    if (check_params(&p))
+        return SHMW_ECORRUPT;
+    compute_layout(&p, &l);
+    if (h->levels != l.levels || h->stride != l.stride
+        || h->slot_bits != shmw_slot_bits(p.capacity) || h->segment_size != l.size)
+        return SHMW_ECORRUPT;
+    if (size < l.size)
+        return SHMW_ESIZE;
+
+    w = calloc(1, sizeof(*w));
+    if (!w)
+        return SHMW_ENOMEM;
+    w->base = base;
+    w->hdr = h;
+    w->buckets = (struct shmw_bucket *)((char *)base + l.buckets_off);
+    w->heap = (uint32_t *)((char *)base + l.heap_off);
+    w->slab = (char *)base + l.slab_off;
+    w->size = l.size;
+    w->tick_ns = p.tick_ns;
+    w->capacity = p.capacity;
+    w->payload_size = p.payload_size;
+    w->wheel_bits = p.wheel_bits;
+    w->wheel_mask = (1U << p.wheel_bits) - 1;
+    w->levels = l.levels;
+    w->nbuckets = l.nbuckets;
+    w->slot_bits = shmw_slot_bits(p.capacity);
+    w->stride = l.stride;
+    w->max_generation = (1ULL << (63 - w->slot_bits)) - 1;
+    pthread_once(&pid_once, pid_init);
+    *out = w;
+    return SHMW_OK;
+}
+
+void shmw_close(shmw_t *w)
+{
+    free(w);
+}
+
+int shmw_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t *slab_off)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    *buckets_off = (uint64_t)((char *)w->buckets - w->base);
+    *heap_off = (uint64_t)((char *)w->heap - w->base);
+    *slab_off = (uint64_t)(w->slab - w->base);
+    return SHMW_OK;
+}
+
+/* ---- locking ------------------------------------------------------------- */
+
+static int check_locked(shmw_t *w, char *reason, uint32_t reason_len);
+
+static int lock(shmw_t *w)
+{
+    int rc = pthread_mutex_lock(&w->hdr->mutex);
+
+    if (rc == 0)
+        return SHMW_OK;
+    if (rc == EOWNERDEAD) {
+        /* The previous holder died inside a critical section.  Mark the
+         * mutex consistent either way, so nobody ever sees
+         * ENOTRECOVERABLE; if the segment no longer checks out, report it
+         * as corrupt (rebuilding it is the recovery code's job). */
+        int ok = check_locked(w, NULL, 0);
+        pthread_mutex_consistent(&w->hdr->mutex);
+        if (ok != SHMW_OK) {
+            pthread_mutex_unlock(&w->hdr->mutex);
+            return SHMW_ECORRUPT;
+        }
+        return SHMW_OK;
+    }
+    return SHMW_ELOCK;
+}
+
+static inline void unlock(shmw_t *w)
+{
+    pthread_mutex_unlock(&w->hdr->mutex);
+}
+
+/* ---- the delay-heap ------------------------------------------------------
+ * A binary min-heap of bucket indices keyed by bucket expiry.  Each bucket
+ * records its position so cancel can remove it in O(log B).  The callers
+ * have checked every index they pass; indices read back from the heap
+ * array are checked here. */
+
+static inline int heap_less(const shmw_t *w, uint32_t a, uint32_t b)
+{
+    return w->buckets[a].expires < w->buckets[b].expires;
+}
+
+static void heap_place(shmw_t *w, uint32_t pos, uint32_t b)
+{
+    w->heap[pos] = b;
+    w->buckets[b].heap_pos = pos;
+}
+
+static int sift_up(shmw_t *w, uint32_t pos)
+{
+    uint32_t b = w->heap[pos];
+
+    while (pos > 0) {
+        uint32_t parent = (pos - 1) / 2;
+        uint32_t pb = w->heap[parent];
+        if (pb >= w->nbuckets)
+            return SHMW_ECORRUPT;
+        if (!heap_less(w, b, pb))
+            break;
+        heap_place(w, pos, pb);
+        pos = parent;
+    }
+    heap_place(w, pos, b);
+    return SHMW_OK;
+}
+
+static int sift_down(shmw_t *w, uint32_t pos, uint32_t len)
+{
+    uint32_t b = w->heap[pos];
+
+    for (;;) {
+        uint32_t child = 2 * pos + 1;
+        uint32_t cb;
+        if (child >= len)
+            break;
+        cb = w->heap[child];
+        if (child + 1 < len) {
+            uint32_t rb = w->heap[child + 1];
+            if (rb >= w->nbuckets)
+                return SHMW_ECORRUPT;
+            if (heap_less(w, rb, cb)) {
+                child++;
+                cb = rb;
+            }
+        }
+        if (cb >= w->nbuckets)
+            return SHMW_ECORRUPT;
+        if (!heap_less(w, cb, b))
+            break;
+        heap_place(w, pos, cb);
+        pos = child;
+    }
+    heap_place(w, pos, b);
+    return SHMW_OK;
+}
+
+static int heap_push(shmw_t *w, uint32_t b)
+{
+    uint32_t len = w->hdr->heap_len;
+
+    if (len >= w->nbuckets)
+        return SHMW_ECORRUPT;
+    w->heap[len] = b;
+    w->hdr->heap_len = len + 1;
+    return sift_up(w, len);
+}
+
+static int heap_remove(shmw_t *w, uint32_t b)
+{
+    uint32_t pos = w->buckets[b].heap_pos;
+    uint32_t len = w->hdr->heap_len;
+    uint32_t last;
+    int rc;
+
+    if (len == 0 || len > w->nbuckets || pos >= len || w->heap[pos] != b)
+        return SHMW_ECORRUPT;
+    len--;
+    w->hdr->heap_len = len;
+    w->buckets[b].heap_pos = SHMW_NIL;
+    if (pos == len)
+        return SHMW_OK;
+    last = w->heap[len];
+    if (last >= w->nbuckets)
+        return SHMW_ECORRUPT;
+    heap_place(w, pos, last);
+    rc = sift_down(w, pos, len);
+    return rc ? rc : sift_up(w, w->buckets[last].heap_pos);
+}
+
+/* ---- buckets --------------------------------------------------------------- */
+
+/* Where a timer due at tick t goes with the wheel clock at `elapsed`.  A
+ * timer at or before the clock goes to the clock's own level-0 bucket: it
+ * is due at the next poll. */
+static int place(const shmw_t *w, uint64_t elapsed, uint64_t t, uint32_t *bucket, uint64_t *expires)
+{
+    uint64_t key = t > elapsed ? t : elapsed;
+    uint32_t level = shmw_level_for(elapsed, key, w->wheel_bits);
+
+    if (level >= w->levels)
+        return SHMW_ERANGE;
+    *bucket = (level << w->wheel_bits) | shmw_slot_for(key, level, w->wheel_bits);
+    *expires = shmw_bucket_expiry(key, level, w->wheel_bits);
+    return SHMW_OK;
+}
+
+static int bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
+{
+    struct shmw_bucket *bk = &w->buckets[b];
+    struct shmw_entry *e = entry_at(w, i);
+
+    if (bk->head == SHMW_NIL) {
+        bk->expires = expires;
+        bk->head = bk->tail = i;
+        bk->count = 1;
+        e->prev = e->next = SHMW_NIL;
+        e->bucket = b;
+        return heap_push(w, b);
+    }
+    if (bk->tail >= w->capacity || bk->expires != expires)
+        return SHMW_ECORRUPT;
+    entry_at(w, bk->tail)->next = i;
+    e->prev = bk->tail;
+    e->next = SHMW_NIL;
+    e->bucket = b;
+    bk->tail = i;
+    bk->count++;
+    return SHMW_OK;
+}
+
+/* Checks the links around entry i before touching anything, so a
+ * scribbled list is reported, not made worse. */
+static int bucket_unlink(shmw_t *w, uint32_t i)
+{
+    struct shmw_entry *e = entry_at(w, i);
+    uint32_t b = e->bucket;
+    struct shmw_bucket *bk;
+
+    if (b >= w->nbuckets)
+        return SHMW_ECORRUPT;
+    bk = &w->buckets[b];
+    if (bk->count == 0)
+        return SHMW_ECORRUPT;
+    if (e->prev == SHMW_NIL ? bk->head != i
+        : e->prev >= w->capacity || entry_at(w, e->prev)->next != i)
+        return SHMW_ECORRUPT;
+    if (e->next == SHMW_NIL ? bk->tail != i
+        : e->next >= w->capacity || entry_at(w, e->next)->prev != i)
+        return SHMW_ECORRUPT;
+
+    if (e->prev == SHMW_NIL)
+        bk->head = e->next;
+    else
+        entry_at(w, e->prev)->next = e->next;
+    if (e->next == SHMW_NIL)
+        bk->tail = e->prev;
+    else
+        entry_at(w, e->next)->prev = e->prev;
+    e->prev = e->next = e->bucket = SHMW_NIL;
+    if (--bk->count == 0) {
+        bk->head = bk->tail = SHMW_NIL;
+        return heap_remove(w, b);
+    }
+    return SHMW_OK;
+}
+
+/* ---- the slab ------------------------------------------------------------------ */
+
+static inline int64_t handle_of(const shmw_t *w, uint32_t i)
+{
+    return (int64_t)(entry_at(w, i)->generation << w->slot_bits | i);
+}
+
+/* The pending entry a handle names, or NIL. */
+static uint32_t lookup(const shmw_t *w, int64_t handle)
+{
+    uint32_t i = (uint32_t)((uint64_t)handle & ((1ULL << w->slot_bits) - 1));
+    struct shmw_entry *e;
+
+    if (i >= w->capacity)
+        return SHMW_NIL;
+    e = entry_at(w, i);
+    if (e->state != SHMW_PENDING || e->generation != (uint64_t)handle >> w->slot_bits)
+        return SHMW_NIL;
+    return i;
+}
+
+static void slot_free(shmw_t *w, uint32_t i)
+{
+    struct shmw_entry *e = entry_at(w, i);
+    struct shmw_header *h = w->hdr;
+
+    e->prev = e->bucket = SHMW_NIL;
+    if (e->generation >= w->max_generation) {
+        /* Its next handle would repeat an old one: retire the slot. */
+        e->state = SHMW_RETIRED;
+        e->next = SHMW_NIL;
+        h->retired++;
+        return;
+    }
+    e->state = SHMW_FREE;
+    e->generation++;
+    e->next = h->free_head;
+    h->free_head = i;
+    h->free_count++;
+}
+
+static int slot_alloc(shmw_t *w, uint32_t *out)
+{
+    struct shmw_header *h = w->hdr;
+    uint32_t i = h->free_head;
+    struct shmw_entry *e;
+
+    if (i == SHMW_NIL || h->free_count == 0)
+        return SHMW_EFULL;
+    if (i >= w->capacity)
+        return SHMW_ECORRUPT;
+    e = entry_at(w, i);
+    if (e->state != SHMW_FREE || (e->next != SHMW_NIL && e->next >= w->capacity))
+        return SHMW_ECORRUPT;
+    h->free_head = e->next;
+    h->free_count--;
+    *out = i;
+    return SHMW_OK;
+}
+
+/* Takes a free slot, fills it and puts it in its bucket.  On failure the
+ * slot goes back to the free list untouched. */
+static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, int64_t *handle)
+{
+    struct shmw_header *h = w->hdr;
+    struct shmw_entry *e;
+    uint64_t expires;
+    uint32_t i, b;
+    int rc;
+
+    rc = place(w, h->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
+    if (rc)
+        return rc;
+    rc = slot_alloc(w, &i);
+    if (rc)
+        return rc;
+    e = entry_at(w, i);
+    e->deadline_ns = deadline_ns;
+    e->owner_pid = cached_pid;
+    e->payload_len = len;
+    if (len)
+        memcpy((char *)(e + 1), payload, len);
+    e->state = SHMW_PENDING;
+    rc = bucket_append(w, b, expires, i);
+    if (rc)
+        return rc;
+    h->pending++;
+    h->added++;
+    *handle = handle_of(w, i);
+    return SHMW_OK;
+}
+
+/* ---- operations --------------------------------------------------------------------- */
+
+/* The deadline for a delay, checked against the maximum; no lock. */
+static int deadline_after(double delay_s, int64_t now_ns, int64_t *deadline_ns)
+{
+    int64_t delay_ns;
+    int rc = shmw_seconds_to_ns(delay_s, &delay_ns);
+
+    if (rc)
+        return rc;
+    if (delay_ns > SHMW_MAX_DELAY_NS)
+        return SHMW_ERANGE;
+    *deadline_ns = now_ns + delay_ns;
+    return SHMW_OK;
+}
+
+static int deadline_at(double deadline_s, int64_t now_ns, int64_t *deadline_ns)
+{
+    int rc = shmw_seconds_to_ns(deadline_s, deadline_ns);
+
+    if (rc)
+        return rc;
+    if (*deadline_ns > now_ns && *deadline_ns - now_ns > SHMW_MAX_DELAY_NS)
+        return SHMW_ERANGE;
+    return SHMW_OK;
+}
+
+static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    int64_t handle = 0;
+    int rc;
+
+    if (len > w->payload_size)
+        return SHMW_EPAYLOAD;
+    if ((rc = lock(w)))
+        return rc;
+    rc = insert_new(w, deadline_ns, payload, len, &handle);
+    unlock(w);
+    return rc ? rc : handle;
+}
+
+int64_t shmw_add(shmw_t *w, double delay_s, const char *payload, uint32_t len)
+{
+    int64_t deadline_ns;
+    int rc = deadline_after(delay_s, shmw_now_ns(), &deadline_ns);
+
+    return rc ? rc : add_checked(w, deadline_ns, payload, len);
+}
+
+int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t len)
+{
+    int64_t deadline_ns;
+    int rc = deadline_at(deadline_s, shmw_now_ns(), &deadline_ns);
+
+    return rc ? rc : add_checked(w, deadline_ns, payload, len);
+}
+
+int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
+                  const char *payloads, const uint32_t *lens, int64_t *handles)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    /* All or nothing: every argument is checked and the free count is
+     * checked before the first insert.  The deadlines are computed into
+     * the caller's handle array, then overwritten by the handles. */
+    int64_t now_ns = shmw_now_ns();
+    uint64_t off = 0;
+    uint32_t k;
+    int rc;
+
+    for (k = 0; k < n; k++) {
+        if ((rc = deadline_after(delays[k], now_ns, &handles[k])))
+            return rc;
+        if (lens && lens[k] > w->payload_size)
+            return SHMW_EPAYLOAD;
+    }
+    if ((rc = lock(w)))
+        return rc;
+    if (w->hdr->free_count < n) {
+        unlock(w);
+        return SHMW_EFULL;
+    }
+    for (k = 0; k < n; k++) {
+        uint32_t len = lens ? lens[k] : 0;
+        rc = insert_new(w, handles[k], payloads + off, len, &handles[k]);
+        if (rc)
+            break;              /* only ECORRUPT gets here */
+        off += len;
+    }
+    unlock(w);
+    return rc;
+}
+
+static int cancel_locked(shmw_t *w, int64_t handle)
+{
+    uint32_t i = lookup(w, handle);
+    int rc;
+
+    if (i == SHMW_NIL)
+        return 0;
+    if ((rc = bucket_unlink(w, i)))
+        return rc;
+    slot_free(w, i);
+    w->hdr->pending--;
+    w->hdr->cancelled++;
+    return 1;
+}
+
+int shmw_cancel(shmw_t *w, int64_t handle)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    int rc;
+
+    if (handle < 0)
+        return SHMW_EHANDLE;
+    if ((rc = lock(w)))
+        return rc;
+    rc = cancel_locked(w, handle);
+    unlock(w);
+    return rc;
+}
+
+int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    uint32_t k;
+    int rc, done = 0;
+
+    for (k = 0; k < n; k++)
+        if (handles[k] < 0)
+            return SHMW_EHANDLE;
+    if ((rc = lock(w)))
+        return rc;
+    for (k = 0; k < n; k++) {
+        rc = cancel_locked(w, handles[k]);
+        if (rc < 0)
+            break;
+        done += rc;
+    }
+    unlock(w);
+    return rc < 0 ? rc : done;
+}
+
+static int reset_checked(shmw_t *w, int64_t handle, int64_t deadline_ns)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    struct shmw_entry *e;
+    uint64_t expires;
+    uint32_t i, b;
+    int rc;
+
+    if (handle < 0)
+        return SHMW_EHANDLE;
+    if ((rc = lock(w)))
+        return rc;
+    i = lookup(w, handle);
+    if (i == SHMW_NIL) {
+        unlock(w);
+        return 0;
+    }
+    e = entry_at(w, i);
+    rc = place(w, w->hdr->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
+    if (rc == SHMW_OK && !(b == e->bucket && w->buckets[b].expires == expires)) {
+        rc = bucket_unlink(w, i);
+        if (rc == SHMW_OK)
+            rc = bucket_append(w, b, expires, i);
+    }
+    if (rc == SHMW_OK) {
+        e->deadline_ns = deadline_ns;
+        w->hdr->resets++;
+    }
+    unlock(w);
+    return rc ? rc : 1;
+}
+
+int shmw_reset(shmw_t *w, int64_t handle, double delay_s)
+{
+    int64_t deadline_ns;
+    int rc = deadline_after(delay_s, shmw_now_ns(), &deadline_ns);
+
+    return rc ? rc : reset_checked(w, handle, deadline_ns);
+}
+
+int shmw_reset_at(shmw_t *w, int64_t handle, double deadline_s)
+{
+    int64_t deadline_ns;
+    int rc = deadline_at(deadline_s, shmw_now_ns(), &deadline_ns);
+
+    return rc ? rc : reset_checked(w, handle, deadline_ns);
+}
+
+static void set_elapsed(shmw_t *w, uint64_t t)
+{
+    struct shmw_header *h = w->hdr;
+    uint32_t l;
+
+    h->elapsed = t;
+    for (l = 0; l < w->levels; l++)
+        h->level_clock[l] = shmw_bucket_expiry(t, l, w->wheel_bits);
+}
+
+int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max,
+              struct shmw_fire *fires, char *payloads)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    /* Pops due buckets in expiry order.  A level-0 bucket fires whole; a
+     * higher bucket is a cascade: the clock jumps to its expiry and its
+     * timers go back in, each to a strictly later bucket of a lower level,
+     * or fire if they are due at that very tick.  Entries are taken off
+     * the head one at a time, so a poll that runs out of room leaves the
+     * rest of the bucket, and the clock, where they were.  The walk is
+     * bounded: no entry can move more than `levels` times in one poll. */
+    struct shmw_header *h = w->hdr;
+    uint64_t budget = (uint64_t)w->capacity * (w->levels + 1) + w->nbuckets;
+    uint64_t now_tick;
+    int64_t now_ns;
+    uint32_t n = 0;
+    int rc;
+
+    if (use_clock)
+        now_ns = shmw_now_ns();
+    else if ((rc = shmw_seconds_to_ns(now_s, &now_ns)))
+        return rc;
+    now_tick = (uint64_t)now_ns / (uint64_t)w->tick_ns;
+
+    if ((rc = lock(w)))
+        return rc;
+    for (;;) {
+        struct shmw_bucket *bk;
+        uint32_t b, i;
+        uint64_t at;
+
+        if (h->heap_len == 0) {
+            if (now_tick > h->elapsed)
+                set_elapsed(w, now_tick);
+            break;
+        }
+        if (h->heap_len > w->nbuckets || (b = w->heap[0]) >= w->nbuckets) {
+            rc = SHMW_ECORRUPT;
+            break;
+        }
+        bk = &w->buckets[b];
+        at = bk->expires;
+        if (at > now_tick) {
+            if (now_tick > h->elapsed)
+                set_elapsed(w, now_tick);
+            break;
+        }
+        if (n == max)
+            break;
+        if (at < h->elapsed || bk->head >= w->capacity || budget-- == 0) {
+            rc = SHMW_ECORRUPT;
+            break;
+        }
+        if (at > h->elapsed)
+            set_elapsed(w, at);
+
+        i = bk->head;
+        if ((rc = bucket_unlink(w, i)))
+            break;
+        {
+            struct shmw_entry *e = entry_at(w, i);
+            uint64_t t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
+            uint64_t expires;
+            uint32_t nb;
+
+            if (t > at) {
+                /* Cascade. */
+                if ((rc = place(w, at, t, &nb, &expires)) || (rc = bucket_append(w, nb, expires, i)))
+                    break;
+                continue;
+            }
+            fires[n].handle = handle_of(w, i);
+            fires[n].deadline_ns = e->deadline_ns;
+            fires[n].fired_at_ns = now_ns;
+            fires[n].owner_pid = e->owner_pid;
+            fires[n].payload_len = e->payload_len <= w->payload_size ? e->payload_len : 0;
+            if (fires[n].payload_len)
+                memcpy(payloads + (uint64_t)n * w->payload_size, (char *)(e + 1),
+                       fires[n].payload_len);
+            n++;
+            slot_free(w, i);
+            h->pending--;
+            h->fired++;
+        }
+    }
+    unlock(w);
+    return rc ? rc : (int)n;
+}
+
+int shmw_pending(shmw_t *w)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    /* One aligned 32-bit load is atomic: no lock needed for a count that
+     * is stale the moment it is returned anyway. */
+    return (int)(__atomic_load_n(&w->hdr->pending, __ATOMIC_RELAXED) & 0x7fffffff);
+}
+
+int shmw_stats(shmw_t *w, struct shmw_stats *out)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    struct shmw_header *h = w->hdr;
+    uint32_t b, l;
+    int rc;
+
+    memset(out, 0, sizeof(*out));
+    if ((rc = lock(w)))
+        return rc;
+    out->capacity = w->capacity;
+    out->pending = h->pending;
+    out->free = h->free_count;
+    out->retired = h->retired;
+    out->added = h->added;
+    out->cancelled = h->cancelled;
+    out->fired = h->fired;
+    out->resets = h->resets;
+    out->elapsed = h->elapsed;
+    out->tick_ns = w->tick_ns;
+    out->payload_size = w->payload_size;
+    out->wheel_size = 1ULL << w->wheel_bits;
+    out->levels = w->levels;
+    out->buckets_in_heap = h->heap_len;
+    out->next_expiry_ns = -1;
+    if (h->heap_len > 0 && h->heap_len <= w->nbuckets && w->heap[0] < w->nbuckets)
+        out->next_expiry_ns = (int64_t)(w->buckets[w->heap[0]].expires * (uint64_t)w->tick_ns);
+    for (b = 0; b < w->nbuckets; b++) {
+        l = b >> w->wheel_bits;
+        out->level_pending[l] += w->buckets[b].count;
+    }
+    unlock(w);
+    return SHMW_OK;
+}
+
+/* ---- the invariant checker -----------------------------------------------------
+ * O(capacity + buckets), under the lock.  It allocates nothing: each list
+ * is walked for exactly as many steps as its count says and must end
+ * there, which together with the per-state totals proves every entry is on
+ * exactly one list. */
+
+#define FAIL(...) do { \
+        if (reason) snprintf(reason, reason_len, __VA_ARGS__); \
+        return SHMW_ECORRUPT; \
+    } while (0)
+
+static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
+{
+    struct shmw_header *h = w->hdr;
+    uint64_t free_seen = 0, pending_seen = 0, retired_seen = 0, in_buckets = 0, nonempty = 0;
+    uint32_t i, b, l, k;
+
+    if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHMW_MAGIC)
+        FAIL("header: magic overwritten");
+    if (h->capacity != w->capacity || h->tick_ns != w->tick_ns || h->payload_size != w->payload_size
+        || h->wheel_bits != w->wheel_bits || h->levels != w->levels || h->stride != w->stride
+        || h->slot_bits != w->slot_bits)
+        FAIL("header: parameters changed since open");
+    for (l = 0; l < w->levels; l++)
+        if (h->level_clock[l] != shmw_bucket_expiry(h->elapsed, l, w->wheel_bits))
+            FAIL("header: level %u clock %llu does not match elapsed %llu", l,
+                 (unsigned long long)h->level_clock[l], (unsigned long long)h->elapsed);
+
+    for (i = 0; i < w->capacity; i++) {
+        struct shmw_entry *e = entry_at(w, i);
+        if (e->generation == 0 || e->generation > w->max_generation)
+            FAIL("slab: entry %u has generation %llu out of range", i,
+                 (unsigned long long)e->generation);
+        if (e->state == SHMW_PENDING) {
+            pending_seen++;
+            if (e->payload_len > w->payload_size)
+                FAIL("slab: entry %u has payload_len %u > %u", i, e->payload_len, w->payload_size);
+            if (e->deadline_ns < 0)
+                FAIL("slab: entry %u has negative deadline", i);
+        } else if (e->state == SHMW_FREE) {
+            free_seen++;
+        } else if (e->state == SHMW_RETIRED) {
+            retired_seen++;
+        } else {
+            FAIL("slab: entry %u has unknown state %u", i, e->state);
+        }
+    }
+    if (pending_seen != h->pending)
+        FAIL("counters: pending is %u but %llu entries are pending", h->pending,
+             (unsigned long long)pending_seen);
+    if (free_seen != h->free_count)
+        FAIL("counters: free_count is %u but %llu entries are free", h->free_count,
+             (unsigned long long)free_seen);
+    if (retired_seen != h->retired)
+        FAIL("counters: retired is %u but %llu entries are retired", h->retired,
+             (unsigned long long)retired_seen);
+
+    /* The free list: free_count steps, each a free, unretired entry, then NIL. */
+    i = h->free_head;
+    for (k = 0; k < h->free_count; k++) {
+        struct shmw_entry *e;
+        if (i >= w->capacity)
+            FAIL("free list: step %u has index %u out of bounds", k, i);
+        e = entry_at(w, i);
+        if (e->state != SHMW_FREE)
+            FAIL("free list: entry %u is not free", i);
+        i = e->next;
+    }
+    if (i != SHMW_NIL)
+        FAIL("free list: longer than free_count %u", h->free_count);
+
+    /* Buckets: each list is count long, doubly linked, holds pending entries
+     * that point back at it, at the right place for their expiry tick. */
+    for (b = 0; b < w->nbuckets; b++) {
+        struct shmw_bucket *bk = &w->buckets[b];
+        uint32_t prev = SHMW_NIL, level = b >> w->wheel_bits;
+        uint64_t gran = level * w->wheel_bits >= 64 ? UINT64_MAX : 1ULL << (level * w->wheel_bits);
+
+        if (bk->count == 0) {
+            if (bk->head != SHMW_NIL || bk->tail != SHMW_NIL)
+                FAIL("bucket %u: empty but linked", b);
+            if (bk->heap_pos != SHMW_NIL)
+                FAIL("bucket %u: empty but in the delay-heap", b);
+            continue;
+        }
+        nonempty++;
+        if (bk->heap_pos >= h->heap_len || bk->heap_pos >= w->nbuckets || w->heap[bk->heap_pos] != b)
+            FAIL("bucket %u: not at its heap position %u", b, bk->heap_pos);
+        if (bk->expires < h->elapsed)
+            FAIL("bucket %u: expires at tick %llu, before the clock %llu", b,
+                 (unsigned long long)bk->expires, (unsigned long long)h->elapsed);
+        if (shmw_slot_for(bk->expires, level, w->wheel_bits) != (b & w->wheel_mask)
+            || shmw_bucket_expiry(bk->expires, level, w->wheel_bits) != bk->expires)
+            FAIL("bucket %u: expiry %llu does not belong to this slot", b,
+                 (unsigned long long)bk->expires);
+        /* Within the level's window: what makes one slot mean one range. */
+        if (shmw_level_for(shmw_bucket_expiry(h->elapsed, level, w->wheel_bits), bk->expires,
+                           w->wheel_bits) > level)
+            FAIL("bucket %u: expiry %llu is beyond its level's window", b,
+                 (unsigned long long)bk->expires);
+        i = bk->head;
+        for (k = 0; k < bk->count; k++) {
+            struct shmw_entry *e;
+            uint64_t t;
+            if (i >= w->capacity)
+                FAIL("bucket %u: step %u has index %u out of bounds", b, k, i);
+            e = entry_at(w, i);
+            if (e->state != SHMW_PENDING || e->bucket != b || e->prev != prev)
+                FAIL("bucket %u: entry %u is not linked as a pending member", b, i);
+            t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
+            /* Level 0 holds its own tick, and overdue timers only in the
+             * bucket at the clock; level l holds W^l ticks from its expiry. */
+            if (level == 0 ? (t > bk->expires || (t < bk->expires && bk->expires != h->elapsed))
+                           : (t < bk->expires || t - bk->expires >= gran))
+                FAIL("bucket %u: entry %u due at tick %llu outside the bucket [%llu, +%llu)", b, i,
+                     (unsigned long long)t, (unsigned long long)bk->expires,
+                     (unsigned long long)gran);
+            prev = i;
+            i = e->next;
+        }
+        if (i != SHMW_NIL || bk->tail != prev)
+            FAIL("bucket %u: list does not end after count %u", b, bk->count);
+        in_buckets += bk->count;
+    }
+    if (in_buckets != h->pending)
+        FAIL("buckets: hold %llu entries, pending is %u", (unsigned long long)in_buckets, h->pending);
+    if (nonempty != h->heap_len)
+        FAIL("delay-heap: %u buckets, %llu non-empty", h->heap_len, (unsigned long long)nonempty);
+    for (k = 1; k < h->heap_len; k++)
+        if (w->buckets[w->heap[k]].expires < w->buckets[w->heap[(k - 1) / 2]].expires)
+            FAIL("delay-heap: position %u expires before its parent", k);
+    return SHMW_OK;
+}
+
+int shmw_check(shmw_t *w, char *reason, uint32_t reason_len)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    int rc = lock(w);
+
+    if (rc) {
+        if (reason)
+            snprintf(reason, reason_len, "the previous lock holder died and left the segment inconsistent");
+        return rc;
+    }
+    rc = check_locked(w, reason, reason_len);
+    unlock(w);
+    return rc;
+}

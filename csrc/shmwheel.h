@@ -1,0 +1,283 @@
+/*
+ * shmwheel.h - a hierarchical timing wheel that lives in one POSIX
+ * shared-memory segment and is shared by every process that maps it.
+ *
+ * Design
+ * ------
+ * Producers (web workers, say) add and cancel timers; one driver advances
+ * the clock and collects the timers that are due.  Everything lives in the
+ * segment: there are no pointers in it, only fixed-width integers and
+ * indices, because every process maps it at a different address.
+ *
+ * Time is counted in ticks of tick_ns nanoseconds of CLOCK_MONOTONIC, which
+ * all processes of a host share.  A timer asked for at deadline_ns expires
+ * at tick
+ *
+ *     T = ceil(deadline_ns / tick_ns)
+ *
+ * and is handed out by the first poll whose "now" is >= T * tick_ns.  The
+ * rounding is upward on purpose: a timer never fires before its deadline
+ * and, with a driver polling every tick, at most one tick after it.
+ * (Rounding down, as Kafka's wheel does, fires up to a tick early.)
+ *
+ * The wheel has `levels` levels of W = 2^wheel_bits buckets each.  Level l
+ * has a granularity of W^l ticks.  The wheel clock is `elapsed`, the last
+ * tick the driver has advanced to; level l's clock is elapsed rounded down
+ * to its granularity.  A timer goes into the lowest level whose window of
+ * W buckets ahead of that level's clock holds it (Kafka's placement):
+ *
+ *     level_for(elapsed, T) = min { l : (T >> l*wheel_bits)
+ *                                       - (elapsed >> l*wheel_bits) < W }
+ *
+ * at slot (T >> l*wheel_bits) & (W - 1).  A bucket of level l covers W^l
+ * consecutive ticks; its expiry is the first of them.  When the clock
+ * reaches a bucket of level >= 1, the bucket is taken off whole and its
+ * timers are put back relative to the new clock, which always lands them
+ * in a strictly later bucket of a lower level (the "cascade"); a timer
+ * cascades at most levels - 1 times in its life.  Level 0 buckets hold one
+ * tick each, so reaching one fires everything in it.
+ *
+ *   level  granularity (W=256, 1 ms tick)   window ahead of the clock
+ *   -----  ------------------------------   -------------------------
+ *     0    1 tick          1 ms             255 ms
+ *     1    W ticks         256 ms           65 s
+ *     2    W^2 ticks       65.5 s           4.6 h
+ *     3    W^3 ticks       4.6 h            49 days
+ *     4    W^4 ticks       49 days          34.7 years
+ *     5    W^5 ticks       34.7 years       8,900 years
+ *
+ * The number of levels is not a free parameter: create picks the smallest
+ * count whose window covers SHMW_MAX_DELAY_NS from any clock value that an
+ * int64 nanosecond count can hold, so a delay of up to SHMW_MAX_DELAY_NS
+ * (2^62 ns, about 146 years) is always accepted and nothing overflows.
+ *
+ * Instead of ticking through empty buckets, the driver keeps a min-heap of
+ * the non-empty buckets ordered by expiry (Kafka's DelayQueue idea).  A
+ * poll pops due buckets only, so the clock jumps straight from one
+ * non-empty bucket to the next; an idle wheel costs nothing to advance.
+ * Adding to an empty bucket pushes it (O(log B) for B buckets); emptying
+ * it by cancel removes it.
+ *
+ * Timer entries live in a slab allocated at create, with a free list.  A
+ * handle names an entry and its generation:
+ *
+ *     handle = generation << slot_bits | index     (always < 2^63)
+ *
+ * where slot_bits is just enough bits for capacity - 1.  The generation
+ * goes up every time an entry is freed, so a stale handle (fired,
+ * cancelled, slot reused) never matches again and can never cancel
+ * another process's timer.  An entry whose generation would wrap is
+ * retired instead of reused, so a handle is never reused for the life of
+ * the segment; with at least 31 generation bits that takes 2^31 reuses of
+ * one entry.
+ *
+ * Locking: one process-shared robust mutex guards every mutation and every
+ * read of mutable state.  Nothing under it allocates, calls into Python or
+ * makes a system call: the clock is read and every argument is checked
+ * before it is taken.  The public functions release the GIL (cffi does).
+ *
+ * Trust: any process that maps the segment can scribble on it.  The
+ * parameters are copied into process-private memory at open and only the
+ * copies are used for bounds; every index read from the segment is checked
+ * against them before use, and every walk is bounded.  A check that fails
+ * returns SHMW_ECORRUPT and leaves the segment as it was.
+ *
+ * Byte layout (all offsets from the start of the segment, host byte order)
+ * -----------------------------------------------------------------------
+ *
+ *   0                 struct shmw_header      parameters, clocks, counters,
+ *                                             the mutex (sizeof = H)
+ *   align64(H)        struct shmw_bucket[B]   B = levels << wheel_bits;
+ *                                             bucket (l, s) at l * W + s
+ *   ... + 24 B        uint32_t heap[B]        the delay-heap of bucket
+ *                                             indices, heap_len in use
+ *   align64(...)      slab[capacity]          `stride` bytes a slot: a
+ *                                             struct shmw_entry, then
+ *                                             payload_size bytes, then
+ *                                             padding to 8
+ *
+ * Entries link by index; SHMW_NIL (0xffffffff) ends a list.  The magic is
+ * written last at create, with release ordering, so a process that opens
+ * a half-built segment sees no magic and refuses it.
+ */
+#ifndef SHMWHEEL_H
+#define SHMWHEEL_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define SHMW_MAGIC          0x6c656568776d6873ULL  /* "shmwheel", little-endian */
+#define SHMW_LAYOUT_VERSION 1
+
+/* Geometry. */
+#define SHMW_MIN_WHEEL_BITS 4                 /* 16 buckets a level */
+#define SHMW_MAX_WHEEL_BITS 12                /* 4096 buckets a level */
+#define SHMW_MAX_LEVELS     16                /* enough for 1 us ticks at 16 a level */
+#define SHMW_MIN_TICK_NS    1000LL            /* 1 us */
+#define SHMW_MAX_TICK_NS    60000000000LL     /* 60 s */
+#define SHMW_MAX_CAPACITY   0x7fffffffU       /* indices are uint32_t; NIL is reserved */
+#define SHMW_MAX_PAYLOAD    65536U
+#define SHMW_MAX_DELAY_NS   (1LL << 62)       /* about 146 years */
+#define SHMW_NIL            0xffffffffU
+
+/* Return codes.  0 is success; everything else is negative and is turned
+ * into a Python exception in exactly one place (shmwheel/_binding.py). */
+#define SHMW_OK          0
+#define SHMW_EINVAL     -1   /* an argument is out of its domain */
+#define SHMW_ETIME      -2   /* delay or deadline is NaN, infinite or negative */
+#define SHMW_ERANGE     -3   /* delay beyond SHMW_MAX_DELAY_NS */
+#define SHMW_EPAYLOAD   -4   /* payload longer than payload_size */
+#define SHMW_EFULL      -5   /* no free entry (for a batch: not enough) */
+#define SHMW_EHANDLE    -6   /* negative handle */
+#define SHMW_ECORRUPT   -7   /* an invariant of the segment does not hold */
+#define SHMW_EMAGIC     -8   /* not a shmwheel segment (or not initialised yet) */
+#define SHMW_EVERSION   -9   /* another layout version */
+#define SHMW_EABI       -10  /* built with other struct sizes */
+#define SHMW_ESIZE      -11  /* segment smaller than its header says */
+#define SHMW_ELOCK      -12  /* the mutex could not be taken */
+#define SHMW_ENOMEM     -13  /* malloc failed (open only) */
+#define SHMW_ECLOSED    -14  /* called with a closed (NULL) handle */
+
+/* Entry states. */
+#define SHMW_FREE     0   /* on the free list */
+#define SHMW_PENDING  1   /* in a bucket */
+#define SHMW_RETIRED  2   /* generations used up: never handed out again */
+
+struct shmw_header {
+    /* Identity: checked at open. */
+    uint64_t magic;             /* SHMW_MAGIC, stored last at create */
+    uint32_t version;           /* SHMW_LAYOUT_VERSION */
+    uint32_t header_size;       /* ABI signature: sizeof(struct shmw_header) */
+    uint32_t entry_size;        /*   sizeof(struct shmw_entry) */
+    uint32_t bucket_size;       /*   sizeof(struct shmw_bucket) */
+    uint32_t mutex_size;        /*   sizeof(pthread_mutex_t) */
+    uint32_t _pad0;
+
+    /* Parameters: fixed at create, copied to private memory at open. */
+    uint64_t segment_size;      /* bytes, as computed by shmw_segment_size */
+    int64_t  tick_ns;           /* length of a tick */
+    uint32_t capacity;          /* slab slots */
+    uint32_t payload_size;      /* payload bytes a slot */
+    uint32_t wheel_bits;        /* W = 1 << wheel_bits buckets a level */
+    uint32_t levels;            /* derived from tick_ns and wheel_bits */
+    uint32_t slot_bits;         /* handle bits that hold the index */
+    uint32_t stride;            /* bytes a slab slot */
+    int64_t  created_ns;        /* CLOCK_MONOTONIC at create */
+    int32_t  creator_pid;
+    uint32_t _pad1;
+
+    /* Mutable state: read and written under the mutex only. */
+    uint64_t elapsed;                      /* wheel clock, in ticks */
+    uint64_t level_clock[SHMW_MAX_LEVELS]; /* elapsed rounded down to W^l */
+    uint32_t free_head;         /* first free slot or NIL */
+    uint32_t free_count;        /* slots on the free list */
+    uint32_t pending;           /* timers in buckets (exact) */
+    uint32_t retired;           /* slots whose generations ran out */
+    uint32_t heap_len;          /* buckets in the delay-heap */
+    uint32_t _pad2;
+    uint64_t added;             /* counters since create */
+    uint64_t cancelled;
+    uint64_t fired;
+    uint64_t resets;
+
+    /* Process-shared, robust; 64-byte aligned so it shares no line with
+     * the counters that every operation writes. */
+    pthread_mutex_t mutex __attribute__((aligned(64)));
+};
+
+struct shmw_bucket {
+    uint64_t expires;           /* tick the bucket comes due at, while non-empty */
+    uint32_t head;              /* first entry or NIL */
+    uint32_t tail;              /* last entry or NIL: appends keep add order */
+    uint32_t count;             /* entries in the list */
+    uint32_t heap_pos;          /* index in the delay-heap or NIL when empty */
+};
+
+struct shmw_entry {
+    int64_t  deadline_ns;       /* exactly as asked, CLOCK_MONOTONIC */
+    uint64_t generation;        /* handle = generation << slot_bits | index */
+    uint32_t next;              /* bucket list or free list, NIL ends */
+    uint32_t prev;              /* bucket list only */
+    uint32_t bucket;            /* bucket index while pending */
+    uint32_t state;             /* SHMW_FREE, SHMW_PENDING or SHMW_RETIRED */
+    int32_t  owner_pid;         /* process that added the timer */
+    uint32_t payload_len;       /* bytes of payload in use */
+    /* payload_size bytes of payload follow */
+};
+
+/* A timer handed out by shmw_poll; its payload is copied to a separate
+ * buffer at payload_size bytes a fire. */
+struct shmw_fire {
+    int64_t  handle;
+    int64_t  deadline_ns;
+    int64_t  fired_at_ns;       /* the poll's "now" */
+    int32_t  owner_pid;
+    uint32_t payload_len;
+};
+
+/* Everything stats() reports, read under the lock in one go. */
+struct shmw_stats {
+    uint64_t capacity;
+    uint64_t pending;
+    uint64_t free;
+    uint64_t retired;
+    uint64_t added;
+    uint64_t cancelled;
+    uint64_t fired;
+    uint64_t resets;
+    uint64_t elapsed;           /* wheel clock, ticks */
+    int64_t  tick_ns;
+    uint64_t payload_size;
+    uint64_t wheel_size;
+    uint64_t levels;
+    uint64_t buckets_in_heap;
+    int64_t  next_expiry_ns;    /* earliest non-empty bucket, -1 if none */
+    uint64_t level_pending[SHMW_MAX_LEVELS];
+};
+
+/* What create is asked for. */
+struct shmw_params {
+    uint32_t capacity;
+    uint32_t payload_size;
+    uint32_t wheel_bits;
+    int64_t  tick_ns;
+};
+
+/* Process-private view of an open segment (opaque). */
+typedef struct shmw shmw_t;
+
+/* Pure arithmetic: no segment, no side effects, tested at every boundary. */
+uint64_t shmw_ticks_ceil(int64_t ns, int64_t tick_ns);
+uint32_t shmw_level_for(uint64_t elapsed, uint64_t t, uint32_t wheel_bits);
+uint32_t shmw_slot_for(uint64_t t, uint32_t level, uint32_t wheel_bits);
+uint64_t shmw_bucket_expiry(uint64_t t, uint32_t level, uint32_t wheel_bits);
+uint32_t shmw_levels_for(int64_t tick_ns, uint32_t wheel_bits);
+uint32_t shmw_slot_bits(uint32_t capacity);
+int      shmw_seconds_to_ns(double seconds, int64_t *out);
+int64_t  shmw_now_ns(void);
+
+/* Segment lifetime.  The caller maps the memory; these format and open it. */
+int  shmw_segment_size(const struct shmw_params *p, uint64_t *size);
+int  shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t now_ns);
+int  shmw_open(void *base, uint64_t size, shmw_t **out);
+void shmw_close(shmw_t *w);
+int  shmw_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t *slab_off);
+
+/* Operations.  Add returns a handle (> 0) or a negative code; cancel and
+ * reset return 1 (done), 0 (not pending) or a negative code. */
+int64_t shmw_add(shmw_t *w, double delay_s, const char *payload, uint32_t len);
+int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t len);
+int     shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
+                      const char *payloads, const uint32_t *lens, int64_t *handles);
+int     shmw_cancel(shmw_t *w, int64_t handle);
+int     shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n);
+int     shmw_reset(shmw_t *w, int64_t handle, double delay_s);
+int     shmw_reset_at(shmw_t *w, int64_t handle, double deadline_s);
+int     shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max,
+                  struct shmw_fire *fires, char *payloads);
+int     shmw_stats(shmw_t *w, struct shmw_stats *out);
+int     shmw_check(shmw_t *w, char *reason, uint32_t reason_len);
+int     shmw_pending(shmw_t *w);
+
+#endif /* SHMWHEEL_H */

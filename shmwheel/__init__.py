@@ -1,0 +1,39 @@
+"""shmwheel: a hierarchical timing wheel in POSIX shared memory.
+
+Many processes on one host add and cancel timers in O(1) in one segment;
+one driver advances the clock and collects the fires.  See README.md.
+"""
+
+import logging
+
+from ._binding import MAX_DELAY
+from ._errors import (
+    CorruptSegmentError,
+    IncompatibleSegmentError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    ShmwheelError,
+    WheelFullError,
+)
+from ._wheel import Fire, Wheel, WheelStats, attach, create, unlink
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAX_DELAY",
+    "CorruptSegmentError",
+    "Fire",
+    "IncompatibleSegmentError",
+    "SegmentExistsError",
+    "SegmentNotFoundError",
+    "ShmwheelError",
+    "Wheel",
+    "WheelFullError",
+    "WheelStats",
+    "__version__",
+    "attach",
+    "create",
+    "unlink",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

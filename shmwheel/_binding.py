@@ -1,0 +1,66 @@
+"""The thin layer between the cffi module and the public API.
+
+The C core returns 0 or a negative ``SHMW_E*`` code from every call;
+:func:`raise_for` is the one place those codes become exceptions.  Every
+number comes from the compiled header through ``lib``: nothing here
+repeats a constant.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from ._errors import (
+    CorruptSegmentError,
+    IncompatibleSegmentError,
+    WheelFullError,
+)
+from ._shmwheel import ffi, lib
+
+__all__ = ["MAX_DELAY", "ffi", "lib", "raise_for"]
+
+#: The longest delay any wheel accepts, in seconds (2**62 ns, ~146 years).
+MAX_DELAY: float = lib.SHMW_MAX_DELAY_NS / 1e9
+
+_MESSAGES: dict[int, tuple[type[BaseException], str]] = {
+    lib.SHMW_EINVAL: (ValueError, "invalid argument"),
+    lib.SHMW_ETIME: (ValueError, "{what} must be a finite, non-negative number of seconds"),
+    lib.SHMW_ERANGE: (
+        ValueError,
+        f"{{what}} is beyond the maximum delay of {MAX_DELAY:.0f} s (about 146 years)",
+    ),
+    lib.SHMW_EPAYLOAD: (ValueError, "payload is longer than the wheel's payload_size of {payload_size} bytes"),
+    lib.SHMW_EFULL: (WheelFullError, "the wheel is full: all {capacity} slots are in use"),
+    lib.SHMW_EHANDLE: (ValueError, "a handle is a non-negative int below 2**63"),
+    lib.SHMW_ECORRUPT: (CorruptSegmentError, "segment {name!r} is corrupt"),
+    lib.SHMW_EMAGIC: (IncompatibleSegmentError, "segment {name!r} is not a shmwheel segment"),
+    lib.SHMW_EVERSION: (
+        IncompatibleSegmentError,
+        f"segment {{name!r}} has another layout version (this build reads {lib.SHMW_LAYOUT_VERSION})",
+    ),
+    lib.SHMW_EABI: (
+        IncompatibleSegmentError,
+        "segment {name!r} was made by a build with other struct sizes",
+    ),
+    lib.SHMW_ESIZE: (IncompatibleSegmentError, "segment {name!r} is smaller than its header says"),
+    lib.SHMW_ELOCK: (CorruptSegmentError, "the lock of segment {name!r} cannot be taken"),
+    lib.SHMW_ENOMEM: (MemoryError, "out of memory"),
+    lib.SHMW_ECLOSED: (ValueError, "operation on a closed Wheel"),
+}
+
+
+class _Context(dict):
+    """Fills fields a message needs but the caller did not give with '?'."""
+
+    def __missing__(self, key: str) -> str:
+        return "?"
+
+
+def raise_for(rc: int, **context: object) -> NoReturn:
+    """Raise the exception for the negative code ``rc``; ``context`` fills the message."""
+    try:
+        cls, template = _MESSAGES[rc]
+    except KeyError:
+        raise RuntimeError(f"unexpected result {rc} from the C core") from None
+    context.setdefault("what", "delay")
+    raise cls(template.format_map(_Context(context)))

@@ -1,0 +1,590 @@
+"""``Wheel``: one shmwheel segment, mapped into this process.
+
+The segment is a POSIX shared-memory object made and opened with posix_ipc
+and mapped with :mod:`mmap`; the C core (``_shmwheel``) does every read and
+write of it.  The methods on the add/cancel path are one cffi call each
+(cffi releases the GIL around it) plus a sign test: argument errors are
+found by the C core, before it takes the lock, and only then does Python
+work out what to say about them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import mmap
+import numbers
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import posix_ipc
+
+from ._binding import MAX_DELAY, ffi, lib, raise_for
+from ._errors import IncompatibleSegmentError, SegmentExistsError, SegmentNotFoundError
+
+__all__ = ["Fire", "Wheel", "WheelStats", "attach", "create", "unlink"]
+
+_log = logging.getLogger("shmwheel")
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+#: How long attach waits for a segment that another process is still
+#: creating (it exists, but its magic is not written yet).
+_ATTACH_WAIT = 1.0
+
+#: Fires fetched from C per call inside one poll().
+_POLL_BATCH = 1024
+
+# The hot path looks these up as module globals: an attribute lookup on the
+# cffi ``lib`` object costs more than the rest of the Python side of a call.
+_add = lib.shmw_add
+_add_at = lib.shmw_add_at
+_cancel = lib.shmw_cancel
+_reset = lib.shmw_reset
+_reset_at = lib.shmw_reset_at
+_pending = lib.shmw_pending
+
+
+def _segment_name(name: object) -> str:
+    """The posix_ipc name for a wheel name, or a clear error."""
+    if not isinstance(name, str):
+        raise TypeError(f"a wheel name is a str, not {type(name).__name__}")
+    bare = name[1:] if name.startswith("/") else name
+    if not _NAME.fullmatch(bare) or bare in (".", ".."):
+        raise ValueError(
+            f"invalid wheel name {name!r}: use 1-200 characters of A-Z a-z 0-9 . _ - "
+            "(a leading / is allowed and ignored)"
+        )
+    return "/" + bare
+
+
+def _bare(name: str) -> str:
+    return _segment_name(name)[1:]
+
+
+def _check_int(value: object, what: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{what} must be between {lo} and {hi}, not {value}")
+    return value
+
+
+def _check_seconds(value: object, what: str) -> float:
+    """Type errors for a time argument; the C core checks the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    return float(value)
+
+
+def _check_payload(payload: object) -> bytes:
+    if isinstance(payload, bytes):
+        return payload
+    try:
+        return memoryview(payload).tobytes()  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"payload must be bytes, not {type(payload).__name__}") from None
+
+
+def _check_handle(handle: object) -> int:
+    if isinstance(handle, bool) or not isinstance(handle, int):
+        raise TypeError(f"a handle is an int, not {type(handle).__name__}")
+    if not 0 <= handle < 1 << 63:
+        raise ValueError(f"a handle is a non-negative int below 2**63, not {handle}")
+    return handle
+
+
+@dataclass(frozen=True, slots=True)
+class Fire:
+    """A timer that came due.
+
+    ``deadline`` is the deadline as it was asked for (nanosecond precision,
+    not rounded to a tick); ``fired_at`` is when the clock fired it.  Both
+    are on the :func:`time.monotonic` clock; the ``_ns`` fields give them
+    exactly.
+    """
+
+    handle: int
+    deadline_ns: int
+    fired_at_ns: int
+    payload: bytes
+    owner_pid: int
+
+    @property
+    def deadline(self) -> float:
+        return self.deadline_ns / 1e9
+
+    @property
+    def fired_at(self) -> float:
+        return self.fired_at_ns / 1e9
+
+    @property
+    def lateness(self) -> float:
+        """``fired_at - deadline`` in seconds; never negative."""
+        return (self.fired_at_ns - self.deadline_ns) / 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class WheelStats:
+    """A consistent snapshot of a wheel's state, taken under its lock."""
+
+    pending: int
+    capacity: int
+    free: int
+    retired: int
+    added: int
+    cancelled: int
+    fired: int
+    resets: int
+    tick: float
+    wheel_size: int
+    levels: int
+    payload_size: int
+    clock: float  #: the wheel clock (last tick advanced to), monotonic seconds
+    next_expiry: float | None  #: when the earliest non-empty bucket comes due
+    level_pending: tuple[int, ...]  #: timers in each level, lowest first
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+class Wheel:
+    """An open shmwheel segment.  Make one with :func:`create` or :func:`attach`.
+
+    A Wheel may be used from many threads at once; :meth:`close` must not
+    race with other calls on the same object.  It pickles by name: the
+    copy that arrives in another process attaches to the same segment.
+    """
+
+    __slots__ = ("_name", "_mm", "_buf", "_w", "_capacity", "_payload_size", "_tick", "_levels", "_wheel_size")
+
+    def __init__(self) -> None:
+        raise TypeError("use shmwheel.create() or shmwheel.attach() to get a Wheel")
+
+    @classmethod
+    def _open(cls, name: str, mm: mmap.mmap) -> Wheel:
+        buf = ffi.from_buffer(mm)
+        out = ffi.new("shmw_t **")
+        rc = lib.shmw_open(buf, len(mm), out)
+        if rc:
+            ffi.release(buf)
+            mm.close()
+            raise_for(rc, name=name)
+        self = object.__new__(cls)
+        self._name = name
+        self._mm = mm
+        self._buf = buf
+        self._w = ffi.gc(out[0], lib.shmw_close)
+        st = self._raw_stats()
+        self._capacity = st.capacity
+        self._payload_size = st.payload_size
+        self._tick = st.tick_ns / 1e9
+        self._levels = st.levels
+        self._wheel_size = st.wheel_size
+        return self
+
+    # -- lifetime -----------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def closed(self) -> bool:
+        return self._w == ffi.NULL
+
+    def close(self) -> None:
+        """Unmap the segment from this process.  The segment itself stays."""
+        w = self._w
+        if w == ffi.NULL:
+            return
+        self._w = ffi.NULL
+        ffi.release(w)
+        ffi.release(self._buf)
+        self._mm.close()
+
+    def unlink(self) -> None:
+        """Remove the segment's name; processes that have it open keep it."""
+        unlink(self._name)
+
+    def __enter__(self) -> Wheel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (attach, (self._name,))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"capacity={self._capacity}"
+        return f"<shmwheel.Wheel {self._name!r} {state}>"
+
+    # -- parameters ---------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def payload_size(self) -> int:
+        return self._payload_size
+
+    @property
+    def tick(self) -> float:
+        return self._tick
+
+    @property
+    def wheel_size(self) -> int:
+        return self._wheel_size
+
+    @property
+    def levels(self) -> int:
+        return self._levels
+
+    max_delay: float = MAX_DELAY
+
+    # -- timers ---------------------------------------------------------------
+
+    def add(self, delay: float, payload: bytes = b"") -> int:
+        """Add a timer due ``delay`` seconds from now; return its handle."""
+        try:
+            h = _add(self._w, delay, payload, len(payload))
+        except TypeError:
+            return self.add(_check_seconds(delay, "delay"), _check_payload(payload))
+        if h < 0:
+            self._raise(h, "delay", delay)
+        return h
+
+    def add_at(self, deadline: float, payload: bytes = b"") -> int:
+        """Add a timer due at ``deadline`` on the :func:`time.monotonic` clock."""
+        try:
+            h = _add_at(self._w, deadline, payload, len(payload))
+        except TypeError:
+            return self.add_at(_check_seconds(deadline, "deadline"), _check_payload(payload))
+        if h < 0:
+            self._raise(h, "deadline", deadline)
+        return h
+
+    def cancel(self, handle: int) -> bool:
+        """Cancel a pending timer.  True exactly when it will now never fire."""
+        try:
+            rc = _cancel(self._w, handle)
+        except (TypeError, OverflowError):
+            _check_handle(handle)
+            raise
+        if rc < 0:
+            self._raise(rc)
+        return rc == 1
+
+    def reset(self, handle: int, delay: float) -> bool:
+        """Re-arm a pending timer to ``delay`` seconds from now; False if not pending."""
+        try:
+            rc = _reset(self._w, handle, delay)
+        except (TypeError, OverflowError):
+            _check_handle(handle)
+            _check_seconds(delay, "delay")
+            raise
+        if rc < 0:
+            self._raise(rc, "delay", delay)
+        return rc == 1
+
+    def reset_at(self, handle: int, deadline: float) -> bool:
+        """Re-arm a pending timer to ``deadline``; False if not pending."""
+        try:
+            rc = _reset_at(self._w, handle, deadline)
+        except (TypeError, OverflowError):
+            _check_handle(handle)
+            _check_seconds(deadline, "deadline")
+            raise
+        if rc < 0:
+            self._raise(rc, "deadline", deadline)
+        return rc == 1
+
+    def add_many(self, delays: Iterable[float], payloads: Iterable[bytes] | None = None) -> list[int]:
+        """Add one timer per delay in one call into C; all are added or none.
+
+        ``payloads``, if given, has one bytes object per delay.
+        """
+        if not isinstance(delays, (list, tuple)):
+            delays = list(delays)
+        n = len(delays)
+        if n == 0:
+            return []
+        if n > self._capacity:
+            self._raise(lib.SHMW_EFULL)
+        try:
+            c_delays = ffi.new("double[]", delays)
+        except TypeError:
+            for d in delays:
+                _check_seconds(d, "delay")
+            raise
+        handles = ffi.new("int64_t[]", n)
+        if payloads is None:
+            rc = lib.shmw_add_many(self._w, c_delays, n, ffi.NULL, ffi.NULL, handles)
+        else:
+            if not isinstance(payloads, (list, tuple)):
+                payloads = list(payloads)
+            if len(payloads) != n:
+                raise ValueError(f"add_many got {n} delays but {len(payloads)} payloads")
+            try:
+                joined = b"".join(payloads)
+            except TypeError:
+                payloads = [_check_payload(p) for p in payloads]
+                joined = b"".join(payloads)
+            lens = ffi.new("uint32_t[]", [len(p) for p in payloads])
+            rc = lib.shmw_add_many(self._w, c_delays, n, joined, lens, handles)
+        if rc < 0:
+            bad = next((d for d in delays if not (0 <= d <= MAX_DELAY)), None)
+            self._raise(rc, "delay", bad)
+        return ffi.unpack(handles, n)
+
+    def cancel_many(self, handles: Iterable[int]) -> int:
+        """Cancel many timers in one call into C; return how many were pending."""
+        if not isinstance(handles, (list, tuple)):
+            handles = list(handles)
+        if not handles:
+            return 0
+        try:
+            c_handles = ffi.new("int64_t[]", handles)
+        except (TypeError, OverflowError):
+            for h in handles:
+                _check_handle(h)
+            raise
+        rc = lib.shmw_cancel_many(self._w, c_handles, len(handles))
+        if rc < 0:
+            self._raise(rc)
+        return rc
+
+    @contextlib.contextmanager
+    def timeout(self, delay: float, payload: bytes = b"") -> Iterator[int]:
+        """Add a timer for the block and cancel it when the block ends.
+
+        The block is not interrupted: the timer's fire goes to whoever
+        drives the wheel, who decides what a timeout means.
+        """
+        handle = self.add(delay, payload)
+        try:
+            yield handle
+        finally:
+            self.cancel(handle)
+
+    def poll(self, now: float | None = None, max_fires: int | None = None) -> list[Fire]:
+        """Advance the clock to ``now`` and return the timers due, in firing order.
+
+        ``now`` is on the :func:`time.monotonic` clock and defaults to it.
+        A clock never goes back: a ``now`` before the wheel clock fires
+        nothing.  With ``max_fires``, the rest stay due for the next poll.
+        """
+        use_clock = now is None
+        if not use_clock:
+            now = _check_seconds(now, "now")
+        if max_fires is not None:
+            max_fires = _check_int(max_fires, "max_fires", 0, 2**31 - 1)
+        size = self._payload_size
+        batch = _POLL_BATCH if max_fires is None else min(_POLL_BATCH, max_fires)
+        fires = ffi.new("struct shmw_fire[]", max(batch, 1))
+        payloads = ffi.new("char[]", max(batch * size, 1))
+        out: list[Fire] = []
+        while True:
+            want = batch if max_fires is None else min(batch, max_fires - len(out))
+            if want == 0:
+                return out
+            n = lib.shmw_poll(self._w, 0.0 if use_clock else now, use_clock, want, fires, payloads)
+            if n < 0:
+                self._raise(n, "now", now)
+            for i in range(n):
+                f = fires[i]
+                out.append(
+                    Fire(
+                        f.handle,
+                        f.deadline_ns,
+                        f.fired_at_ns,
+                        ffi.unpack(payloads + i * size, f.payload_len),
+                        f.owner_pid,
+                    )
+                )
+            if n < want:
+                return out
+
+    def __len__(self) -> int:
+        """The number of pending timers (exact, and stale as soon as it is read)."""
+        n = _pending(self._w)
+        if n < 0:
+            self._raise(n)
+        return n
+
+    def stats(self) -> WheelStats:
+        st = self._raw_stats()
+        tick_ns = st.tick_ns
+        return WheelStats(
+            pending=st.pending,
+            capacity=st.capacity,
+            free=st.free,
+            retired=st.retired,
+            added=st.added,
+            cancelled=st.cancelled,
+            fired=st.fired,
+            resets=st.resets,
+            tick=tick_ns / 1e9,
+            wheel_size=st.wheel_size,
+            levels=st.levels,
+            payload_size=st.payload_size,
+            clock=st.elapsed * tick_ns / 1e9,
+            next_expiry=None if st.next_expiry_ns < 0 else st.next_expiry_ns / 1e9,
+            level_pending=tuple(st.level_pending[0 : st.levels]),
+        )
+
+    def check(self) -> None:
+        """Run the C invariant checker; raise CorruptSegmentError naming what is broken."""
+        reason = ffi.new("char[]", 512)
+        rc = lib.shmw_check(self._w, reason, len(reason))
+        if rc < 0:
+            text = ffi.string(reason).decode("utf-8", "replace")
+            self._raise(rc, detail=text)
+
+    # -- internals ----------------------------------------------------------
+
+    def _raw_stats(self) -> Any:
+        st = ffi.new("struct shmw_stats *")
+        rc = lib.shmw_stats(self._w, st)
+        if rc < 0:
+            self._raise(rc)
+        return st
+
+    def _raise(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> None:
+        if rc in (lib.SHMW_ETIME, lib.SHMW_ERANGE) and value is not None:
+            what = f"{what} {value!r}"
+        try:
+            raise_for(
+                rc,
+                name=self._name,
+                what=what,
+                payload_size=self._payload_size,
+                capacity=self._capacity,
+            )
+        except Exception as exc:
+            if detail:
+                exc.args = (f"{exc.args[0]}: {detail}",)
+            raise
+
+
+def create(
+    name: str,
+    *,
+    capacity: int,
+    tick: float = 0.001,
+    payload_size: int = 64,
+    mode: int = 0o600,
+    wheel_size: int = 256,
+) -> Wheel:
+    """Create a wheel in a new shared-memory segment and open it.
+
+    ``capacity`` timers can be pending at once; each carries up to
+    ``payload_size`` bytes.  ``tick`` (seconds) is the resolution: a timer
+    fires at the first tick boundary at or after its deadline.  The memory
+    is reserved now, so a full ``/dev/shm`` fails here and not later.
+    ``mode`` is applied as given, whatever the umask.
+    """
+    shm_name = _segment_name(name)
+    capacity = _check_int(capacity, "capacity", 1, lib.SHMW_MAX_CAPACITY)
+    payload_size = _check_int(payload_size, "payload_size", 0, lib.SHMW_MAX_PAYLOAD)
+    mode = _check_int(mode, "mode", 0, 0o777)
+    wheel_size = _check_int(wheel_size, "wheel_size", 1 << lib.SHMW_MIN_WHEEL_BITS, 1 << lib.SHMW_MAX_WHEEL_BITS)
+    if wheel_size & (wheel_size - 1):
+        raise ValueError(f"wheel_size must be a power of two, not {wheel_size}")
+    tick = _check_seconds(tick, "tick")
+    lo, hi = lib.SHMW_MIN_TICK_NS / 1e9, lib.SHMW_MAX_TICK_NS / 1e9
+    if not (math.isfinite(tick) and lo <= tick <= hi):
+        raise ValueError(f"tick must be between {lo} and {hi} seconds, not {tick}")
+
+    params = ffi.new(
+        "struct shmw_params *",
+        {
+            "capacity": capacity,
+            "payload_size": payload_size,
+            "wheel_bits": wheel_size.bit_length() - 1,
+            "tick_ns": round(tick * 1e9),
+        },
+    )
+    size_out = ffi.new("uint64_t *")
+    rc = lib.shmw_segment_size(params, size_out)
+    if rc:
+        raise_for(rc, name=shm_name[1:])
+    size = size_out[0]
+
+    try:
+        shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=mode, size=0)
+    except posix_ipc.ExistentialError:
+        raise SegmentExistsError(f"a shared-memory segment named {shm_name[1:]!r} exists already") from None
+    except posix_ipc.PermissionsError as exc:
+        raise PermissionError(errno.EACCES, f"cannot create segment {shm_name[1:]!r}: {exc}") from None
+    try:
+        os.fchmod(shm.fd, mode)  # shm_open applied the umask; the caller asked for `mode`
+        try:
+            os.posix_fallocate(shm.fd, 0, size)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise OSError(
+                errno.ENOSPC,
+                f"no room in /dev/shm for segment {shm_name[1:]!r} of {size} bytes "
+                f"(capacity {capacity}, payload_size {payload_size})",
+            ) from None
+        mm = mmap.mmap(shm.fd, size)
+        buf = ffi.from_buffer(mm)
+        rc = lib.shmw_init(buf, size, params, lib.shmw_now_ns())
+        ffi.release(buf)
+        if rc:
+            mm.close()
+            raise_for(rc, name=shm_name[1:])
+        wheel = Wheel._open(shm_name[1:], mm)
+    except BaseException:
+        shm.unlink()
+        raise
+    finally:
+        shm.close_fd()
+    _log.debug("created wheel %r: capacity %d, %d bytes", wheel.name, capacity, size)
+    return wheel
+
+
+def attach(name: str) -> Wheel:
+    """Open an existing wheel by name."""
+    shm_name = _segment_name(name)
+    deadline = time.monotonic() + _ATTACH_WAIT
+    while True:
+        try:
+            shm = posix_ipc.SharedMemory(shm_name)
+        except posix_ipc.ExistentialError:
+            raise SegmentNotFoundError(f"no shmwheel segment named {shm_name[1:]!r}") from None
+        except posix_ipc.PermissionsError as exc:
+            raise PermissionError(errno.EACCES, f"cannot open segment {shm_name[1:]!r}: {exc}") from None
+        try:
+            size = os.fstat(shm.fd).st_size
+            mm = mmap.mmap(shm.fd, size) if size else None
+        finally:
+            shm.close_fd()
+        # A segment being created has no size or no magic yet; wait a little.
+        if mm is not None and (size < 8 or any(mm[:8])):
+            return Wheel._open(shm_name[1:], mm)
+        if mm is not None:
+            mm.close()
+        if time.monotonic() >= deadline:
+            raise IncompatibleSegmentError(f"segment {shm_name[1:]!r} is not an initialised shmwheel segment")
+        time.sleep(0.005)
+
+
+def unlink(name: str) -> None:
+    """Remove a wheel's segment by name.  Processes that have it open keep it."""
+    shm_name = _segment_name(name)
+    try:
+        posix_ipc.unlink_shared_memory(shm_name)
+    except posix_ipc.ExistentialError:
+        raise SegmentNotFoundError(f"no shmwheel segment named {shm_name[1:]!r}") from None
