@@ -1,0 +1,82 @@
+"""Fixtures shared by the whole suite.
+
+Every wheel a test makes goes through ``make_wheel``, which runs the C
+invariant checker on it after the test and removes its segment, so that
+``check()`` runs after every test and the suite leaves nothing in
+/dev/shm; a session hook fails the run if anything named like ours is
+left there anyway.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import shmwheel
+
+PREFIX = f"shmwheel-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+_counter = itertools.count()
+
+
+def fresh_name() -> str:
+    return f"{PREFIX}-{next(_counter)}"
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    """A wheel name no other test uses; its segment is removed afterwards."""
+    n = fresh_name()
+    yield n
+    try:
+        shmwheel.unlink(n)
+    except shmwheel.SegmentNotFoundError:
+        pass
+
+
+@pytest.fixture
+def make_wheel() -> Iterator[Callable[..., shmwheel.Wheel]]:
+    """create() with test defaults; each wheel is checked, closed and unlinked after the test."""
+    made: list[shmwheel.Wheel] = []
+
+    def make(capacity: int = 1000, **kw: object) -> shmwheel.Wheel:
+        w = shmwheel.create(kw.pop("name", None) or fresh_name(), capacity=capacity, **kw)  # type: ignore[arg-type]
+        made.append(w)
+        return w
+
+    yield make
+    errors = []
+    for w in made:
+        try:
+            probe = shmwheel.attach(w.name) if w.closed else w
+        except shmwheel.SegmentNotFoundError:
+            continue  # the test removed it itself
+        try:
+            probe.check()
+        except shmwheel.CorruptSegmentError as exc:
+            errors.append(f"{w.name}: {exc}")
+        finally:
+            probe.close()
+            w.close()
+            try:
+                shmwheel.unlink(w.name)
+            except shmwheel.SegmentNotFoundError:
+                pass
+    if errors:
+        pytest.fail(f"check() failed after the test: {errors}")
+
+
+@pytest.fixture
+def wheel(make_wheel: Callable[..., shmwheel.Wheel]) -> shmwheel.Wheel:
+    return make_wheel()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    left = sorted(p.name for p in Path("/dev/shm").glob(f"{PREFIX}*"))
+    if left:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nshmwheel: the suite left segments in /dev/shm: {left}")

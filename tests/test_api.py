@@ -1,0 +1,615 @@
+"""The public API: lifetime, timers, the fake-clock poll, bad input, errors."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import stat
+import threading
+import time
+from pathlib import Path
+
+import posix_ipc
+import pytest
+
+import shmwheel
+from shmwheel._binding import ffi, lib
+
+from conftest import fresh_name
+
+
+def header(w: shmwheel.Wheel):
+    return ffi.cast("struct shmw_header *", w._buf)
+
+
+def entry(w: shmwheel.Wheel, index: int):
+    b, h, s = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    assert lib.shmw_layout(w._w, b, h, s) == 0
+    return ffi.cast("struct shmw_entry *", w._buf + s[0] + index * header(w).stride)
+
+
+def clock(w: shmwheel.Wheel) -> float:
+    """The wheel clock: a fake "now" that fires nothing new."""
+    return w.stats().clock
+
+
+# -- lifetime -----------------------------------------------------------------
+
+
+def test_create_attach_share_one_segment(make_wheel) -> None:
+    w = make_wheel(capacity=10)
+    other = shmwheel.attach(w.name)
+    try:
+        h = w.add(60)
+        assert len(other) == 1
+        assert other.cancel(h) is True
+        assert len(w) == 0
+    finally:
+        other.close()
+
+
+def test_create_over_existing_name_raises_and_keeps_segment(make_wheel) -> None:
+    w = make_wheel(capacity=10)
+    w.add(60)
+    with pytest.raises(shmwheel.SegmentExistsError) as info:
+        shmwheel.create(w.name, capacity=10)
+    assert isinstance(info.value, FileExistsError)
+    assert len(w) == 1
+
+
+def test_attach_and_unlink_missing_raise_not_found(name: str) -> None:
+    with pytest.raises(shmwheel.SegmentNotFoundError) as info:
+        shmwheel.attach(name)
+    assert isinstance(info.value, FileNotFoundError)
+    with pytest.raises(shmwheel.SegmentNotFoundError):
+        shmwheel.unlink(name)
+
+
+def test_leading_slash_names_the_same_wheel(make_wheel) -> None:
+    w = make_wheel(capacity=10)
+    with shmwheel.attach("/" + w.name) as other:
+        assert other.capacity == 10
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "/", "a/b", "..", ".", "sp ace", "x" * 201, "ünï", "tab\t", "//x"]
+)
+def test_invalid_names_are_rejected(bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid wheel name"):
+        shmwheel.create(bad, capacity=1)
+    with pytest.raises(ValueError, match="invalid wheel name"):
+        shmwheel.attach(bad)
+
+
+def test_name_must_be_str() -> None:
+    with pytest.raises(TypeError):
+        shmwheel.create(b"abc", capacity=1)  # type: ignore[arg-type]
+
+
+def test_longest_name_is_accepted(make_wheel) -> None:
+    n = (fresh_name() + "x" * 200)[:200]
+    w = make_wheel(capacity=1, name=n)
+    assert w.name == n
+
+
+@pytest.mark.parametrize(
+    "kw, exc",
+    [
+        ({"capacity": 0}, ValueError),
+        ({"capacity": -1}, ValueError),
+        ({"capacity": 2**31}, ValueError),
+        ({"capacity": "10"}, TypeError),
+        ({"capacity": True}, TypeError),
+        ({"capacity": 10, "tick": 0}, ValueError),
+        ({"capacity": 10, "tick": math.nan}, ValueError),
+        ({"capacity": 10, "tick": 1e-7}, ValueError),
+        ({"capacity": 10, "tick": 61}, ValueError),
+        ({"capacity": 10, "tick": "1ms"}, TypeError),
+        ({"capacity": 10, "payload_size": -1}, ValueError),
+        ({"capacity": 10, "payload_size": 65537}, ValueError),
+        ({"capacity": 10, "wheel_size": 100}, ValueError),
+        ({"capacity": 10, "wheel_size": 8}, ValueError),
+        ({"capacity": 10, "wheel_size": 8192}, ValueError),
+        ({"capacity": 10, "mode": 0o1777}, ValueError),
+    ],
+)
+def test_create_rejects_bad_parameters_and_leaves_nothing(name: str, kw: dict, exc: type) -> None:
+    with pytest.raises(exc):
+        shmwheel.create(name, **kw)
+    assert not Path("/dev/shm", name).exists()
+
+
+def test_mode_is_applied_whatever_the_umask(make_wheel) -> None:
+    old = os.umask(0o077)
+    try:
+        w1 = make_wheel(capacity=1, mode=0o640)
+    finally:
+        os.umask(old)
+    old = os.umask(0)
+    try:
+        w2 = make_wheel(capacity=1)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(f"/dev/shm/{w1.name}").st_mode) == 0o640
+    assert stat.S_IMODE(os.stat(f"/dev/shm/{w2.name}").st_mode) == 0o600
+
+
+def test_attach_refuses_a_foreign_segment(name: str) -> None:
+    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
+    os.write(shm.fd, b"definitely not a wheel")
+    shm.close_fd()
+    with pytest.raises(shmwheel.IncompatibleSegmentError, match="not a shmwheel segment"):
+        shmwheel.attach(name)
+
+
+def test_attach_gives_up_on_a_segment_that_never_gets_initialised(name: str) -> None:
+    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
+    shm.close_fd()
+    with pytest.raises(shmwheel.IncompatibleSegmentError, match="not an initialised"):
+        shmwheel.attach(name)
+
+
+@pytest.mark.parametrize("field, match", [("version", "layout version"), ("entry_size", "struct sizes")])
+def test_attach_refuses_another_version_or_abi(make_wheel, field: str, match: str) -> None:
+    w = make_wheel(capacity=4)
+    h = ffi.cast("struct shmw_header *", w._buf)
+    if field == "version":
+        h.version += 1
+    else:
+        ffi.cast("uint32_t *", ffi.addressof(h, "version"))[2] += 8  # version, header_size, entry_size
+    try:
+        with pytest.raises(shmwheel.IncompatibleSegmentError, match=match):
+            shmwheel.attach(w.name)
+    finally:
+        if field == "version":
+            h.version -= 1
+        else:
+            ffi.cast("uint32_t *", ffi.addressof(h, "version"))[2] -= 8
+
+
+def test_close_is_idempotent_and_later_calls_fail_clearly(make_wheel) -> None:
+    w = make_wheel(capacity=4)
+    with w:
+        h = w.add(60)
+    assert w.closed
+    w.close()
+    for call in (lambda: w.add(1), lambda: w.cancel(h), lambda: len(w), lambda: w.poll(), w.stats, w.check):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    with shmwheel.attach(w.name) as again:
+        assert again.cancel(h) is True
+
+
+def test_wheel_pickles_by_name_and_reattaches(make_wheel) -> None:
+    w = make_wheel(capacity=4)
+    w.add(60)
+    copy = pickle.loads(pickle.dumps(w))
+    try:
+        assert copy is not w and copy.name == w.name
+        assert len(copy) == 1
+    finally:
+        copy.close()
+
+
+def test_unlink_keeps_open_mappings_working(make_wheel) -> None:
+    w = make_wheel(capacity=4)
+    w.unlink()
+    assert not Path("/dev/shm", w.name).exists()
+    h = w.add(60)
+    assert w.cancel(h)
+    w.check()
+
+
+def test_wheel_cannot_be_constructed_directly() -> None:
+    with pytest.raises(TypeError, match="create"):
+        shmwheel.Wheel()
+
+
+# -- exceptions ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cls, builtin",
+    [
+        (shmwheel.SegmentExistsError, FileExistsError),
+        (shmwheel.SegmentNotFoundError, FileNotFoundError),
+        (shmwheel.IncompatibleSegmentError, None),
+        (shmwheel.CorruptSegmentError, None),
+        (shmwheel.WheelFullError, None),
+    ],
+)
+def test_exceptions_pickle_and_inherit(cls: type, builtin: type | None) -> None:
+    exc = cls("segment 'x': something")
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is cls and back.args == exc.args
+    assert isinstance(back, shmwheel.ShmwheelError)
+    if builtin is not None:
+        assert isinstance(back, builtin)
+
+
+# -- adding, cancelling, handles ---------------------------------------------------
+
+
+def test_add_cancel_counts(wheel: shmwheel.Wheel) -> None:
+    handles = [wheel.add(60 + i) for i in range(10)]
+    assert len(set(handles)) == 10 and all(h > 0 for h in handles)
+    assert len(wheel) == 10
+    assert sum(wheel.cancel(h) for h in handles[:4]) == 4
+    st = wheel.stats()
+    assert (st.pending, st.added, st.cancelled, st.fired) == (6, 10, 4, 0)
+    assert sum(st.level_pending) == 6
+
+
+def test_cancel_is_true_once(wheel: shmwheel.Wheel) -> None:
+    h = wheel.add(60)
+    assert wheel.cancel(h) is True
+    assert wheel.cancel(h) is False
+
+
+def test_stale_handle_never_touches_the_slot_reuser(make_wheel) -> None:
+    w = make_wheel(capacity=1)
+    old = w.add(60)
+    assert w.cancel(old)
+    new = w.add(60)
+    assert new != old
+    assert w.cancel(old) is False
+    assert w.reset(old, 1) is False
+    assert len(w) == 1
+    assert w.cancel(new) is True
+
+
+def test_handles_are_never_reused(make_wheel) -> None:
+    w = make_wheel(capacity=2)
+    seen = set()
+    for _ in range(2000):
+        h = w.add(60)
+        assert h not in seen
+        seen.add(h)
+        w.cancel(h)
+
+
+def test_fired_handle_cannot_be_cancelled(wheel: shmwheel.Wheel) -> None:
+    now = clock(wheel)
+    h = wheel.add_at(now + 0.0005)
+    assert [f.handle for f in wheel.poll(now + 0.002)] == [h]
+    assert wheel.cancel(h) is False
+
+
+def test_handle_that_names_no_slot_is_not_pending(make_wheel) -> None:
+    w = make_wheel(capacity=3)
+    assert w.cancel(0) is False
+    assert w.cancel(3) is False  # slot 3 of a 3-slot wheel
+    assert w.cancel(2**63 - 1) is False
+
+
+@pytest.mark.parametrize("bad, exc", [("1", TypeError), (1.0, TypeError), (None, TypeError), (-1, ValueError), (2**63, ValueError), (2**64, ValueError)])
+def test_bad_handles_raise(wheel: shmwheel.Wheel, bad: object, exc: type) -> None:
+    h = wheel.add(60)
+    for call in (wheel.cancel, lambda x: wheel.reset(x, 1), lambda x: wheel.cancel_many([h, x])):
+        with pytest.raises(exc):
+            call(bad)
+    assert len(wheel) == 1 and wheel.stats().cancelled == 0
+
+
+@pytest.mark.parametrize("bad", [-1, -1e-9, math.nan, math.inf, -math.inf])
+def test_bad_delays_raise_and_change_nothing(wheel: shmwheel.Wheel, bad: float) -> None:
+    h = wheel.add(60)
+    before = wheel.stats()
+    for call in (wheel.add, wheel.add_at, lambda d: wheel.reset(h, d), lambda d: wheel.reset_at(h, d)):
+        with pytest.raises(ValueError, match="finite, non-negative"):
+            call(bad)
+    with pytest.raises(ValueError):
+        wheel.add_many([1, 2, bad])
+    assert wheel.stats() == before
+
+
+def test_delay_beyond_the_maximum_names_it(wheel: shmwheel.Wheel) -> None:
+    with pytest.raises(ValueError, match=r"maximum delay of 4611686018 s"):
+        wheel.add(shmwheel.MAX_DELAY * 1.001)
+    with pytest.raises(ValueError, match="maximum"):
+        wheel.add_at(time.monotonic() + shmwheel.MAX_DELAY * 1.001)
+    assert len(wheel) == 0
+
+
+def test_ten_years_and_the_maximum_are_accepted(wheel: shmwheel.Wheel) -> None:
+    ten_years = 10 * 365.25 * 86400
+    h1 = wheel.add(ten_years)
+    h2 = wheel.add(shmwheel.MAX_DELAY)
+    assert len(wheel) == 2
+    assert wheel.poll(clock(wheel) + ten_years - 1) == []
+    assert [f.handle for f in wheel.poll(clock(wheel) + 2)] == [h1]
+    assert wheel.cancel(h2)
+
+
+@pytest.mark.parametrize("bad", ["1", None, b"1", [1]])
+def test_delay_of_wrong_type_raises_type_error(wheel: shmwheel.Wheel, bad: object) -> None:
+    with pytest.raises(TypeError, match="number of seconds"):
+        wheel.add(bad)  # type: ignore[arg-type]
+    assert len(wheel) == 0
+
+
+def test_payload_limits(make_wheel) -> None:
+    w = make_wheel(capacity=4, payload_size=8)
+    w.add(60, b"12345678")
+    with pytest.raises(ValueError, match="payload_size of 8 bytes"):
+        w.add(60, b"123456789")
+    with pytest.raises(ValueError, match="payload_size"):
+        w.add_many([60, 60], [b"", b"123456789"])
+    with pytest.raises(TypeError, match="payload must be bytes"):
+        w.add(60, "text")  # type: ignore[arg-type]
+    assert len(w) == 1
+
+
+def test_payload_accepts_bytes_like(wheel: shmwheel.Wheel) -> None:
+    now = clock(wheel)
+    wheel.add_at(now, bytearray(b"ab"))
+    wheel.add_at(now, memoryview(b"cd"))
+    assert sorted(f.payload for f in wheel.poll(now)) == [b"ab", b"cd"]
+
+
+def test_full_wheel_raises_keeps_timers_and_recovers(make_wheel) -> None:
+    w = make_wheel(capacity=3)
+    hs = [w.add(60, b"%d" % i) for i in range(3)]
+    with pytest.raises(shmwheel.WheelFullError, match="all 3 slots"):
+        w.add(1)
+    with pytest.raises(shmwheel.WheelFullError):
+        w.add_many([1])
+    assert len(w) == 3
+    assert w.cancel(hs[1])
+    h = w.add(60)
+    assert len(w) == 3 and h not in hs
+    w.check()
+
+
+def test_add_many_is_all_or_nothing(make_wheel) -> None:
+    w = make_wheel(capacity=10)
+    w.add_many([60] * 7)
+    with pytest.raises(shmwheel.WheelFullError):
+        w.add_many([60] * 4)
+    assert len(w) == 7
+    with pytest.raises(ValueError, match="3 delays but 2 payloads"):
+        w.add_many([1, 2, 3], [b"", b""])
+    with pytest.raises(TypeError):
+        w.add_many([1, "2"])
+    assert len(w) == 7
+
+
+def test_add_many_and_cancel_many(wheel: shmwheel.Wheel) -> None:
+    now = clock(wheel)
+    hs = wheel.add_many([0.0, 0.0, 60.0, 60.0], [b"a", b"bb", b"ccc", b""])
+    assert len(hs) == 4 and len(set(hs)) == 4
+    assert wheel.add_many([]) == [] and wheel.cancel_many([]) == 0
+    assert wheel.cancel_many([hs[2], hs[2], hs[3]]) == 2
+    fired = wheel.poll(now + 1)
+    assert sorted(f.payload for f in fired) == [b"a", b"bb"]
+    assert wheel.cancel_many(hs) == 0
+    assert wheel.add_many(iter([60.0])) and len(wheel) == 1
+
+
+# -- the clock: never early, at most one tick late ------------------------------
+
+
+@pytest.mark.parametrize("tick", [0.001, 0.0005, 0.01])
+@pytest.mark.parametrize("offset_ns", [0, 1, 499_999, 500_000, 999_999, 1_000_000, 1_000_001, 7_654_321])
+def test_fires_at_first_tick_boundary_at_or_after_deadline(make_wheel, tick: float, offset_ns: int) -> None:
+    w = make_wheel(capacity=4, tick=tick)
+    base_ns = round(clock(w) * 1e9)
+    deadline_ns = base_ns + 3_000_000 + offset_ns
+    tick_ns = round(tick * 1e9)
+    boundary_ns = -(-deadline_ns // tick_ns) * tick_ns
+    h = w.add_at(deadline_ns / 1e9, b"p")
+    assert w.poll((deadline_ns - 1) / 1e9) == []
+    if boundary_ns > deadline_ns:
+        assert w.poll((boundary_ns - 1) / 1e9) == []
+    (fire,) = w.poll(boundary_ns / 1e9)
+    assert fire.handle == h
+    assert fire.deadline_ns == deadline_ns
+    assert fire.fired_at_ns == boundary_ns
+    assert 0 <= fire.fired_at_ns - fire.deadline_ns < tick_ns
+    assert fire.payload == b"p" and fire.owner_pid == os.getpid()
+
+
+def test_fire_fields(wheel: shmwheel.Wheel) -> None:
+    now = clock(wheel)
+    deadline = now + 0.123456789
+    h = wheel.add_at(deadline, b"\x00payload\x00\x00")
+    (f,) = wheel.poll(now + 1)
+    assert f.handle == h
+    assert abs(f.deadline - deadline) < 1e-9
+    assert f.deadline_ns == round(deadline * 1e9)
+    assert f.fired_at == pytest.approx(now + 1)
+    assert f.lateness == pytest.approx(now + 1 - deadline)
+    assert f.payload == b"\x00payload\x00\x00"
+    assert f.owner_pid == os.getpid()
+
+
+def test_poll_returns_in_tick_order_across_levels(make_wheel) -> None:
+    w = make_wheel(capacity=5000, wheel_size=16)
+    now = clock(w)
+    import random
+
+    rng = random.Random(7)
+    delays = [rng.choice([rng.random() * 0.05, rng.random() * 5, rng.random() * 500, 16**k * 0.001 + rng.random()]) for k in range(6) for _ in range(400)]
+    hs = set(w.add_many(delays))
+    fires = []
+    t = now
+    # Advance in uneven steps, including big jumps, collecting everything.
+    for step in [0.0007, 0.013, 0.25, 3, 0.5, 40, 700, 20000, 1e6]:
+        t += step
+        batch = w.poll(t)
+        assert all(f.deadline_ns <= round(t * 1e9) + 1 for f in batch)
+        fires += batch
+    assert {f.handle for f in fires} == hs
+    assert len(fires) == len(hs)
+    tick_ns = 1_000_000
+    ticks = [-(-f.deadline_ns // tick_ns) for f in fires]
+    assert ticks == sorted(ticks)
+
+
+def test_poll_with_max_fires_leaves_the_rest_due(wheel: shmwheel.Wheel) -> None:
+    now = clock(wheel)
+    hs = wheel.add_many([0.0] * 10 + [0.002] * 10)
+    first = wheel.poll(now + 1, max_fires=7)
+    assert len(first) == 7
+    assert wheel.poll(now + 1, max_fires=0) == []
+    rest = wheel.poll(now + 1)
+    assert len(rest) == 13
+    assert {f.handle for f in first + rest} == set(hs)
+
+
+def test_poll_in_the_past_fires_nothing_and_clock_never_goes_back(wheel: shmwheel.Wheel) -> None:
+    now = clock(wheel)
+    wheel.add_at(now + 0.5)
+    wheel.poll(now + 0.1)
+    c = clock(wheel)
+    assert wheel.poll(now) == []
+    assert clock(wheel) == c
+    assert len(wheel.poll(now + 0.5)) == 1
+
+
+def test_deadline_in_the_past_fires_at_the_next_poll(wheel: shmwheel.Wheel) -> None:
+    now = clock(wheel)
+    wheel.poll(now + 10)
+    h = wheel.add_at(now)  # ten seconds behind the wheel clock
+    (f,) = wheel.poll(now + 10)
+    assert f.handle == h and f.deadline_ns == round(now * 1e9)
+
+
+def test_poll_default_now_is_the_monotonic_clock(wheel: shmwheel.Wheel) -> None:
+    h = wheel.add(0)
+    time.sleep(2 * wheel.tick)  # it fires at the first tick boundary after now
+    before = time.monotonic()
+    (f,) = wheel.poll()
+    assert f.handle == h
+    assert before - 0.001 <= f.fired_at <= time.monotonic() + 0.001
+
+
+@pytest.mark.parametrize("now, max_fires, exc", [(math.nan, None, ValueError), (-1, None, ValueError), ("x", None, TypeError), (None, -1, ValueError), (None, 1.5, TypeError)])
+def test_poll_rejects_bad_arguments(wheel: shmwheel.Wheel, now: object, max_fires: object, exc: type) -> None:
+    wheel.add(0)
+    with pytest.raises(exc):
+        wheel.poll(now, max_fires)  # type: ignore[arg-type]
+    assert len(wheel) == 1
+
+
+def test_reset_moves_a_timer_both_ways(wheel: shmwheel.Wheel) -> None:
+    now = clock(wheel)
+    a = wheel.add_at(now + 100)
+    b = wheel.add_at(now + 0.010)
+    assert wheel.reset_at(a, now + 0.005)
+    assert wheel.reset_at(b, now + 5000)
+    (f,) = wheel.poll(now + 0.006)
+    assert f.handle == a and f.deadline_ns == round((now + 0.005) * 1e9)
+    assert wheel.poll(now + 4999) == []
+    (g,) = wheel.poll(now + 5000)
+    assert g.handle == b
+    assert wheel.reset(a, 1) is False
+    assert wheel.stats().resets == 2
+
+
+def test_reset_within_the_same_bucket(wheel: shmwheel.Wheel) -> None:
+    now = clock(wheel)
+    h = wheel.add_at(now + 0.0101)
+    assert wheel.reset_at(h, now + 0.0102)
+    wheel.check()
+    (f,) = wheel.poll(now + 0.011)
+    assert f.deadline_ns == round((now + 0.0102) * 1e9)
+
+
+def test_timeout_context_manager_cancels_on_exit(wheel: shmwheel.Wheel) -> None:
+    with wheel.timeout(30, b"req") as h:
+        assert len(wheel) == 1 and isinstance(h, int)
+    assert len(wheel) == 0
+    with pytest.raises(RuntimeError):
+        with wheel.timeout(30):
+            raise RuntimeError("boom")
+    assert len(wheel) == 0 and wheel.stats().cancelled == 2
+
+
+def test_retired_slot_is_never_handed_out_again(make_wheel) -> None:
+    """A slot whose generation would wrap is retired instead of reused."""
+    w = make_wheel(capacity=2)
+    max_gen = (1 << (63 - 1)) - 1  # capacity 2: one slot bit
+    entry(w, 0).generation = max_gen
+    h = w.add(60)
+    assert h == (max_gen << 1) | 0
+    assert w.cancel(h)
+    st = w.stats()
+    assert (st.retired, st.free) == (1, 1)
+    w.check()
+    h2 = w.add(60)
+    assert h2 & 1 == 1
+    with pytest.raises(shmwheel.WheelFullError):
+        w.add(60)
+    assert w.cancel(h) is False
+
+
+# -- stats, check, threads -----------------------------------------------------------
+
+
+def test_stats_describe_the_wheel(make_wheel) -> None:
+    w = make_wheel(capacity=100, tick=0.002, payload_size=16, wheel_size=64)
+    st = w.stats()
+    assert (st.capacity, st.tick, st.payload_size, st.wheel_size) == (100, 0.002, 16, 64)
+    assert st.levels == w.levels == len(st.level_pending)
+    assert st.next_expiry is None
+    w.add(0.5)
+    w.add(100)
+    st = w.stats()
+    assert st.level_pending[0] == 0 and sum(st.level_pending) == 2
+    assert st.next_expiry is not None and st.next_expiry >= st.clock
+    assert st.as_dict()["pending"] == 2
+
+
+def test_check_names_the_broken_invariant(wheel: shmwheel.Wheel) -> None:
+    wheel.add(60)
+    h = header(wheel)
+    h.pending += 1
+    try:
+        with pytest.raises(shmwheel.CorruptSegmentError, match="counters: pending is 2 but 1"):
+            wheel.check()
+    finally:
+        h.pending -= 1
+    wheel.check()
+
+
+def test_threads_share_a_wheel_and_the_gil_is_released(make_wheel) -> None:
+    w = make_wheel(capacity=400_000)
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        try:
+            for _ in range(5000):
+                hs = [w.add(30) for _ in range(4)]
+                assert all(w.cancel(h) for h in hs)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    st = w.stats()
+    assert st.pending == 0 and st.added == st.cancelled == 4 * 5000 * 4
+
+    # While one thread is inside a long C call, another runs Python.
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def counter() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+
+    t = threading.Thread(target=counter)
+    t.start()
+    time.sleep(0.01)
+    start = time.monotonic()
+    w.add_many([60.0] * 300_000)
+    end = time.monotonic()
+    stop.set()
+    t.join()
+    inside = [x for x in ticks if start < x < end]
+    assert len(inside) > 10, f"no Python ran during a {end - start:.3f} s C call"
