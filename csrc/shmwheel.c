@@ -357,22 +357,24 @@ static int lock(shmw_t *w)
 {
     int rc = pthread_mutex_lock(&w->hdr->mutex);
 
-    if (rc == 0)
-        return SHMW_OK;
     if (rc == EOWNERDEAD) {
         /* The previous holder died inside a critical section.  Mark the
-         * mutex consistent either way, so nobody ever sees
-         * ENOTRECOVERABLE; if the segment no longer checks out, report it
-         * as corrupt (rebuilding it is the recovery code's job). */
-        int ok = check_locked(w, NULL, 0);
+         * mutex consistent either way, so that nobody ever sees
+         * ENOTRECOVERABLE and blocks; if the segment no longer checks out,
+         * flag it damaged so that every later operation refuses it rather
+         * than build on a half-made change. */
+        if (check_locked(w, NULL, 0) != SHMW_OK)
+            w->hdr->flags |= SHMW_F_DAMAGED;
         pthread_mutex_consistent(&w->hdr->mutex);
-        if (ok != SHMW_OK) {
-            pthread_mutex_unlock(&w->hdr->mutex);
-            return SHMW_ECORRUPT;
-        }
-        return SHMW_OK;
+        rc = 0;
     }
-    return SHMW_ELOCK;
+    if (rc)
+        return SHMW_ELOCK;
+    if (w->hdr->flags & SHMW_F_DAMAGED) {
+        pthread_mutex_unlock(&w->hdr->mutex);
+        return SHMW_ECORRUPT;
+    }
+    return SHMW_OK;
 }
 
 static inline void unlock(shmw_t *w)
@@ -501,6 +503,8 @@ static int bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
     struct shmw_entry *e = entry_at(w, i);
 
     if (bk->head == SHMW_NIL) {
+        if (bk->count != 0 || bk->heap_pos != SHMW_NIL)
+            return SHMW_ECORRUPT;
         bk->expires = expires;
         bk->head = bk->tail = i;
         bk->count = 1;
@@ -676,10 +680,11 @@ static int deadline_at(double deadline_s, int64_t now_ns, int64_t *deadline_ns)
 
 static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len)
 {
-    if (!w)
-        return SHMW_ECLOSED;
     int64_t handle = 0;
     int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
 
     if (len > w->payload_size)
         return SHMW_EPAYLOAD;
@@ -709,8 +714,6 @@ int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t 
 int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
                   const char *payloads, const uint32_t *lens, int64_t *handles)
 {
-    if (!w)
-        return SHMW_ECLOSED;
     /* All or nothing: every argument is checked and the free count is
      * checked before the first insert.  The deadlines are computed into
      * the caller's handle array, then overwritten by the handles. */
@@ -719,6 +722,8 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
     uint32_t k;
     int rc;
 
+    if (!w)
+        return SHMW_ECLOSED;
     for (k = 0; k < n; k++) {
         if ((rc = deadline_after(delays[k], now_ns, &handles[k])))
             return rc;
@@ -759,9 +764,10 @@ static int cancel_locked(shmw_t *w, int64_t handle)
 
 int shmw_cancel(shmw_t *w, int64_t handle)
 {
+    int rc;
+
     if (!w)
         return SHMW_ECLOSED;
-    int rc;
 
     if (handle < 0)
         return SHMW_EHANDLE;
@@ -774,10 +780,11 @@ int shmw_cancel(shmw_t *w, int64_t handle)
 
 int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
 {
-    if (!w)
-        return SHMW_ECLOSED;
     uint32_t k;
     int rc, done = 0;
+
+    if (!w)
+        return SHMW_ECLOSED;
 
     for (k = 0; k < n; k++)
         if (handles[k] < 0)
@@ -796,12 +803,13 @@ int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
 
 static int reset_checked(shmw_t *w, int64_t handle, int64_t deadline_ns)
 {
-    if (!w)
-        return SHMW_ECLOSED;
     struct shmw_entry *e;
     uint64_t expires;
     uint32_t i, b;
     int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
 
     if (handle < 0)
         return SHMW_EHANDLE;
@@ -856,8 +864,6 @@ static void set_elapsed(shmw_t *w, uint64_t t)
 int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max,
               struct shmw_fire *fires, char *payloads)
 {
-    if (!w)
-        return SHMW_ECLOSED;
     /* Pops due buckets in expiry order.  A level-0 bucket fires whole; a
      * higher bucket is a cascade: the clock jumps to its expiry and its
      * timers go back in, each to a strictly later bucket of a lower level,
@@ -865,13 +871,16 @@ int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max,
      * the head one at a time, so a poll that runs out of room leaves the
      * rest of the bucket, and the clock, where they were.  The walk is
      * bounded: no entry can move more than `levels` times in one poll. */
-    struct shmw_header *h = w->hdr;
-    uint64_t budget = (uint64_t)w->capacity * (w->levels + 1) + w->nbuckets;
-    uint64_t now_tick;
+    struct shmw_header *h;
+    uint64_t budget, now_tick;
     int64_t now_ns;
     uint32_t n = 0;
     int rc;
 
+    if (!w)
+        return SHMW_ECLOSED;
+    h = w->hdr;
+    budget = (uint64_t)w->capacity * (w->levels + 1) + w->nbuckets;
     if (use_clock)
         now_ns = shmw_now_ns();
     else if ((rc = shmw_seconds_to_ns(now_s, &now_ns)))
@@ -954,12 +963,13 @@ int shmw_pending(shmw_t *w)
 
 int shmw_stats(shmw_t *w, struct shmw_stats *out)
 {
-    if (!w)
-        return SHMW_ECLOSED;
-    struct shmw_header *h = w->hdr;
+    struct shmw_header *h;
     uint32_t b, l;
     int rc;
 
+    if (!w)
+        return SHMW_ECLOSED;
+    h = w->hdr;
     memset(out, 0, sizeof(*out));
     if ((rc = lock(w)))
         return rc;
@@ -1007,6 +1017,8 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
 
     if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHMW_MAGIC)
         FAIL("header: magic overwritten");
+    if (h->flags & SHMW_F_DAMAGED)
+        FAIL("header: a process died holding the lock and left the segment inconsistent");
     if (h->capacity != w->capacity || h->tick_ns != w->tick_ns || h->payload_size != w->payload_size
         || h->wheel_bits != w->wheel_bits || h->levels != w->levels || h->stride != w->stride
         || h->slot_bits != w->slot_bits)
@@ -1116,6 +1128,8 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
         FAIL("buckets: hold %llu entries, pending is %u", (unsigned long long)in_buckets, h->pending);
     if (nonempty != h->heap_len)
         FAIL("delay-heap: %u buckets, %llu non-empty", h->heap_len, (unsigned long long)nonempty);
+    /* heap_len <= nbuckets now; each heap[k] names a non-empty bucket that
+     * points back at k (checked above), so the indices are in bounds. */
     for (k = 1; k < h->heap_len; k++)
         if (w->buckets[w->heap[k]].expires < w->buckets[w->heap[(k - 1) / 2]].expires)
             FAIL("delay-heap: position %u expires before its parent", k);
@@ -1124,13 +1138,15 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
 
 int shmw_check(shmw_t *w, char *reason, uint32_t reason_len)
 {
+    int rc;
+
     if (!w)
         return SHMW_ECLOSED;
-    int rc = lock(w);
-
-    if (rc) {
+    if ((rc = lock(w))) {
         if (reason)
-            snprintf(reason, reason_len, "the previous lock holder died and left the segment inconsistent");
+            snprintf(reason, reason_len, rc == SHMW_ECORRUPT
+                     ? "a process died holding the lock and left the segment inconsistent"
+                     : "the lock cannot be taken");
         return rc;
     }
     rc = check_locked(w, reason, reason_len);

@@ -139,6 +139,10 @@
 #define SHMW_ENOMEM     -13  /* malloc failed (open only) */
 #define SHMW_ECLOSED    -14  /* called with a closed (NULL) handle */
 
+/* Header flags. */
+#define SHMW_F_DAMAGED  1   /* a lock holder died and left the segment inconsistent:
+                             * every operation fails with SHMW_ECORRUPT */
+
 /* Entry states. */
 #define SHMW_FREE     0   /* on the free list */
 #define SHMW_PENDING  1   /* in a bucket */
@@ -175,7 +179,7 @@ struct shmw_header {
     uint32_t pending;           /* timers in buckets (exact) */
     uint32_t retired;           /* slots whose generations ran out */
     uint32_t heap_len;          /* buckets in the delay-heap */
-    uint32_t _pad2;
+    uint32_t flags;             /* SHMW_F_* */
     uint64_t added;             /* counters since create */
     uint64_t cancelled;
     uint64_t fired;

@@ -574,6 +574,21 @@ def test_check_names_the_broken_invariant(wheel: shmwheel.Wheel) -> None:
     wheel.check()
 
 
+def test_damaged_segment_is_refused_until_repaired(wheel: shmwheel.Wheel) -> None:
+    """The flag a lock holder's death leaves behind stops every operation."""
+    h = wheel.add(60)
+    header(wheel).flags |= lib.SHMW_F_DAMAGED
+    try:
+        for call in (lambda: wheel.add(1), lambda: wheel.cancel(h), wheel.poll, wheel.stats):
+            with pytest.raises(shmwheel.CorruptSegmentError):
+                call()
+        with pytest.raises(shmwheel.CorruptSegmentError, match="died holding the lock"):
+            wheel.check()
+    finally:
+        header(wheel).flags &= ~lib.SHMW_F_DAMAGED
+    assert wheel.cancel(h)
+
+
 def test_threads_share_a_wheel_and_the_gil_is_released(make_wheel) -> None:
     w = make_wheel(capacity=400_000)
     errors: list[BaseException] = []
