@@ -49,7 +49,7 @@ _MESSAGES: dict[int, tuple[type[BaseException], str]] = {
 }
 
 
-class _Context(dict):
+class _Context(dict[str, object]):
     """Fills fields a message needs but the caller did not give with '?'."""
 
     def __missing__(self, key: str) -> str:

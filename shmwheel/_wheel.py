@@ -21,7 +21,7 @@ import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import posix_ipc
 
@@ -165,6 +165,16 @@ class Wheel:
 
     __slots__ = ("_name", "_mm", "_buf", "_w", "_capacity", "_payload_size", "_tick", "_levels", "_wheel_size")
 
+    _name: str
+    _mm: mmap.mmap
+    _buf: Any  # cffi char[] over the mapping
+    _w: Any  # cffi shmw_t *, NULL once closed
+    _capacity: int
+    _payload_size: int
+    _tick: float
+    _levels: int
+    _wheel_size: int
+
     def __init__(self) -> None:
         raise TypeError("use shmwheel.create() or shmwheel.attach() to get a Wheel")
 
@@ -198,7 +208,7 @@ class Wheel:
 
     @property
     def closed(self) -> bool:
-        return self._w == ffi.NULL
+        return bool(self._w == ffi.NULL)
 
     def close(self) -> None:
         """Unmap the segment from this process.  The segment itself stays."""
@@ -256,7 +266,7 @@ class Wheel:
     def add(self, delay: float, payload: bytes = b"") -> int:
         """Add a timer due ``delay`` seconds from now; return its handle."""
         try:
-            h = _add(self._w, delay, payload, len(payload))
+            h: int = _add(self._w, delay, payload, len(payload))
         except TypeError:
             return self.add(_check_seconds(delay, "delay"), _check_payload(payload))
         if h < 0:
@@ -266,7 +276,7 @@ class Wheel:
     def add_at(self, deadline: float, payload: bytes = b"") -> int:
         """Add a timer due at ``deadline`` on the :func:`time.monotonic` clock."""
         try:
-            h = _add_at(self._w, deadline, payload, len(payload))
+            h: int = _add_at(self._w, deadline, payload, len(payload))
         except TypeError:
             return self.add_at(_check_seconds(deadline, "deadline"), _check_payload(payload))
         if h < 0:
@@ -276,7 +286,7 @@ class Wheel:
     def cancel(self, handle: int) -> bool:
         """Cancel a pending timer.  True exactly when it will now never fire."""
         try:
-            rc = _cancel(self._w, handle)
+            rc: int = _cancel(self._w, handle)
         except (TypeError, OverflowError):
             _check_handle(handle)
             raise
@@ -287,7 +297,7 @@ class Wheel:
     def reset(self, handle: int, delay: float) -> bool:
         """Re-arm a pending timer to ``delay`` seconds from now; False if not pending."""
         try:
-            rc = _reset(self._w, handle, delay)
+            rc: int = _reset(self._w, handle, delay)
         except (TypeError, OverflowError):
             _check_handle(handle)
             _check_seconds(delay, "delay")
@@ -299,7 +309,7 @@ class Wheel:
     def reset_at(self, handle: int, deadline: float) -> bool:
         """Re-arm a pending timer to ``deadline``; False if not pending."""
         try:
-            rc = _reset_at(self._w, handle, deadline)
+            rc: int = _reset_at(self._w, handle, deadline)
         except (TypeError, OverflowError):
             _check_handle(handle)
             _check_seconds(deadline, "deadline")
@@ -344,7 +354,8 @@ class Wheel:
         if rc < 0:
             bad = next((d for d in delays if not (0 <= d <= MAX_DELAY)), None)
             self._raise(rc, "delay", bad)
-        return ffi.unpack(handles, n)
+        added: list[int] = ffi.unpack(handles, n)
+        return added
 
     def cancel_many(self, handles: Iterable[int]) -> int:
         """Cancel many timers in one call into C; return how many were pending."""
@@ -358,7 +369,7 @@ class Wheel:
             for h in handles:
                 _check_handle(h)
             raise
-        rc = lib.shmw_cancel_many(self._w, c_handles, len(handles))
+        rc: int = lib.shmw_cancel_many(self._w, c_handles, len(handles))
         if rc < 0:
             self._raise(rc)
         return rc
@@ -416,7 +427,7 @@ class Wheel:
 
     def __len__(self) -> int:
         """The number of pending timers (exact, and stale as soon as it is read)."""
-        n = _pending(self._w)
+        n: int = _pending(self._w)
         if n < 0:
             self._raise(n)
         return n
@@ -459,7 +470,7 @@ class Wheel:
             self._raise(rc)
         return st
 
-    def _raise(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> None:
+    def _raise(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> NoReturn:
         if rc in (lib.SHMW_ETIME, lib.SHMW_ERANGE) and value is not None:
             what = f"{what} {value!r}"
         try:

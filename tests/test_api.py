@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import random
 import stat
 import threading
 import time
@@ -12,11 +13,10 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
+from conftest import fresh_name
 
 import shmwheel
 from shmwheel._binding import ffi, lib
-
-from conftest import fresh_name
 
 
 def header(w: shmwheel.Wheel):
@@ -283,7 +283,10 @@ def test_handle_that_names_no_slot_is_not_pending(make_wheel) -> None:
     assert w.cancel(2**63 - 1) is False
 
 
-@pytest.mark.parametrize("bad, exc", [("1", TypeError), (1.0, TypeError), (None, TypeError), (-1, ValueError), (2**63, ValueError), (2**64, ValueError)])
+@pytest.mark.parametrize(
+    "bad, exc",
+    [("1", TypeError), (1.0, TypeError), (None, TypeError), (-1, ValueError), (2**63, ValueError), (2**64, ValueError)],
+)
 def test_bad_handles_raise(wheel: shmwheel.Wheel, bad: object, exc: type) -> None:
     h = wheel.add(60)
     for call in (wheel.cancel, lambda x: wheel.reset(x, 1), lambda x: wheel.cancel_many([h, x])):
@@ -427,10 +430,12 @@ def test_fire_fields(wheel: shmwheel.Wheel) -> None:
 def test_poll_returns_in_tick_order_across_levels(make_wheel) -> None:
     w = make_wheel(capacity=5000, wheel_size=16)
     now = clock(w)
-    import random
-
     rng = random.Random(7)
-    delays = [rng.choice([rng.random() * 0.05, rng.random() * 5, rng.random() * 500, 16**k * 0.001 + rng.random()]) for k in range(6) for _ in range(400)]
+    delays = [
+        rng.choice([rng.random() * 0.05, rng.random() * 5, rng.random() * 500, 16**k * 0.001 + rng.random()])
+        for k in range(6)
+        for _ in range(400)
+    ]
     hs = set(w.add_many(delays))
     fires = []
     t = now
@@ -485,7 +490,10 @@ def test_poll_default_now_is_the_monotonic_clock(wheel: shmwheel.Wheel) -> None:
     assert before - 0.001 <= f.fired_at <= time.monotonic() + 0.001
 
 
-@pytest.mark.parametrize("now, max_fires, exc", [(math.nan, None, ValueError), (-1, None, ValueError), ("x", None, TypeError), (None, -1, ValueError), (None, 1.5, TypeError)])
+@pytest.mark.parametrize(
+    "now, max_fires, exc",
+    [(math.nan, None, ValueError), (-1, None, ValueError), ("x", None, TypeError), (None, -1, ValueError), (None, 1.5, TypeError)],
+)
 def test_poll_rejects_bad_arguments(wheel: shmwheel.Wheel, now: object, max_fires: object, exc: type) -> None:
     wheel.add(0)
     with pytest.raises(exc):

@@ -10,13 +10,12 @@ step the C invariant checker runs and ``len()`` must equal the model.
 from __future__ import annotations
 
 import hypothesis.strategies as st
+from conftest import fresh_name
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 import shmwheel
 from shmwheel._binding import ffi, lib
-
-from conftest import fresh_name
 
 TICK_NS = 1_000_000
 WHEEL_BITS = 4
