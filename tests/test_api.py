@@ -492,7 +492,13 @@ def test_poll_default_now_is_the_monotonic_clock(wheel: shmwheel.Wheel) -> None:
 
 @pytest.mark.parametrize(
     "now, max_fires, exc",
-    [(math.nan, None, ValueError), (-1, None, ValueError), ("x", None, TypeError), (None, -1, ValueError), (None, 1.5, TypeError)],
+    [
+        (math.nan, None, ValueError),
+        (-1, None, ValueError),
+        ("x", None, TypeError),
+        (None, -1, ValueError),
+        (None, 1.5, TypeError),
+    ],
 )
 def test_poll_rejects_bad_arguments(wheel: shmwheel.Wheel, now: object, max_fires: object, exc: type) -> None:
     wheel.add(0)
