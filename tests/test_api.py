@@ -29,6 +29,32 @@ def entry(w: shmwheel.Wheel, index: int):
     return ffi.cast("struct shmw_entry *", w._buf + s[0] + index * header(w).stride)
 
 
+def to_ns(seconds: float) -> int:
+    """The C core's conversion of a time in seconds to nanoseconds."""
+    out = ffi.new("int64_t *")
+    assert lib.shmw_seconds_to_ns(seconds, out) == 0
+    return int(out[0])
+
+
+def seconds_below(ns: int) -> float:
+    """The largest float time that converts to fewer than ``ns`` nanoseconds.
+
+    At a long uptime a float of seconds cannot name every nanosecond; these
+    two helpers keep the boundary tests exact whatever the uptime.
+    """
+    x = ns / 1e9
+    while to_ns(x) >= ns:
+        x = math.nextafter(x, 0)
+    while to_ns(math.nextafter(x, math.inf)) < ns:
+        x = math.nextafter(x, math.inf)
+    return x
+
+
+def seconds_at_least(ns: int) -> float:
+    """The smallest float time that converts to ``ns`` nanoseconds or more."""
+    return math.nextafter(seconds_below(ns), math.inf)
+
+
 def clock(w: shmwheel.Wheel) -> float:
     """The wheel clock: a fake "now" that fires nothing new."""
     return w.stats().clock
@@ -397,19 +423,19 @@ def test_add_many_and_cancel_many(wheel: shmwheel.Wheel) -> None:
 @pytest.mark.parametrize("offset_ns", [0, 1, 499_999, 500_000, 999_999, 1_000_000, 1_000_001, 7_654_321])
 def test_fires_at_first_tick_boundary_at_or_after_deadline(make_wheel, tick: float, offset_ns: int) -> None:
     w = make_wheel(capacity=4, tick=tick)
-    base_ns = round(clock(w) * 1e9)
-    deadline_ns = base_ns + 3_000_000 + offset_ns
     tick_ns = round(tick * 1e9)
+    deadline = seconds_at_least(round(clock(w) * 1e9) + 3_000_000 + offset_ns)
+    deadline_ns = to_ns(deadline)
     boundary_ns = -(-deadline_ns // tick_ns) * tick_ns
-    h = w.add_at(deadline_ns / 1e9, b"p")
-    assert w.poll((deadline_ns - 1) / 1e9) == []
-    if boundary_ns > deadline_ns:
-        assert w.poll((boundary_ns - 1) / 1e9) == []
-    (fire,) = w.poll(boundary_ns / 1e9)
+    h = w.add_at(deadline, b"p")
+    assert w.poll(seconds_below(deadline_ns)) == []
+    assert w.poll(seconds_below(boundary_ns)) == []
+    at = seconds_at_least(boundary_ns)
+    (fire,) = w.poll(at)
     assert fire.handle == h
     assert fire.deadline_ns == deadline_ns
-    assert fire.fired_at_ns == boundary_ns
-    assert 0 <= fire.fired_at_ns - fire.deadline_ns < tick_ns
+    assert fire.fired_at_ns == to_ns(at)
+    assert 0 <= fire.fired_at_ns - boundary_ns < tick_ns
     assert fire.payload == b"p" and fire.owner_pid == os.getpid()
 
 
@@ -419,9 +445,9 @@ def test_fire_fields(wheel: shmwheel.Wheel) -> None:
     h = wheel.add_at(deadline, b"\x00payload\x00\x00")
     (f,) = wheel.poll(now + 1)
     assert f.handle == h
-    assert abs(f.deadline - deadline) < 1e-9
-    assert f.deadline_ns == round(deadline * 1e9)
-    assert f.fired_at == pytest.approx(now + 1)
+    assert f.deadline_ns == to_ns(deadline) == round(deadline * 1e9)
+    assert abs(f.deadline - deadline) <= max(1e-9, 2 * math.ulp(deadline))
+    assert f.fired_at_ns == to_ns(now + 1)
     assert f.lateness == pytest.approx(now + 1 - deadline)
     assert f.payload == b"\x00payload\x00\x00"
     assert f.owner_pid == os.getpid()
