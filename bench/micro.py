@@ -485,7 +485,7 @@ def churn_trial(
         add, cancel = wheel.add, wheel.cancel
         indices = next(slices)
         t0 = time.perf_counter_ns()
-        for i, d in zip(indices, delays):
+        for i, d in zip(indices, delays, strict=False):
             cancel(live[i])
             live[i] = add(d)
         return time.perf_counter_ns() - t0
@@ -606,7 +606,7 @@ def bench_memory(segs: Segments) -> list[Result]:
                 "bytes",
             )
         )
-        for capacity, size in zip((c1, c2), sizes):
+        for capacity, size in zip((c1, c2), sizes, strict=True):
             results.append(
                 Result(
                     f"segment_bytes_c{capacity}_p{payload}",
