@@ -510,6 +510,7 @@ static int bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
         bk->count = 1;
         e->prev = e->next = SHMW_NIL;
         e->bucket = b;
+        w->hdr->level_pending[b >> w->wheel_bits]++;
         return heap_push(w, b);
     }
     if (bk->tail >= w->capacity || bk->expires != expires)
@@ -520,6 +521,7 @@ static int bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
     e->bucket = b;
     bk->tail = i;
     bk->count++;
+    w->hdr->level_pending[b >> w->wheel_bits]++;
     return SHMW_OK;
 }
 
@@ -552,6 +554,7 @@ static int bucket_unlink(shmw_t *w, uint32_t i)
     else
         entry_at(w, e->next)->prev = e->prev;
     e->prev = e->next = e->bucket = SHMW_NIL;
+    w->hdr->level_pending[b >> w->wheel_bits]--;
     if (--bk->count == 0) {
         bk->head = bk->tail = SHMW_NIL;
         return heap_remove(w, b);
@@ -738,7 +741,7 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
     }
     for (k = 0; k < n; k++) {
         uint32_t len = lens ? lens[k] : 0;
-        rc = insert_new(w, handles[k], payloads + off, len, &handles[k]);
+        rc = insert_new(w, handles[k], len ? payloads + off : NULL, len, &handles[k]);
         if (rc)
             break;              /* only ECORRUPT gets here */
         off += len;
@@ -964,7 +967,7 @@ int shmw_pending(shmw_t *w)
 int shmw_stats(shmw_t *w, struct shmw_stats *out)
 {
     struct shmw_header *h;
-    uint32_t b, l;
+    uint32_t l;
     int rc;
 
     if (!w)
@@ -990,10 +993,8 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     out->next_expiry_ns = -1;
     if (h->heap_len > 0 && h->heap_len <= w->nbuckets && w->heap[0] < w->nbuckets)
         out->next_expiry_ns = (int64_t)(w->buckets[w->heap[0]].expires * (uint64_t)w->tick_ns);
-    for (b = 0; b < w->nbuckets; b++) {
-        l = b >> w->wheel_bits;
-        out->level_pending[l] += w->buckets[b].count;
-    }
+    for (l = 0; l < w->levels; l++)
+        out->level_pending[l] = h->level_pending[l];
     unlock(w);
     return SHMW_OK;
 }
@@ -1013,6 +1014,7 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
 {
     struct shmw_header *h = w->hdr;
     uint64_t free_seen = 0, pending_seen = 0, retired_seen = 0, in_buckets = 0, nonempty = 0;
+    uint64_t in_level[SHMW_MAX_LEVELS] = {0};
     uint32_t i, b, l, k;
 
     if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHMW_MAGIC)
@@ -1123,7 +1125,12 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
         if (i != SHMW_NIL || bk->tail != prev)
             FAIL("bucket %u: list does not end after count %u", b, bk->count);
         in_buckets += bk->count;
+        in_level[level] += bk->count;
     }
+    for (l = 0; l < w->levels; l++)
+        if (in_level[l] != h->level_pending[l])
+            FAIL("counters: level %u pending is %u but its buckets hold %llu", l,
+                 h->level_pending[l], (unsigned long long)in_level[l]);
     if (in_buckets != h->pending)
         FAIL("buckets: hold %llu entries, pending is %u", (unsigned long long)in_buckets, h->pending);
     if (nonempty != h->heap_len)

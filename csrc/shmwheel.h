@@ -180,6 +180,7 @@ struct shmw_header {
     uint32_t retired;           /* slots whose generations ran out */
     uint32_t heap_len;          /* buckets in the delay-heap */
     uint32_t flags;             /* SHMW_F_* */
+    uint32_t level_pending[SHMW_MAX_LEVELS]; /* timers in each level, for stats */
     uint64_t added;             /* counters since create */
     uint64_t cancelled;
     uint64_t fired;
