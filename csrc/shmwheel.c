@@ -688,7 +688,6 @@ static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, 
 
     if (!w)
         return SHMW_ECLOSED;
-
     if (len > w->payload_size)
         return SHMW_EPAYLOAD;
     if ((rc = lock(w)))
@@ -771,7 +770,6 @@ int shmw_cancel(shmw_t *w, int64_t handle)
 
     if (!w)
         return SHMW_ECLOSED;
-
     if (handle < 0)
         return SHMW_EHANDLE;
     if ((rc = lock(w)))
@@ -788,7 +786,6 @@ int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
 
     if (!w)
         return SHMW_ECLOSED;
-
     for (k = 0; k < n; k++)
         if (handles[k] < 0)
             return SHMW_EHANDLE;
@@ -813,7 +810,6 @@ static int reset_checked(shmw_t *w, int64_t handle, int64_t deadline_ns)
 
     if (!w)
         return SHMW_ECLOSED;
-
     if (handle < 0)
         return SHMW_EHANDLE;
     if ((rc = lock(w)))

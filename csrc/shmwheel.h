@@ -211,6 +211,11 @@ struct shmw_entry {
     /* payload_size bytes of payload follow */
 };
 
+/* ---- cffi begin ----------------------------------------------------------
+ * From here to "cffi end", csrc/build_shmwheel.py hands the declarations to
+ * cffi's cdef as they stand (array sizes become "..."), so the Python side
+ * can never drift from them. */
+
 /* A timer handed out by shmw_poll; its payload is copied to a separate
  * buffer at payload_size bytes a fire. */
 struct shmw_fire {
@@ -284,5 +289,7 @@ int     shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max,
 int     shmw_stats(shmw_t *w, struct shmw_stats *out);
 int     shmw_check(shmw_t *w, char *reason, uint32_t reason_len);
 int     shmw_pending(shmw_t *w);
+
+/* ---- cffi end ------------------------------------------------------------ */
 
 #endif /* SHMWHEEL_H */
