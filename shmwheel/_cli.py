@@ -33,7 +33,12 @@ def _request_worker(wheel: Wheel, seed: int, until: float) -> None:
     wheel.close()
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)  # unwinds through the finally blocks that clean up
+
+
 def _demo(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     name = f"shmwheel-demo-{os.getpid()}"
     wheel = create(name, capacity=10_000, tick=0.001, payload_size=64)
     print(f"created wheel {name!r} in /dev/shm: capacity 10000, tick 1 ms, {wheel.levels} levels")
