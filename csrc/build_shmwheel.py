@@ -45,6 +45,10 @@ struct shmw_header {
     uint32_t pending;
     uint32_t heap_len;
     uint32_t flags;
+    int32_t  driver_pid;
+    uint32_t driver_state;
+    int64_t  driver_start;
+    uint32_t inflight;
     ...;
 };
 struct shmw_bucket {
@@ -57,10 +61,12 @@ struct shmw_bucket {
 struct shmw_entry {
     int64_t  deadline_ns;
     uint64_t generation;
+    int64_t  fired_at_ns;
     uint32_t next;
     uint32_t prev;
     uint32_t bucket;
-    uint32_t state;
+    uint16_t state;
+    uint16_t flags;
     int32_t  owner_pid;
     uint32_t payload_len;
 };

@@ -17,6 +17,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 
 #define ALIGN_UP(x, a) (((x) + (uint64_t)(a) - 1) & ~((uint64_t)(a) - 1))
 
@@ -261,6 +263,8 @@ int shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t no
     }
     h->free_head = 0;
     h->free_count = p->capacity;
+    h->inflight_head = h->inflight_tail = h->inflight_unsent = SHMW_NIL;
+    h->advanced_ns = now_ns;
 
     /* Robust: a holder that dies hands EOWNERDEAD to the next locker
      * instead of blocking everyone.  No priority inheritance: it would put
@@ -380,6 +384,33 @@ static int lock(shmw_t *w)
 static inline void unlock(shmw_t *w)
 {
     pthread_mutex_unlock(&w->hdr->mutex);
+}
+
+/* ---- futexes -------------------------------------------------------------- */
+
+static long futex(uint32_t *word, int op, uint32_t val, const struct timespec *ts)
+{
+    return syscall(SYS_futex, word, op, val, ts, NULL, FUTEX_BITSET_MATCH_ANY);
+}
+
+static void futex_wake_all(uint32_t *word)
+{
+    futex(word, FUTEX_WAKE, INT32_MAX, NULL);
+}
+
+/* Sleeps while *word == seen, until the absolute CLOCK_MONOTONIC time
+ * deadline_ns (< 0: no limit).  Returns at once if the word has moved on. */
+static void futex_wait_until(uint32_t *word, uint32_t seen, int64_t deadline_ns)
+{
+    struct timespec ts;
+
+    if (deadline_ns < 0) {
+        futex(word, FUTEX_WAIT_BITSET, seen, NULL);
+        return;
+    }
+    ts.tv_sec = deadline_ns / 1000000000LL;
+    ts.tv_nsec = deadline_ns % 1000000000LL;
+    futex(word, FUTEX_WAIT_BITSET, seen, &ts);
 }
 
 /* ---- the delay-heap ------------------------------------------------------
@@ -589,6 +620,7 @@ static void slot_free(shmw_t *w, uint32_t i)
     struct shmw_header *h = w->hdr;
 
     e->prev = e->bucket = SHMW_NIL;
+    e->flags = 0;
     if (e->generation >= w->max_generation) {
         /* Its next handle would repeat an old one: retire the slot. */
         e->state = SHMW_RETIRED;
@@ -622,9 +654,31 @@ static int slot_alloc(shmw_t *w, uint32_t *out)
     return SHMW_OK;
 }
 
+/* The clock sleeps until h->sleep_until (0 while it is awake or there is
+ * no driver).  A timer due before that must wake it: the word is bumped
+ * here, under the lock, and the caller calls FUTEX_WAKE after unlocking.
+ * Lowering sleep_until makes later adds for the same moment skip the
+ * system call. */
+static int wake_for(shmw_t *w, uint64_t expires)
+{
+    struct shmw_header *h = w->hdr;
+
+    if (expires >= h->sleep_until)
+        return 0;
+    h->sleep_until = expires;
+    __atomic_add_fetch(&h->wake_word, 1, __ATOMIC_SEQ_CST);
+    return 1;
+}
+
+static void wake_clock(shmw_t *w)
+{
+    futex_wake_all(&w->hdr->wake_word);
+}
+
 /* Takes a free slot, fills it and puts it in its bucket.  On failure the
  * slot goes back to the free list untouched. */
-static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, int64_t *handle)
+static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, int64_t *handle,
+                      int *wake)
 {
     struct shmw_header *h = w->hdr;
     struct shmw_entry *e;
@@ -642,6 +696,7 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
     e->deadline_ns = deadline_ns;
     e->owner_pid = cached_pid;
     e->payload_len = len;
+    e->flags = 0;
     if (len)
         memcpy((char *)(e + 1), payload, len);
     e->state = SHMW_PENDING;
@@ -650,6 +705,7 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
         return rc;
     h->pending++;
     h->added++;
+    *wake |= wake_for(w, expires);
     *handle = handle_of(w, i);
     return SHMW_OK;
 }
@@ -684,7 +740,7 @@ static int deadline_at(double deadline_s, int64_t now_ns, int64_t *deadline_ns)
 static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len)
 {
     int64_t handle = 0;
-    int rc;
+    int rc, wake = 0;
 
     if (!w)
         return SHMW_ECLOSED;
@@ -692,8 +748,10 @@ static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, 
         return SHMW_EPAYLOAD;
     if ((rc = lock(w)))
         return rc;
-    rc = insert_new(w, deadline_ns, payload, len, &handle);
+    rc = insert_new(w, deadline_ns, payload, len, &handle, &wake);
     unlock(w);
+    if (wake)
+        wake_clock(w);
     return rc ? rc : handle;
 }
 
@@ -722,7 +780,7 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
     int64_t now_ns = shmw_now_ns();
     uint64_t off = 0;
     uint32_t k;
-    int rc;
+    int rc, wake = 0;
 
     if (!w)
         return SHMW_ECLOSED;
@@ -740,12 +798,14 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
     }
     for (k = 0; k < n; k++) {
         uint32_t len = lens ? lens[k] : 0;
-        rc = insert_new(w, handles[k], len ? payloads + off : NULL, len, &handles[k]);
+        rc = insert_new(w, handles[k], len ? payloads + off : NULL, len, &handles[k], &wake);
         if (rc)
             break;              /* only ECORRUPT gets here */
         off += len;
     }
     unlock(w);
+    if (wake)
+        wake_clock(w);
     return rc;
 }
 
@@ -806,7 +866,7 @@ static int reset_checked(shmw_t *w, int64_t handle, int64_t deadline_ns)
     struct shmw_entry *e;
     uint64_t expires;
     uint32_t i, b;
-    int rc;
+    int rc, wake = 0;
 
     if (!w)
         return SHMW_ECLOSED;
@@ -829,8 +889,11 @@ static int reset_checked(shmw_t *w, int64_t handle, int64_t deadline_ns)
     if (rc == SHMW_OK) {
         e->deadline_ns = deadline_ns;
         w->hdr->resets++;
+        wake = wake_for(w, expires);
     }
     unlock(w);
+    if (wake)
+        wake_clock(w);
     return rc ? rc : 1;
 }
 
@@ -850,105 +913,426 @@ int shmw_reset_at(shmw_t *w, int64_t handle, double deadline_s)
     return rc ? rc : reset_checked(w, handle, deadline_ns);
 }
 
-static void set_elapsed(shmw_t *w, uint64_t t)
+static void set_elapsed(shmw_t *w, uint64_t t, int64_t now_ns)
 {
     struct shmw_header *h = w->hdr;
     uint32_t l;
 
     h->elapsed = t;
+    h->advanced_ns = now_ns;
     for (l = 0; l < w->levels; l++)
         h->level_clock[l] = shmw_bucket_expiry(t, l, w->wheel_bits);
 }
 
-int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max,
-              struct shmw_fire *fires, char *payloads)
+int shmw_record_size(shmw_t *w)
 {
-    /* Pops due buckets in expiry order.  A level-0 bucket fires whole; a
-     * higher bucket is a cascade: the clock jumps to its expiry and its
-     * timers go back in, each to a strictly later bucket of a lower level,
-     * or fire if they are due at that very tick.  Entries are taken off
-     * the head one at a time, so a poll that runs out of room leaves the
-     * rest of the bucket, and the clock, where they were.  The walk is
-     * bounded: no entry can move more than `levels` times in one poll. */
-    struct shmw_header *h;
-    uint64_t budget, now_tick;
-    int64_t now_ns;
-    uint32_t n = 0;
-    int rc;
-
     if (!w)
         return SHMW_ECLOSED;
-    h = w->hdr;
-    budget = (uint64_t)w->capacity * (w->levels + 1) + w->nbuckets;
-    if (use_clock)
-        now_ns = shmw_now_ns();
-    else if ((rc = shmw_seconds_to_ns(now_s, &now_ns)))
-        return rc;
-    now_tick = (uint64_t)now_ns / (uint64_t)w->tick_ns;
+    return (int)(sizeof(struct shmw_fire) + ALIGN_UP(w->payload_size, 8));
+}
 
-    if ((rc = lock(w)))
-        return rc;
+/* Fills one fire record from entry i. */
+static void write_record(const shmw_t *w, uint32_t i, char *rec)
+{
+    struct shmw_entry *e = entry_at(w, i);
+    struct shmw_fire *f = (struct shmw_fire *)rec;
+    uint32_t len = e->payload_len <= w->payload_size ? e->payload_len : 0;
+
+    f->handle = handle_of(w, i);
+    f->deadline_ns = e->deadline_ns;
+    f->fired_at_ns = e->fired_at_ns;
+    f->owner_pid = e->owner_pid;
+    f->payload_len = len;
+    f->flags = e->flags;
+    f->_pad = 0;
+    if (len)
+        memcpy(rec + sizeof(*f), (char *)(e + 1), len);
+}
+
+/* The in-flight FIFO: append at the tail, unlink anywhere (acks may come
+ * in any order).  Links are checked before anything is changed. */
+static void inflight_append(shmw_t *w, uint32_t i)
+{
+    struct shmw_header *h = w->hdr;
+    struct shmw_entry *e = entry_at(w, i);
+
+    e->state = SHMW_INFLIGHT;
+    e->bucket = SHMW_NIL;
+    e->next = SHMW_NIL;
+    e->prev = h->inflight_tail;
+    if (h->inflight_tail == SHMW_NIL)
+        h->inflight_head = i;
+    else
+        entry_at(w, h->inflight_tail)->next = i;
+    h->inflight_tail = i;
+    if (h->inflight_unsent == SHMW_NIL)
+        h->inflight_unsent = i;
+    h->inflight++;
+}
+
+static int inflight_unlink(shmw_t *w, uint32_t i)
+{
+    struct shmw_header *h = w->hdr;
+    struct shmw_entry *e = entry_at(w, i);
+
+    if (h->inflight == 0)
+        return SHMW_ECORRUPT;
+    if (e->prev == SHMW_NIL ? h->inflight_head != i
+        : e->prev >= w->capacity || entry_at(w, e->prev)->next != i)
+        return SHMW_ECORRUPT;
+    if (e->next == SHMW_NIL ? h->inflight_tail != i
+        : e->next >= w->capacity || entry_at(w, e->next)->prev != i)
+        return SHMW_ECORRUPT;
+    if (h->inflight_unsent == i)
+        h->inflight_unsent = e->next;
+    if (e->prev == SHMW_NIL)
+        h->inflight_head = e->next;
+    else
+        entry_at(w, e->prev)->next = e->next;
+    if (e->next == SHMW_NIL)
+        h->inflight_tail = e->prev;
+    else
+        entry_at(w, e->next)->prev = e->prev;
+    e->prev = e->next = SHMW_NIL;
+    h->inflight--;
+    return SHMW_OK;
+}
+
+/* Advances the clock towards now_tick, firing at most `max` timers: into
+ * `records` and straight back to the free list (records != NULL: poll), or
+ * onto the in-flight FIFO (records == NULL: the driver).  Pops due buckets
+ * in expiry order.  A level-0 bucket fires whole; a higher bucket is a
+ * cascade: the clock jumps to its expiry and its timers go back in, each
+ * to a strictly later bucket of a lower level, or fire if due at that very
+ * tick.  Entries are taken off the head one at a time, so a call that runs
+ * out of room leaves the rest of the bucket, and the clock, where they
+ * were.  The walk is bounded: no entry moves more than `levels` times. */
+static int advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, char *records, uint32_t *fired)
+{
+    struct shmw_header *h = w->hdr;
+    uint64_t budget = (uint64_t)w->capacity * (w->levels + 1) + w->nbuckets;
+    uint32_t stride = sizeof(struct shmw_fire) + (uint32_t)ALIGN_UP(w->payload_size, 8);
+    uint32_t n = 0;
+    int rc = SHMW_OK;
+
     for (;;) {
         struct shmw_bucket *bk;
-        uint32_t b, i;
-        uint64_t at;
+        struct shmw_entry *e;
+        uint32_t b, i, nb;
+        uint64_t at, t, expires;
 
-        if (h->heap_len == 0) {
+        if (h->heap_len == 0 || (h->heap_len <= w->nbuckets && w->heap[0] < w->nbuckets
+                                 && w->buckets[w->heap[0]].expires > now_tick)) {
             if (now_tick > h->elapsed)
-                set_elapsed(w, now_tick);
+                set_elapsed(w, now_tick, now_ns);
             break;
         }
         if (h->heap_len > w->nbuckets || (b = w->heap[0]) >= w->nbuckets) {
             rc = SHMW_ECORRUPT;
             break;
         }
-        bk = &w->buckets[b];
-        at = bk->expires;
-        if (at > now_tick) {
-            if (now_tick > h->elapsed)
-                set_elapsed(w, now_tick);
-            break;
-        }
         if (n == max)
             break;
+        bk = &w->buckets[b];
+        at = bk->expires;
         if (at < h->elapsed || bk->head >= w->capacity || budget-- == 0) {
             rc = SHMW_ECORRUPT;
             break;
         }
         if (at > h->elapsed)
-            set_elapsed(w, at);
+            set_elapsed(w, at, now_ns);
 
         i = bk->head;
         if ((rc = bucket_unlink(w, i)))
             break;
-        {
-            struct shmw_entry *e = entry_at(w, i);
-            uint64_t t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
-            uint64_t expires;
-            uint32_t nb;
-
-            if (t > at) {
-                /* Cascade. */
-                if ((rc = place(w, at, t, &nb, &expires)) || (rc = bucket_append(w, nb, expires, i)))
-                    break;
-                continue;
-            }
-            fires[n].handle = handle_of(w, i);
-            fires[n].deadline_ns = e->deadline_ns;
-            fires[n].fired_at_ns = now_ns;
-            fires[n].owner_pid = e->owner_pid;
-            fires[n].payload_len = e->payload_len <= w->payload_size ? e->payload_len : 0;
-            if (fires[n].payload_len)
-                memcpy(payloads + (uint64_t)n * w->payload_size, (char *)(e + 1),
-                       fires[n].payload_len);
-            n++;
-            slot_free(w, i);
-            h->pending--;
-            h->fired++;
+        e = entry_at(w, i);
+        t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
+        if (t > at) {
+            /* Cascade. */
+            if ((rc = place(w, at, t, &nb, &expires)) || (rc = bucket_append(w, nb, expires, i)))
+                break;
+            continue;
         }
+        e->fired_at_ns = now_ns;
+        h->pending--;
+        h->fired++;
+        if (records) {
+            write_record(w, i, records + (uint64_t)n * stride);
+            slot_free(w, i);
+        } else {
+            inflight_append(w, i);
+        }
+        n++;
+    }
+    *fired = n;
+    return rc;
+}
+
+/* Poll hands out, first, whatever a dead driver left in flight (marked
+ * redelivered when its registration was released), then what is due. */
+static int drain_inflight(shmw_t *w, uint32_t max, char *records, uint32_t *n)
+{
+    struct shmw_header *h = w->hdr;
+    uint32_t stride = sizeof(struct shmw_fire) + (uint32_t)ALIGN_UP(w->payload_size, 8);
+    int rc;
+
+    *n = 0;
+    while (*n < max && h->inflight_head != SHMW_NIL) {
+        uint32_t i = h->inflight_head;
+        if (i >= w->capacity || entry_at(w, i)->state != SHMW_INFLIGHT)
+            return SHMW_ECORRUPT;
+        write_record(w, i, records + (uint64_t)*n * stride);
+        if ((rc = inflight_unlink(w, i)))
+            return rc;
+        slot_free(w, i);
+        h->acked++;
+        (*n)++;
+    }
+    return SHMW_OK;
+}
+
+int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *records)
+{
+    uint32_t stride, n = 0, more = 0;
+    uint64_t now_tick;
+    int64_t now_ns;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (use_clock)
+        now_ns = shmw_now_ns();
+    else if ((rc = shmw_seconds_to_ns(now_s, &now_ns)))
+        return rc;
+    now_tick = (uint64_t)now_ns / (uint64_t)w->tick_ns;
+    stride = sizeof(struct shmw_fire) + (uint32_t)ALIGN_UP(w->payload_size, 8);
+
+    if ((rc = lock(w)))
+        return rc;
+    if (w->hdr->driver_pid != 0)
+        rc = SHMW_EDRIVER;
+    else if ((rc = drain_inflight(w, max, records, &n)) == SHMW_OK)
+        rc = advance(w, now_tick, now_ns, max - n, records + (uint64_t)n * stride, &more);
+    unlock(w);
+    return rc ? rc : (int)(n + more);
+}
+
+/* ---- the driver ----------------------------------------------------------------- */
+
+void shmw_wake(shmw_t *w)
+{
+    if (!w)
+        return;
+    __atomic_add_fetch(&w->hdr->wake_word, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&w->hdr->outbox_word, 1, __ATOMIC_SEQ_CST);
+    futex_wake_all(&w->hdr->wake_word);
+    futex_wake_all(&w->hdr->outbox_word);
+}
+
+int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_pid, int64_t expect_start)
+{
+    struct shmw_header *h;
+    uint32_t i, k;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (pid < 0)
+        return SHMW_EINVAL;
+    if ((rc = lock(w)))
+        return rc;
+    h = w->hdr;
+    if (h->driver_pid != expect_pid || (expect_pid != 0 && h->driver_start != expect_start)) {
+        unlock(w);
+        return SHMW_EDRIVER;
+    }
+    /* Whatever is in flight now was fired by a driver that is gone: send
+     * all of it again, marked.  Bounded by the in-flight count. */
+    i = h->inflight_head;
+    for (k = 0; k < h->inflight && i != SHMW_NIL; k++) {
+        struct shmw_entry *e;
+        if (i >= w->capacity) {
+            unlock(w);
+            return SHMW_ECORRUPT;
+        }
+        e = entry_at(w, i);
+        if (!(e->flags & SHMW_REDELIVERED)) {
+            e->flags |= SHMW_REDELIVERED;
+            h->redelivered++;
+        }
+        i = e->next;
+    }
+    h->inflight_unsent = h->inflight_head;
+    h->driver_pid = pid;
+    h->driver_start = pid ? start : 0;
+    h->driver_state = pid ? SHMW_DRIVER_RUNNING : SHMW_DRIVER_NONE;
+    h->sleep_until = 0;
+    unlock(w);
+    return SHMW_OK;
+}
+
+int shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state)
+{
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (state > SHMW_DRIVER_STOPPING)
+        return SHMW_EINVAL;
+    if ((rc = lock(w)))
+        return rc;
+    if (w->hdr->driver_pid != pid)
+        rc = SHMW_EDRIVER;
+    else
+        w->hdr->driver_state = state;
+    unlock(w);
+    return rc;
+}
+
+int shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
+{
+    /* Fires what is due in batches of at most `batch` per lock hold, so a
+     * burst of a million timers does not shut producers out, then sleeps
+     * until the earliest bucket is due or a producer adds an earlier one.
+     * There is no periodic tick: an idle wheel sleeps in FUTEX_WAIT. */
+    struct shmw_header *h;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (batch == 0)
+        return SHMW_EINVAL;
+    h = w->hdr;
+    while (!*stop) {
+        int64_t now_ns = shmw_now_ns();
+        int64_t until_ns = -1;
+        uint32_t fired = 0, seen;
+
+        if ((rc = lock(w)))
+            return rc;
+        if (h->driver_pid != cached_pid) {
+            unlock(w);
+            return SHMW_EDRIVER;   /* someone took over: stop at once */
+        }
+        h->sleep_until = 0;
+        rc = advance(w, (uint64_t)now_ns / (uint64_t)w->tick_ns, now_ns, batch, NULL, &fired);
+        if (rc) {
+            unlock(w);
+            return rc;
+        }
+        if (fired)
+            __atomic_add_fetch(&h->outbox_word, 1, __ATOMIC_SEQ_CST);
+        if (fired < batch) {
+            /* Nothing more is due: sleep until the earliest bucket. */
+            if (h->heap_len > 0 && h->heap_len <= w->nbuckets && w->heap[0] < w->nbuckets) {
+                uint64_t next = w->buckets[w->heap[0]].expires;
+                h->sleep_until = next;
+                until_ns = (int64_t)(next * (uint64_t)w->tick_ns);
+            } else {
+                h->sleep_until = UINT64_MAX;
+            }
+        }
+        seen = __atomic_load_n(&h->wake_word, __ATOMIC_SEQ_CST);
+        unlock(w);
+        if (fired)
+            futex_wake_all(&h->outbox_word);
+        if (fired < batch && !*stop)
+            futex_wait_until(&h->wake_word, seen, until_ns);
+    }
+    return SHMW_OK;
+}
+
+static int write_all(int fd, const char *buf, size_t len)
+{
+    while (len > 0) {
+        ssize_t k = write(fd, buf, len);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            return SHMW_EIO;
+        }
+        buf += k;
+        len -= (size_t)k;
+    }
+    return SHMW_OK;
+}
+
+int shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap)
+{
+    /* Copies unsent fires out of the segment under the lock, then writes
+     * them to the pipe outside it.  A slow reader blocks this thread only:
+     * the clock goes on firing into the in-flight FIFO meanwhile.  With
+     * *stop set it returns once nothing is left unsent. */
+    struct shmw_header *h;
+    uint32_t stride;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (cap == 0)
+        return SHMW_EINVAL;
+    h = w->hdr;
+    stride = (uint32_t)shmw_record_size(w);
+    for (;;) {
+        uint32_t n = 0, seen, i;
+        int stopping = *stop;
+
+        if ((rc = lock(w)))
+            return rc;
+        seen = __atomic_load_n(&h->outbox_word, __ATOMIC_SEQ_CST);
+        i = h->inflight_unsent;
+        while (n < cap && i != SHMW_NIL) {
+            if (i >= w->capacity || entry_at(w, i)->state != SHMW_INFLIGHT) {
+                unlock(w);
+                return SHMW_ECORRUPT;
+            }
+            write_record(w, i, buf + (uint64_t)n * stride);
+            n++;
+            i = entry_at(w, i)->next;
+        }
+        h->inflight_unsent = i;
+        unlock(w);
+        if (n) {
+            if ((rc = write_all(fd, buf, (size_t)n * stride)))
+                return rc;
+            continue;
+        }
+        if (stopping)
+            return SHMW_OK;
+        futex_wait_until(&h->outbox_word, seen, -1);
+    }
+}
+
+int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors)
+{
+    uint32_t k, done = 0;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    for (k = 0; k < n; k++)
+        if (handles[k] < 0)
+            return SHMW_EHANDLE;
+    if ((rc = lock(w)))
+        return rc;
+    w->hdr->handler_errors += errors;
+    for (k = 0; k < n; k++) {
+        uint64_t hd = (uint64_t)handles[k];
+        uint32_t i = (uint32_t)(hd & ((1ULL << w->slot_bits) - 1));
+        struct shmw_entry *e;
+        if (i >= w->capacity)
+            continue;
+        e = entry_at(w, i);
+        if (e->state != SHMW_INFLIGHT || e->generation != hd >> w->slot_bits)
+            continue;
+        if ((rc = inflight_unlink(w, i)))
+            break;
+        slot_free(w, i);
+        w->hdr->acked++;
+        done++;
     }
     unlock(w);
-    return rc ? rc : (int)n;
+    return rc ? rc : (int)done;
 }
 
 int shmw_pending(shmw_t *w)
@@ -991,6 +1375,15 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
         out->next_expiry_ns = (int64_t)(w->buckets[w->heap[0]].expires * (uint64_t)w->tick_ns);
     for (l = 0; l < w->levels; l++)
         out->level_pending[l] = h->level_pending[l];
+    out->driver_pid = h->driver_pid;
+    out->driver_start = h->driver_start;
+    out->driver_state = h->driver_state;
+    out->inflight = h->inflight;
+    out->acked = h->acked;
+    out->redelivered = h->redelivered;
+    out->handler_errors = h->handler_errors;
+    out->advanced_ns = h->advanced_ns;
+    out->clock_ns = (int64_t)(h->elapsed * (uint64_t)w->tick_ns);
     unlock(w);
     return SHMW_OK;
 }
@@ -1009,7 +1402,8 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
 static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
 {
     struct shmw_header *h = w->hdr;
-    uint64_t free_seen = 0, pending_seen = 0, retired_seen = 0, in_buckets = 0, nonempty = 0;
+    uint64_t free_seen = 0, pending_seen = 0, retired_seen = 0, inflight_seen = 0, in_buckets = 0, nonempty = 0;
+    int unsent_found;
     uint64_t in_level[SHMW_MAX_LEVELS] = {0};
     uint32_t i, b, l, k;
 
@@ -1041,6 +1435,8 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
             free_seen++;
         } else if (e->state == SHMW_RETIRED) {
             retired_seen++;
+        } else if (e->state == SHMW_INFLIGHT) {
+            inflight_seen++;
         } else {
             FAIL("slab: entry %u has unknown state %u", i, e->state);
         }
@@ -1054,6 +1450,36 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
     if (retired_seen != h->retired)
         FAIL("counters: retired is %u but %llu entries are retired", h->retired,
              (unsigned long long)retired_seen);
+    if (inflight_seen != h->inflight)
+        FAIL("counters: inflight is %u but %llu entries are in flight", h->inflight,
+             (unsigned long long)inflight_seen);
+    if (h->driver_state > SHMW_DRIVER_STOPPING || (h->driver_pid == 0) != (h->driver_state == SHMW_DRIVER_NONE))
+        FAIL("driver: state %u does not match pid %d", h->driver_state, h->driver_pid);
+
+    /* The in-flight FIFO: inflight steps, doubly linked, then NIL; the
+     * unsent cursor is NIL or on it. */
+    i = h->inflight_head;
+    k = 0;
+    {
+        uint32_t prev = SHMW_NIL;
+        unsent_found = h->inflight_unsent == SHMW_NIL;
+        for (; k < h->inflight; k++) {
+            struct shmw_entry *e;
+            if (i >= w->capacity)
+                FAIL("in-flight list: step %u has index %u out of bounds", k, i);
+            e = entry_at(w, i);
+            if (e->state != SHMW_INFLIGHT || e->prev != prev)
+                FAIL("in-flight list: entry %u is not linked as in flight", i);
+            if (i == h->inflight_unsent)
+                unsent_found = 1;
+            prev = i;
+            i = e->next;
+        }
+        if (i != SHMW_NIL || h->inflight_tail != prev)
+            FAIL("in-flight list: does not end after %u entries", h->inflight);
+        if (!unsent_found)
+            FAIL("in-flight list: the unsent cursor %u is not on it", h->inflight_unsent);
+    }
 
     /* The free list: free_count steps, each a free, unretired entry, then NIL. */
     i = h->free_head;

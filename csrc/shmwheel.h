@@ -108,7 +108,7 @@
 #include <stdint.h>
 
 #define SHMW_MAGIC          0x6c656568776d6873ULL  /* "shmwheel", little-endian */
-#define SHMW_LAYOUT_VERSION 1
+#define SHMW_LAYOUT_VERSION 2
 
 /* Geometry. */
 #define SHMW_MIN_WHEEL_BITS 4                 /* 16 buckets a level */
@@ -138,15 +138,24 @@
 #define SHMW_ELOCK      -12  /* the mutex could not be taken */
 #define SHMW_ENOMEM     -13  /* malloc failed (open only) */
 #define SHMW_ECLOSED    -14  /* called with a closed (NULL) handle */
+#define SHMW_EDRIVER    -15  /* a driver is registered (poll), or another took over */
+#define SHMW_EIO        -16  /* the driver's pipe failed (errno is kept) */
 
 /* Header flags. */
 #define SHMW_F_DAMAGED  1   /* a lock holder died and left the segment inconsistent:
                              * every operation fails with SHMW_ECORRUPT */
 
-/* Entry states. */
+/* Entry states and flags. */
 #define SHMW_FREE     0   /* on the free list */
 #define SHMW_PENDING  1   /* in a bucket */
 #define SHMW_RETIRED  2   /* generations used up: never handed out again */
+#define SHMW_INFLIGHT 3   /* fired by the driver, not yet acknowledged */
+#define SHMW_REDELIVERED 1 /* entry and fire flag: sent again after a driver died */
+
+/* Driver states. */
+#define SHMW_DRIVER_NONE     0
+#define SHMW_DRIVER_RUNNING  1
+#define SHMW_DRIVER_STOPPING 2
 
 struct shmw_header {
     /* Identity: checked at open. */
@@ -186,6 +195,31 @@ struct shmw_header {
     uint64_t fired;
     uint64_t resets;
 
+    /* The driver (under the mutex).  A fired timer stays in its slot, in
+     * state SHMW_INFLIGHT on a FIFO list, until its handler has run and it
+     * is acknowledged; `inflight_unsent` is the first entry the writer has
+     * not yet put into the pipe.  A driver that takes over from a dead one
+     * marks every entry in flight redelivered and sends them all again. */
+    int32_t  driver_pid;        /* 0: no driver registered */
+    uint32_t driver_state;      /* SHMW_DRIVER_* */
+    int64_t  driver_start;      /* the driver's process start time (us since the epoch) */
+    uint64_t sleep_until;       /* tick the clock sleeps until; 0 while awake */
+    int64_t  advanced_ns;       /* CLOCK_MONOTONIC when the clock last advanced */
+    uint32_t inflight_head;     /* oldest entry in flight or NIL */
+    uint32_t inflight_tail;     /* newest entry in flight or NIL */
+    uint32_t inflight_unsent;   /* first entry not yet written to the pipe, or NIL */
+    uint32_t inflight;          /* entries in flight */
+    uint64_t acked;
+    uint64_t redelivered;
+    uint64_t handler_errors;
+
+    /* Futex words.  Changed with atomics under the mutex and waited on
+     * outside it; the waker calls FUTEX_WAKE after unlocking, so no system
+     * call runs under the lock, and no wake-up is lost because the waiter
+     * passes the value it read under the lock to FUTEX_WAIT. */
+    uint32_t wake_word;         /* a producer bumps it to wake the clock */
+    uint32_t outbox_word;       /* the clock bumps it to wake the writer */
+
     /* Process-shared, robust; 64-byte aligned so it shares no line with
      * the counters that every operation writes. */
     pthread_mutex_t mutex __attribute__((aligned(64)));
@@ -202,10 +236,12 @@ struct shmw_bucket {
 struct shmw_entry {
     int64_t  deadline_ns;       /* exactly as asked, CLOCK_MONOTONIC */
     uint64_t generation;        /* handle = generation << slot_bits | index */
-    uint32_t next;              /* bucket list or free list, NIL ends */
-    uint32_t prev;              /* bucket list only */
-    uint32_t bucket;            /* bucket index while pending */
-    uint32_t state;             /* SHMW_FREE, SHMW_PENDING or SHMW_RETIRED */
+    int64_t  fired_at_ns;       /* when the driver fired it (in flight) */
+    uint32_t next;              /* bucket, free or in-flight list; NIL ends */
+    uint32_t prev;              /* bucket or in-flight list */
+    uint32_t bucket;            /* bucket index while pending, else NIL */
+    uint16_t state;             /* SHMW_FREE, _PENDING, _RETIRED or _INFLIGHT */
+    uint16_t flags;             /* SHMW_REDELIVERED */
     int32_t  owner_pid;         /* process that added the timer */
     uint32_t payload_len;       /* bytes of payload in use */
     /* payload_size bytes of payload follow */
@@ -216,14 +252,17 @@ struct shmw_entry {
  * cffi's cdef as they stand (array sizes become "..."), so the Python side
  * can never drift from them. */
 
-/* A timer handed out by shmw_poll; its payload is copied to a separate
- * buffer at payload_size bytes a fire. */
+/* A fire record, as shmw_poll returns them and the driver writes them into
+ * its pipe: this struct, then payload_size bytes rounded up to 8, of which
+ * payload_len are the payload.  shmw_record_size() gives the stride. */
 struct shmw_fire {
     int64_t  handle;
     int64_t  deadline_ns;
-    int64_t  fired_at_ns;       /* the poll's "now" */
+    int64_t  fired_at_ns;       /* when the clock fired it */
     int32_t  owner_pid;
     uint32_t payload_len;
+    uint32_t flags;             /* SHMW_REDELIVERED */
+    uint32_t _pad;
 };
 
 /* Everything stats() reports, read under the lock in one go. */
@@ -244,6 +283,15 @@ struct shmw_stats {
     uint64_t buckets_in_heap;
     int64_t  next_expiry_ns;    /* earliest non-empty bucket, -1 if none */
     uint64_t level_pending[SHMW_MAX_LEVELS];
+    int64_t  driver_pid;        /* 0 if none */
+    int64_t  driver_start;
+    uint64_t driver_state;
+    uint64_t inflight;
+    uint64_t acked;
+    uint64_t redelivered;
+    uint64_t handler_errors;
+    int64_t  advanced_ns;       /* when the clock last advanced */
+    int64_t  clock_ns;          /* the wheel clock, elapsed * tick_ns */
 };
 
 /* What create is asked for. */
@@ -284,8 +332,21 @@ int     shmw_cancel(shmw_t *w, int64_t handle);
 int     shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n);
 int     shmw_reset(shmw_t *w, int64_t handle, double delay_s);
 int     shmw_reset_at(shmw_t *w, int64_t handle, double deadline_s);
-int     shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max,
-                  struct shmw_fire *fires, char *payloads);
+int     shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *records);
+int     shmw_record_size(shmw_t *w);
+
+/* The driver.  Register takes over only if the registration is still the
+ * one the caller saw (expect_*), whose process the caller found dead; a
+ * pid of 0 releases it.  drive_clock and drive_writer loop, without the
+ * GIL, until *stop is set and shmw_wake is called; ack_many frees fired
+ * timers whose handlers have run and counts handler errors. */
+int     shmw_driver_register(shmw_t *w, int32_t pid, int64_t start,
+                             int32_t expect_pid, int64_t expect_start);
+int     shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state);
+int     shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch);
+int     shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap);
+void    shmw_wake(shmw_t *w);
+int     shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors);
 int     shmw_stats(shmw_t *w, struct shmw_stats *out);
 int     shmw_check(shmw_t *w, char *reason, uint32_t reason_len);
 int     shmw_pending(shmw_t *w);

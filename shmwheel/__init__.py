@@ -9,6 +9,7 @@ import logging
 from ._binding import MAX_DELAY
 from ._errors import (
     CorruptSegmentError,
+    DriverRunningError,
     IncompatibleSegmentError,
     SegmentExistsError,
     SegmentNotFoundError,
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MAX_DELAY",
     "CorruptSegmentError",
+    "DriverRunningError",
     "Fire",
     "IncompatibleSegmentError",
     "SegmentExistsError",

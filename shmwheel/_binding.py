@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from ._errors import (
     CorruptSegmentError,
+    DriverRunningError,
     IncompatibleSegmentError,
     WheelFullError,
 )
@@ -46,6 +47,8 @@ _MESSAGES: dict[int, tuple[type[BaseException], str]] = {
     lib.SHMW_ELOCK: (CorruptSegmentError, "the lock of segment {name!r} cannot be taken"),
     lib.SHMW_ENOMEM: (MemoryError, "out of memory"),
     lib.SHMW_ECLOSED: (ValueError, "operation on a closed Wheel"),
+    lib.SHMW_EDRIVER: (DriverRunningError, "a driver is registered on segment {name!r}"),
+    lib.SHMW_EIO: (OSError, "writing fires to the driver's pipe failed"),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = [
     "CorruptSegmentError",
+    "DriverRunningError",
     "IncompatibleSegmentError",
     "SegmentExistsError",
     "SegmentNotFoundError",
@@ -42,3 +43,7 @@ class CorruptSegmentError(ShmwheelError):
 
 class WheelFullError(ShmwheelError):
     """Every slot of the slab is in use; nothing was added."""
+
+
+class DriverRunningError(ShmwheelError):
+    """A live driver is registered on the segment: a second one, or poll(), is refused."""

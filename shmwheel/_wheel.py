@@ -22,19 +22,26 @@ import re
 import struct
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
 import posix_ipc
 
 from ._binding import MAX_DELAY, ffi, lib, raise_for
 from ._errors import IncompatibleSegmentError, SegmentExistsError, SegmentNotFoundError
+from ._process import alive
 
 __all__ = ["Fire", "Wheel", "WheelStats", "attach", "create", "unlink"]
 
 _log = logging.getLogger("shmwheel")
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+_DRIVER_STATES = {
+    lib.SHMW_DRIVER_NONE: "none",
+    lib.SHMW_DRIVER_RUNNING: "running",
+    lib.SHMW_DRIVER_STOPPING: "stopping",
+}
 
 #: How long attach waits for a segment that another process is still
 #: creating (it exists, but its magic is not written yet).
@@ -118,6 +125,7 @@ class Fire(NamedTuple):
     fired_at_ns: int
     payload: bytes
     owner_pid: int
+    redelivered: bool = False  #: sent again after a driver died with it in flight
 
     @property
     def deadline(self) -> float:
@@ -133,15 +141,32 @@ class Fire(NamedTuple):
         return (self.fired_at_ns - self.deadline_ns) / 1e9
 
 
-# struct shmw_fire, decoded in bulk: iter_unpack over the whole batch is
-# several times cheaper than reading cdata fields one by one.  The layout is
-# checked against the compiler's at import, so it cannot drift from C.
-_FIRE = struct.Struct("=qqqiI")
-_FIRE_FIELDS = ("handle", "deadline_ns", "fired_at_ns", "owner_pid", "payload_len")
-if _FIRE.size != ffi.sizeof("struct shmw_fire") or [
-    ffi.offsetof("struct shmw_fire", f) for f in _FIRE_FIELDS
-] != [0, 8, 16, 24, 28]:  # pragma: no cover - a build for another ABI
+# Fire records (struct shmw_fire, then the payload padded to 8) are decoded
+# in bulk: iter_unpack over a whole batch is several times cheaper than
+# reading cdata fields one by one.  The head's layout is checked against the
+# compiler's at import, so it cannot drift from C.
+_RECORD_HEAD = "=qqqiII4x"
+_RECORD_FIELDS = ("handle", "deadline_ns", "fired_at_ns", "owner_pid", "payload_len", "flags")
+if struct.calcsize(_RECORD_HEAD) != ffi.sizeof("struct shmw_fire") or [
+    ffi.offsetof("struct shmw_fire", f) for f in _RECORD_FIELDS
+] != [0, 8, 16, 24, 28, 32]:  # pragma: no cover - a build for another ABI
     raise ImportError("struct shmw_fire does not have the layout shmwheel/_wheel.py decodes")
+_REDELIVERED = lib.SHMW_REDELIVERED
+
+
+def record_struct(record_size: int) -> struct.Struct:
+    """The struct that decodes one fire record of ``record_size`` bytes."""
+    return struct.Struct(f"{_RECORD_HEAD}{record_size - struct.calcsize(_RECORD_HEAD)}s")
+
+
+def decode_records(rec: struct.Struct, data: bytes | bytearray | memoryview) -> list[Fire]:
+    """Fires from whole records; ``len(data)`` must be a multiple of ``rec.size``."""
+    return [
+        _new_fire(Fire, (handle, deadline_ns, fired_at_ns, payload[:length], pid, bool(flags & _REDELIVERED)))
+        for handle, deadline_ns, fired_at_ns, pid, length, flags, payload in rec.iter_unpack(data)
+    ]
+
+
 _new_fire = tuple.__new__
 
 
@@ -164,6 +189,15 @@ class WheelStats:
     clock: float  #: the wheel clock (last tick advanced to), monotonic seconds
     next_expiry: float | None  #: when the earliest non-empty bucket comes due
     level_pending: tuple[int, ...]  #: timers in each level, lowest first
+    driver_pid: int | None  #: the registered driver, if any
+    driver_state: str  #: "none", "running" or "stopping"
+    in_flight: int  #: fired by the driver, handler not yet done
+    acked: int
+    redelivered: int
+    handler_errors: int
+    #: How far the wheel clock is behind the monotonic clock, in seconds (not
+    #: part of equality: it grows while you look at it).
+    lag: float = field(compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -188,6 +222,7 @@ class Wheel:
         "_levels",
         "_wheel_size",
         "_poll_buffers",
+        "_record",
     )
 
     _name: str
@@ -199,7 +234,8 @@ class Wheel:
     _tick: float
     _levels: int
     _wheel_size: int
-    _poll_buffers: list[tuple[Any, Any]]  # reused by poll(); pop/append are atomic under the GIL
+    _poll_buffers: list[Any]  # record buffers reused by poll(); pop/append are atomic under the GIL
+    _record: struct.Struct
 
     def __init__(self) -> None:
         raise TypeError("use shmwheel.create() or shmwheel.attach() to get a Wheel")
@@ -225,6 +261,7 @@ class Wheel:
         self._levels = st.levels
         self._wheel_size = st.wheel_size
         self._poll_buffers = []
+        self._record = record_struct(lib.shmw_record_size(self._w))
         return self
 
     # -- lifetime -----------------------------------------------------------
@@ -426,33 +463,28 @@ class Wheel:
             now = _check_seconds(now, "now")
         if max_fires is not None:
             max_fires = _check_int(max_fires, "max_fires", 0, 2**31 - 1)
-        size = self._payload_size
+        rec = self._record
         try:
-            buffers = self._poll_buffers.pop()
+            records = self._poll_buffers.pop()
         except IndexError:
-            buffers = (ffi.new("struct shmw_fire[]", _POLL_BATCH), ffi.new("char[]", max(_POLL_BATCH * size, 1)))
-        fires, payloads = buffers
+            records = ffi.new("char[]", _POLL_BATCH * rec.size)
         out: list[Fire] = []
         try:
             while True:
                 want = _POLL_BATCH if max_fires is None else min(_POLL_BATCH, max_fires - len(out))
                 if want == 0:
                     return out
-                n: int = lib.shmw_poll(self._w, 0.0 if use_clock else now, use_clock, want, fires, payloads)
+                n: int = lib.shmw_poll(self._w, 0.0 if use_clock else now, use_clock, want, records)
+                if n == lib.SHMW_EDRIVER and self._release_dead_driver():
+                    continue
                 if n < 0:
                     self._raise(n, "now", now)
                 if n:
-                    data = ffi.buffer(payloads, n * size)[:]
-                    for off, (handle, deadline_ns, fired_at_ns, pid, length) in zip(
-                        range(0, n * size, size) if size else itertools.repeat(0, n),
-                        _FIRE.iter_unpack(ffi.buffer(fires, n * _FIRE.size)),
-                        strict=True,
-                    ):
-                        out.append(_new_fire(Fire, (handle, deadline_ns, fired_at_ns, data[off : off + length], pid)))
+                    out += decode_records(rec, ffi.buffer(records, n * rec.size))
                 if n < want:
                     return out
         finally:
-            self._poll_buffers.append(buffers)
+            self._poll_buffers.append(records)
 
     def __len__(self) -> int:
         """The number of pending timers (exact, and stale as soon as it is read)."""
@@ -480,6 +512,13 @@ class Wheel:
             clock=st.elapsed * tick_ns / 1e9,
             next_expiry=None if st.next_expiry_ns < 0 else st.next_expiry_ns / 1e9,
             level_pending=tuple(st.level_pending[0 : st.levels]),
+            driver_pid=st.driver_pid or None,
+            driver_state=_DRIVER_STATES.get(st.driver_state, "unknown"),
+            in_flight=st.inflight,
+            acked=st.acked,
+            redelivered=st.redelivered,
+            handler_errors=st.handler_errors,
+            lag=max(0.0, (lib.shmw_now_ns() - st.clock_ns) / 1e9),
         )
 
     def check(self) -> None:
@@ -491,6 +530,25 @@ class Wheel:
             self._raise(rc, detail=text)
 
     # -- internals ----------------------------------------------------------
+
+    def _release_dead_driver(self) -> bool:
+        """Clear the registration of a driver that died; False if it is alive.
+
+        What it had in flight is marked redelivered and handed out by the
+        next poll (or the next driver).
+        """
+        st = self._raw_stats()
+        pid, start = st.driver_pid, st.driver_start
+        if pid == 0:
+            return True
+        if alive(pid, start):
+            return False
+        rc = lib.shmw_driver_register(self._w, 0, 0, pid, start)
+        if rc == 0:
+            _log.warning("wheel %r: released the registration of driver %d, which is gone", self._name, pid)
+        elif rc != lib.SHMW_EDRIVER:
+            self._raise(rc)
+        return True
 
     def _raw_stats(self) -> Any:
         st = ffi.new("struct shmw_stats *")
