@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import logging
 import math
 import mmap
