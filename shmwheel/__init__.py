@@ -16,6 +16,7 @@ from ._errors import (
     ShmwheelError,
     WheelFullError,
 )
+from ._driver import Driver, DriverProcess, FireReader, start_driver
 from ._wheel import Fire, Wheel, WheelStats, attach, create, unlink
 
 __version__ = "0.1.0"
@@ -23,8 +24,11 @@ __version__ = "0.1.0"
 __all__ = [
     "MAX_DELAY",
     "CorruptSegmentError",
+    "Driver",
+    "DriverProcess",
     "DriverRunningError",
     "Fire",
+    "FireReader",
     "IncompatibleSegmentError",
     "SegmentExistsError",
     "SegmentNotFoundError",
@@ -35,6 +39,7 @@ __all__ = [
     "__version__",
     "attach",
     "create",
+    "start_driver",
     "unlink",
 ]
 

@@ -194,8 +194,9 @@ class WheelStats:
     acked: int
     redelivered: int
     handler_errors: int
-    #: How far the wheel clock is behind the monotonic clock, in seconds (not
-    #: part of equality: it grows while you look at it).
+    #: How long the earliest due bucket has been waiting for the clock, in
+    #: seconds: 0 while whoever drives the wheel keeps up.  (Not part of
+    #: equality: it grows while you look at it.)
     lag: float = field(compare=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -517,7 +518,7 @@ class Wheel:
             acked=st.acked,
             redelivered=st.redelivered,
             handler_errors=st.handler_errors,
-            lag=max(0.0, (lib.shmw_now_ns() - st.clock_ns) / 1e9),
+            lag=0.0 if st.next_expiry_ns < 0 else max(0.0, (lib.shmw_now_ns() - st.next_expiry_ns) / 1e9),
         )
 
     def check(self) -> None:

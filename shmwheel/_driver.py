@@ -1,0 +1,397 @@
+"""The driver: the one process per wheel that advances the clock and hands the
+fires to a handler.
+
+Three threads, two of them in C without the GIL:
+
+* the clock (``shmw_drive_clock``) sleeps in FUTEX_WAIT until the earliest
+  non-empty bucket is due, or until a producer adds an earlier timer, and
+  moves what is due onto the segment's in-flight list, stamping ``fired_at``;
+* the writer (``shmw_drive_writer``) copies in-flight fires that are not yet
+  sent into a pipe, as fixed-size records; a full pipe blocks it and only it;
+* the dispatcher (Python) reads the pipe, calls the handler for each fire,
+  and acknowledges a batch once its handlers have returned, which frees the
+  slots.  Or, instead, an external consumer reads the records from an fd or
+  a named FIFO with :class:`FireReader` and acknowledges them itself.
+
+Delivery is exactly once while the driver lives.  If it dies (SIGKILL, a
+crash), whatever was in flight (fired, handler not finished or not yet
+acknowledged) stays in the segment, and the next driver, or poll(), hands
+it out again with ``redelivered`` set: at least once across driver crashes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._binding import ffi, lib, raise_for
+from ._errors import DriverRunningError, ShmwheelError
+from ._process import alive, start_time
+from ._wheel import Fire, Wheel, attach, decode_records
+
+__all__ = ["Driver", "DriverProcess", "FireReader", "driver_main", "start_driver"]
+
+_log = logging.getLogger("shmwheel.driver")
+
+Handler = Callable[[Fire], object]
+
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named in the module from 3.10 on Linux only
+_PIPE_SIZE = 1 << 20  # fewer wake-ups of the writer in a burst
+_CLOCK_BATCH = 1024  # fires per lock hold
+_WRITE_BATCH = 512  # records per write(2)
+_READ_SIZE = 1 << 18
+
+
+def _log_fire(fire: Fire) -> None:
+    _log.warning(
+        "timer %d fired %.3f ms after its deadline: payload %r (owner pid %d)%s",
+        fire.handle,
+        fire.lateness * 1e3,
+        fire.payload,
+        fire.owner_pid,
+        ", redelivered" if fire.redelivered else "",
+    )
+
+
+class Driver:
+    """Drives one wheel: ``run()`` blocks until :meth:`stop` is called.
+
+    ``handler`` is called once per fire in a thread of this process (by
+    default each fire is logged); its exceptions are logged and counted,
+    never fatal.  With ``fd`` (an inherited, writable file descriptor) or
+    ``fifo`` (a path; the driver opens it for writing) the records go to an
+    external consumer instead, which reads them with :class:`FireReader`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        handler: Handler | None = None,
+        *,
+        fd: int | None = None,
+        fifo: str | os.PathLike[str] | None = None,
+        after_batch: Callable[[], object] | None = None,
+    ) -> None:
+        if fd is not None and fifo is not None:
+            raise ValueError("give fd or fifo, not both")
+        if handler is not None and (fd is not None or fifo is not None):
+            raise ValueError("a handler runs in this process; fd and fifo send the fires elsewhere")
+        if handler is not None and not callable(handler):
+            raise TypeError(f"handler must be callable, not {type(handler).__name__}")
+        self.name = name
+        self._handler = handler or _log_fire
+        self._external = fd is not None or fifo is not None
+        self._fd = fd
+        self._fifo = fifo
+        self._after_batch = after_batch
+        self._stop = threading.Event()
+        self._clock_stop = ffi.new("int *")
+        self._writer_stop = ffi.new("int *")
+        self._wheel: Wheel | None = None
+        self.handler_errors = 0
+        self.fired = 0
+
+    def stop(self) -> None:
+        """Ask ``run()`` to finish: safe from a signal handler or another thread."""
+        self._stop.set()
+
+    def run(self, on_ready: Callable[[], object] | None = None) -> None:
+        """Register, drive until stopped, then finish the fires in flight and deregister."""
+        wheel = attach(self.name)
+        self._wheel = wheel
+        me, my_start = os.getpid(), start_time(os.getpid())
+        assert my_start is not None
+        try:
+            self._register(wheel, me, my_start)
+            try:
+                self._drive(wheel, me, on_ready)
+            finally:
+                rc = lib.shmw_driver_register(wheel._w, 0, 0, me, my_start)
+                if rc not in (0, lib.SHMW_EDRIVER):
+                    raise_for(rc, name=self.name)
+                _log.info("driver %d: stopped on wheel %r", me, self.name)
+        finally:
+            wheel.close()
+
+    # -- internals ----------------------------------------------------------
+
+    def _register(self, wheel: Wheel, me: int, my_start: int) -> None:
+        while True:
+            st = wheel._raw_stats()
+            pid, start = st.driver_pid, st.driver_start
+            if pid and alive(pid, start):
+                raise DriverRunningError(f"a driver (pid {pid}) is already running on wheel {self.name!r}")
+            rc = lib.shmw_driver_register(wheel._w, me, my_start, pid, start)
+            if rc == 0:
+                if pid:
+                    _log.warning("driver %d: took over wheel %r from driver %d, which is gone", me, self.name, pid)
+                if st.inflight:
+                    _log.warning("driver %d: redelivering %d fires left in flight", me, st.inflight)
+                return
+            if rc != lib.SHMW_EDRIVER:
+                raise_for(rc, name=self.name)
+
+    def _drive(self, wheel: Wheel, me: int, on_ready: Callable[[], object] | None) -> None:
+        out_fd, read_fd = self._open_output()
+        rec_size = wheel._record.size
+        errors: list[BaseException] = []
+
+        def clock() -> None:
+            rc = lib.shmw_drive_clock(wheel._w, self._clock_stop, _CLOCK_BATCH)
+            if rc:
+                errors.append(ShmwheelError(f"clock stopped with code {rc}"))
+                self._stop.set()
+
+        def writer() -> None:
+            buf = ffi.new("char[]", _WRITE_BATCH * rec_size)
+            try:
+                rc = lib.shmw_drive_writer(wheel._w, out_fd, self._writer_stop, buf, _WRITE_BATCH)
+                if rc:
+                    errors.append(OSError(ffi.errno, f"writing fires failed (code {rc})"))
+                    self._stop.set()
+            finally:
+                os.close(out_fd)  # the reader sees EOF once everything is sent
+
+        threads = [threading.Thread(target=clock, name="shmwheel-clock", daemon=True)]
+        threads.append(threading.Thread(target=writer, name="shmwheel-writer", daemon=True))
+        dispatcher = None
+        if read_fd is not None:
+            dispatcher = threading.Thread(target=self._dispatch, args=(wheel, read_fd), name="shmwheel-dispatch")
+            dispatcher.start()
+        for t in threads:
+            t.start()
+        _log.info("driver %d: running on wheel %r", me, self.name)
+        if on_ready is not None:
+            on_ready()
+        self._stop.wait()
+
+        # Graceful stop: no new fires; send what has fired; let the
+        # handlers finish and acknowledge; then deregister (in run()).
+        lib.shmw_driver_set_state(wheel._w, me, lib.SHMW_DRIVER_STOPPING)
+        self._clock_stop[0] = 1
+        lib.shmw_wake(wheel._w)
+        threads[0].join()
+        self._writer_stop[0] = 1
+        lib.shmw_wake(wheel._w)
+        threads[1].join()
+        if dispatcher is not None:
+            dispatcher.join()
+        if errors:
+            raise errors[0]
+
+    def _open_output(self) -> tuple[int, int | None]:
+        """The fd the writer writes to, and the one the dispatcher reads (or None)."""
+        if self._fd is not None:
+            return self._fd, None
+        if self._fifo is not None:
+            return os.open(self._fifo, os.O_WRONLY), None  # blocks until a reader opens it
+        read_fd, write_fd = os.pipe()
+        try:
+            fcntl.fcntl(write_fd, _F_SETPIPE_SZ, _PIPE_SIZE)
+        except OSError:  # above /proc/sys/fs/pipe-max-size: the default will do
+            pass
+        return write_fd, read_fd
+
+    def _dispatch(self, wheel: Wheel, read_fd: int) -> None:
+        try:
+            for fires in _read_batches(wheel, read_fd):
+                errors = 0
+                for fire in fires:
+                    try:
+                        self._handler(fire)
+                    except Exception:
+                        errors += 1
+                        _log.exception("handler failed on timer %d", fire.handle)
+                self.fired += len(fires)
+                self.handler_errors += errors
+                _ack(wheel, [f.handle for f in fires], errors)
+                if self._after_batch is not None:
+                    self._after_batch()
+        finally:
+            os.close(read_fd)
+
+
+def _read_batches(wheel: Wheel, fd: int) -> Iterator[list[Fire]]:
+    """Whole records from ``fd`` until EOF, as lists of fires."""
+    rec = wheel._record
+    pending = b""
+    while True:
+        chunk = os.read(fd, _READ_SIZE)
+        if not chunk:
+            return
+        data = pending + chunk if pending else chunk
+        whole = len(data) - len(data) % rec.size
+        pending = data[whole:]
+        if whole:
+            yield decode_records(rec, memoryview(data)[:whole])
+
+
+def _ack(wheel: Wheel, handles: list[int], errors: int) -> None:
+    if not handles and not errors:
+        return
+    arr = ffi.new("int64_t[]", handles) if handles else ffi.NULL
+    rc = lib.shmw_ack_many(wheel._w, arr, len(handles), errors)
+    if rc < 0:
+        raise_for(rc, name=wheel.name)
+
+
+class FireReader:
+    """Reads a driver's fire records from an fd or a named FIFO, in another process.
+
+    Iterating yields :class:`Fire` objects; each is acknowledged when the
+    iteration moves past it (its handling is done), or on :meth:`close`.
+    A fire the reader never got past stays in flight and is redelivered by
+    the next driver.
+    """
+
+    def __init__(self, name: str, source: int | str | os.PathLike[str]) -> None:
+        self._wheel = attach(name)
+        self._fd = source if isinstance(source, int) else os.open(source, os.O_RDONLY)
+        self._unacked: list[int] = []
+
+    def __iter__(self) -> Iterator[Fire]:
+        for fires in _read_batches(self._wheel, self._fd):
+            for fire in fires:
+                yield fire
+                self._unacked.append(fire.handle)
+            self._flush()
+
+    def _flush(self) -> None:
+        _ack(self._wheel, self._unacked, 0)
+        self._unacked = []
+
+    def close(self) -> None:
+        if self._wheel.closed:
+            return
+        self._flush()
+        os.close(self._fd)
+        self._wheel.close()
+
+    def __enter__(self) -> FireReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- running a driver in a process of its own ------------------------------------
+
+
+def _serve(name: str, handler: Handler | None, status: Any) -> None:
+    driver = Driver(name, handler)
+    signal.signal(signal.SIGTERM, lambda *_: driver.stop())
+    signal.signal(signal.SIGINT, lambda *_: driver.stop())
+    try:
+        driver.run(on_ready=lambda: status.put(None))
+    except BaseException as exc:
+        status.put(exc)
+        raise SystemExit(1) from None
+
+
+class DriverProcess:
+    """A driver running in a child process (see :func:`start_driver`)."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        pid: int = self._process.pid
+        return pid
+
+    def is_alive(self) -> bool:
+        return bool(self._process.is_alive())
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then wait for the graceful stop; SIGKILL after ``timeout``.  Returns the exit code."""
+        if self._process.is_alive():
+            os.kill(self._process.pid, signal.SIGTERM)
+            self._process.join(timeout)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        code: int | None = self._process.exitcode
+        return code
+
+
+def start_driver(name: str, handler: Handler | None = None, *, timeout: float = 30.0) -> DriverProcess:
+    """Start a driver for wheel ``name`` in a new process; return once it is registered.
+
+    ``handler`` must be picklable (a module-level function): the process is
+    started with the spawn method.  Raises DriverRunningError if another
+    driver is running on the wheel.
+    """
+    ctx = mp.get_context("spawn")
+    status = ctx.Queue()
+    proc = ctx.Process(target=_serve, args=(name, handler, status), name=f"shmwheel-driver-{name}")
+    proc.start()
+    try:
+        result = status.get(timeout=timeout)
+    except Exception:
+        proc.kill()
+        proc.join()
+        raise ShmwheelError(f"the driver for {name!r} did not start within {timeout} s") from None
+    if isinstance(result, BaseException):
+        proc.join()
+        raise result
+    return DriverProcess(proc)
+
+
+# -- the command line ------------------------------------------------------------
+
+
+def _load_handler(spec: str) -> Handler:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--handler takes pkg.module:function, not {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import handler module {module_name!r}: {exc}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"module {module_name!r} has no {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"handler {spec!r} is not callable")
+    handler: Handler = obj
+    return handler
+
+
+def _jsonl(fire: Fire) -> None:
+    sys.stdout.write(
+        json.dumps(
+            {
+                "handle": fire.handle,
+                "deadline": fire.deadline,
+                "fired_at": fire.fired_at,
+                "payload_hex": fire.payload.hex(),
+                "owner_pid": fire.owner_pid,
+                "redelivered": fire.redelivered,
+            }
+        )
+        + "\n"
+    )
+
+
+def driver_main(name: str, handler: str | None, jsonl: bool) -> int:
+    """``shmwheel driver NAME``: drive a wheel in the foreground until SIGTERM or SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    if jsonl:
+        driver = Driver(name, _jsonl, after_batch=sys.stdout.flush)
+    else:
+        driver = Driver(name, _load_handler(handler) if handler else None)
+    signal.signal(signal.SIGTERM, lambda *_: driver.stop())
+    signal.signal(signal.SIGINT, lambda *_: driver.stop())
+    driver.run()
+    return 0
