@@ -247,31 +247,38 @@ def _ack(wheel: Wheel, handles: list[int], errors: int) -> None:
 class FireReader:
     """Reads a driver's fire records from an fd or a named FIFO, in another process.
 
-    Iterating yields :class:`Fire` objects; each is acknowledged when the
-    iteration moves past it (its handling is done), or on :meth:`close`.
-    A fire the reader never got past stays in flight and is redelivered by
-    the next driver.
+    Iterating yields :class:`Fire` objects; a fire is acknowledged once the
+    iteration moves past it, or when the reader is closed.  Leaving a
+    ``with FireReader(...)`` block by an exception does not acknowledge the
+    fire in hand: it stays in flight and the next driver redelivers it.
     """
 
     def __init__(self, name: str, source: int | str | os.PathLike[str]) -> None:
         self._wheel = attach(name)
         self._fd = source if isinstance(source, int) else os.open(source, os.O_RDONLY)
         self._unacked: list[int] = []
+        self._in_hand: int | None = None
 
     def __iter__(self) -> Iterator[Fire]:
         for fires in _read_batches(self._wheel, self._fd):
             for fire in fires:
+                self._in_hand = fire.handle
                 yield fire
                 self._unacked.append(fire.handle)
+                self._in_hand = None
             self._flush()
 
     def _flush(self) -> None:
         _ack(self._wheel, self._unacked, 0)
         self._unacked = []
 
-    def close(self) -> None:
+    def close(self, *, acknowledge_in_hand: bool = True) -> None:
+        """Acknowledge what was read (and the fire in hand, unless told not to); release everything."""
         if self._wheel.closed:
             return
+        if acknowledge_in_hand and self._in_hand is not None:
+            self._unacked.append(self._in_hand)
+        self._in_hand = None
         self._flush()
         os.close(self._fd)
         self._wheel.close()
@@ -279,8 +286,8 @@ class FireReader:
     def __enter__(self) -> FireReader:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(acknowledge_in_hand=exc_type is None)
 
 
 # -- running a driver in a process of its own ------------------------------------

@@ -1,0 +1,298 @@
+"""The driver, as a real process: fires, wake-ups, delivery, lifecycle.
+
+Handlers run in the driver's process (spawned), so the ones here are
+module-level functions that append each fire as a JSON line to a file the
+test reads back.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+import shmwheel
+
+# -- handlers (run in the driver process) -------------------------------------------
+
+
+def record(path: str, fire: shmwheel.Fire) -> None:
+    line = {
+        "handle": fire.handle,
+        "deadline_ns": fire.deadline_ns,
+        "fired_at_ns": fire.fired_at_ns,
+        "payload": fire.payload.decode(),
+        "owner_pid": fire.owner_pid,
+        "redelivered": fire.redelivered,
+        "handled_ns": time.monotonic_ns(),
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def record_slowly(path: str, seconds: float, fire: shmwheel.Fire) -> None:
+    time.sleep(seconds)
+    record(path, fire)
+
+
+def record_or_block(path: str, fire: shmwheel.Fire) -> None:
+    """Records every fire, then hangs on the one whose payload says so."""
+    record(path, fire)
+    if fire.payload == b"block":
+        time.sleep(3600)
+
+
+def record_or_raise(path: str, fire: shmwheel.Fire) -> None:
+    if fire.payload == b"bad":
+        raise RuntimeError("a handler that fails")
+    record(path, fire)
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def drivers() -> Iterator[list[shmwheel.DriverProcess]]:
+    """Drivers started by the test; killed at teardown if still running."""
+    started: list[shmwheel.DriverProcess] = []
+    yield started
+    for d in started:
+        if d.is_alive():
+            d.stop(timeout=10)
+
+
+@pytest.fixture
+def start(drivers: list[shmwheel.DriverProcess]) -> Callable[..., shmwheel.DriverProcess]:
+    def start(name: str, handler: Callable[[shmwheel.Fire], object] | None = None) -> shmwheel.DriverProcess:
+        d = shmwheel.start_driver(name, handler)
+        drivers.append(d)
+        return d
+
+    return start
+
+
+# -- tests ----------------------------------------------------------------------------------
+
+
+def test_every_surviving_timer_fires_once_and_never_early(make_wheel, start, tmp_path: Path) -> None:
+    wheel = make_wheel(capacity=5000)
+    out = tmp_path / "fires.jsonl"
+    start(wheel.name, functools.partial(record, str(out)))
+    rng = random.Random(3)
+    handles = [wheel.add(rng.uniform(0, 0.5), b"t%d" % i) for i in range(2000)]
+    cancelled = {h for h in handles[::3] if wheel.cancel(h)}
+    expected = set(handles) - cancelled
+    wait_for(lambda: len(read_records(out)) >= len(expected))
+    time.sleep(0.1)  # room for a duplicate to show up
+    fires = read_records(out)
+    fired = [f["handle"] for f in fires]
+    assert len(fired) == len(set(fired)), "a timer fired twice"
+    assert set(fired) == expected
+    assert all(f["fired_at_ns"] >= f["deadline_ns"] for f in fires), "fired before its deadline"
+    assert not any(f["redelivered"] for f in fires)
+    assert all(f["owner_pid"] == os.getpid() for f in fires)
+    st = wheel.stats()
+    assert (st.pending, st.in_flight, st.fired, st.acked) == (0, 0, len(expected), len(expected))
+
+
+def test_an_earlier_timer_wakes_a_driver_sleeping_for_an_hour(make_wheel, start, tmp_path: Path) -> None:
+    wheel = make_wheel(capacity=10)
+    out = tmp_path / "fires.jsonl"
+    wheel.add(3600, b"later")
+    start(wheel.name, functools.partial(record, str(out)))
+    time.sleep(0.3)  # the driver is asleep until the 1 h timer
+    h = wheel.add(0.010, b"soon")
+    wait_for(lambda: len(read_records(out)) == 1, timeout=5)
+    (fire,) = read_records(out)
+    assert fire["handle"] == h
+    assert 0 <= fire["fired_at_ns"] - fire["deadline_ns"] < 50_000_000, "woken late"
+    assert len(wheel) == 1
+
+
+def test_a_slow_handler_does_not_delay_the_clock(make_wheel, start, tmp_path: Path) -> None:
+    wheel = make_wheel(capacity=100)
+    out = tmp_path / "fires.jsonl"
+    start(wheel.name, functools.partial(record_slowly, str(out), 0.15))
+    for i in range(8):
+        wheel.add(0.05 + 0.02 * i, b"%d" % i)
+    wait_for(lambda: len(read_records(out)) == 8)
+    fires = read_records(out)
+    # The handler finished the last one long after it fired ...
+    assert fires[-1]["handled_ns"] - fires[-1]["fired_at_ns"] > 0.5e9
+    # ... but every fire was stamped when the clock fired it.
+    for f in fires:
+        assert 0 <= f["fired_at_ns"] - f["deadline_ns"] < 30_000_000
+
+
+def test_handler_errors_are_counted_not_fatal(make_wheel, start, tmp_path: Path) -> None:
+    wheel = make_wheel(capacity=10)
+    out = tmp_path / "fires.jsonl"
+    d = start(wheel.name, functools.partial(record_or_raise, str(out)))
+    wheel.add(0.01, b"bad")
+    wheel.add(0.05, b"good")
+    wait_for(lambda: len(read_records(out)) == 1 and wheel.stats().in_flight == 0)
+    st = wheel.stats()
+    assert st.handler_errors == 1 and st.acked == 2
+    assert d.is_alive()
+
+
+def test_sigkilled_driver_is_taken_over_and_redelivers_only_what_was_in_flight(
+    make_wheel, start, tmp_path: Path
+) -> None:
+    wheel = make_wheel(capacity=100)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    d1 = start(wheel.name, functools.partial(record_or_block, str(first)))
+    early = [wheel.add(0.05, b"early") for _ in range(5)]
+    blocker = wheel.add(0.2, b"block")
+    behind = [wheel.add(0.25, b"behind") for _ in range(3)]
+    later = [wheel.add(1.5, b"later") for _ in range(2)]
+    # The first driver handles the early five, hangs in the blocker's
+    # handler, and fires the three behind it into flight meanwhile.
+    wait_for(lambda: len(read_records(first)) == 6 and wheel.stats().in_flight == 4)
+    os.kill(d1.pid, signal.SIGKILL)
+    wait_for(lambda: not d1.is_alive())
+    assert wheel.stats().driver_pid == d1.pid  # still registered: nobody knows yet
+
+    d2 = start(wheel.name, functools.partial(record, str(second)))
+    assert d2.pid != d1.pid
+    wait_for(lambda: len(read_records(second)) == 6)
+    time.sleep(0.1)
+    got = read_records(second)
+    redelivered = sorted(f["handle"] for f in got if f["redelivered"])
+    fresh = sorted(f["handle"] for f in got if not f["redelivered"])
+    assert redelivered == sorted([blocker, *behind])
+    assert fresh == sorted(later)
+    assert not set(early) & {f["handle"] for f in got}, "an acknowledged fire came again"
+    st = wheel.stats()
+    assert (st.in_flight, st.redelivered, st.driver_pid) == (0, 4, d2.pid)
+
+
+def test_a_second_driver_is_refused(make_wheel, start) -> None:
+    wheel = make_wheel(capacity=10)
+    d = start(wheel.name)
+    with pytest.raises(shmwheel.DriverRunningError, match=f"pid {d.pid}"):
+        shmwheel.start_driver(wheel.name)
+    cli = subprocess.run(
+        [sys.executable, "-m", "shmwheel", "driver", wheel.name], capture_output=True, text=True, timeout=30
+    )
+    assert cli.returncode == 1
+    assert "already running" in cli.stderr and "Traceback" not in cli.stderr
+    assert wheel.stats().driver_pid == d.pid
+
+
+def test_poll_is_refused_while_a_driver_runs_and_takes_over_from_a_dead_one(
+    make_wheel, start, tmp_path: Path
+) -> None:
+    wheel = make_wheel(capacity=10)
+    out = tmp_path / "fires.jsonl"
+    d = start(wheel.name, functools.partial(record_or_block, str(out)))
+    with pytest.raises(shmwheel.DriverRunningError):
+        wheel.poll()
+    h = wheel.add(0.01, b"block")
+    wait_for(lambda: len(read_records(out)) == 1)
+    os.kill(d.pid, signal.SIGKILL)
+    wait_for(lambda: not d.is_alive())
+    (fire,) = wheel.poll()
+    assert fire.handle == h and fire.redelivered and fire.payload == b"block"
+    st = wheel.stats()
+    assert (st.driver_pid, st.driver_state, st.in_flight) == (None, "none", 0)
+
+
+def test_sigterm_finishes_the_handlers_in_flight_then_exits_0(make_wheel, start, tmp_path: Path) -> None:
+    wheel = make_wheel(capacity=10)
+    out = tmp_path / "fires.jsonl"
+    d = start(wheel.name, functools.partial(record_slowly, str(out), 0.3))
+    for _ in range(3):
+        wheel.add(0.01)
+    wait_for(lambda: wheel.stats().in_flight == 3)
+    assert d.stop() == 0
+    assert len(read_records(out)) == 3
+    st = wheel.stats()
+    assert (st.in_flight, st.acked, st.driver_pid) == (0, 3, None)
+
+
+def test_an_idle_driver_uses_almost_no_cpu(make_wheel, start) -> None:
+    """With a million far-future timers pending, the driver sleeps in the kernel."""
+    wheel = make_wheel(capacity=1_000_000, payload_size=0)
+    for _ in range(10):
+        wheel.add_many([3600.0 + i for i in range(100_000)])
+    d = start(wheel.name)
+    proc = psutil.Process(d.pid)
+    time.sleep(0.5)
+    before = proc.cpu_times()
+    time.sleep(2.0)
+    after = proc.cpu_times()
+    used = (after.user + after.system) - (before.user + before.system)
+    assert used < 0.05, f"an idle driver used {used:.3f} s of CPU in 2 s"
+    assert len(wheel) == 1_000_000
+
+
+def test_cli_driver_prints_json_lines_and_stops_on_sigterm(make_wheel) -> None:
+    wheel = make_wheel(capacity=10)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmwheel", "driver", wheel.name, "--jsonl"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: wheel.stats().driver_pid == proc.pid)
+        h = wheel.add(0.01, b"\x00hi")
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        fire = json.loads(line)
+        assert set(fire) == {"handle", "deadline", "fired_at", "payload_hex", "owner_pid", "redelivered"}
+        assert fire["handle"] == h and fire["payload_hex"] == "006869" and fire["redelivered"] is False
+        assert fire["fired_at"] >= fire["deadline"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert wheel.stats().driver_pid is None
+
+
+def test_external_consumer_reads_a_fifo_and_acknowledges(make_wheel, tmp_path: Path) -> None:
+    wheel = make_wheel(capacity=100)
+    fifo = tmp_path / "fires.fifo"
+    os.mkfifo(fifo)
+    driver = shmwheel.Driver(wheel.name, fifo=fifo)
+    thread = threading.Thread(target=driver.run)
+    thread.start()
+    try:
+        handles = {wheel.add(0.01 * i, b"x") for i in range(20)}
+        got = []
+        with shmwheel.FireReader(wheel.name, fifo) as reader:
+            for fire in reader:
+                got.append(fire.handle)
+                if len(got) == 20:
+                    break
+        assert set(got) == handles
+        st = wheel.stats()
+        assert (st.in_flight, st.acked) == (0, 20)
+    finally:
+        driver.stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
