@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import multiprocessing as mp
 import os
+import pwd
 import random
 import signal
+import stat
 import statistics
+import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
-from ._errors import ShmwheelError
-from ._wheel import Wheel, create, unlink
+from ._binding import lib
+from ._errors import IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError
+from ._wheel import Wheel, WheelStats, _bare, attach, create, unlink
 
 __all__ = ["main"]
 
@@ -84,25 +92,314 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _positive(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
     return value
+
+
+def _octal(text: str) -> int:
+    try:
+        value = int(text, 8)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 0o777:
+        raise argparse.ArgumentTypeError(f"must be an octal mode between 000 and 777, like 600, not {text}")
+    return value
+
+
+# -- output helpers -----------------------------------------------------------
+
+
+def _message(exc: BaseException) -> str:
+    """One line for stderr: an OSError without its "[Errno n]" prefix."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc)
+
+
+def _table(rows: Sequence[Sequence[object]], right: Collection[int] = ()) -> list[str]:
+    """Rows aligned in columns, two spaces apart; the columns in ``right`` are
+    right-aligned.  A row shorter than the longest ends in a cell (a reason,
+    say) that is left out of the widths and runs on past its column."""
+    ncols = max((len(row) for row in rows), default=0)
+    widths = [0] * ncols
+    for row in rows:
+        for i, cell in enumerate(row if len(row) == ncols else row[:-1]):
+            widths[i] = max(widths[i], len(str(cell)))
+
+    def align(i: int, cell: object, runs_on: bool) -> str:
+        text = str(cell)
+        if runs_on:
+            return text
+        return text.rjust(widths[i]) if i in right else text.ljust(widths[i])
+
+    return [
+        "  ".join(align(i, cell, len(row) < ncols and i == len(row) - 1) for i, cell in enumerate(row)).rstrip()
+        for row in rows
+    ]
+
+
+_UNITS = ((365.25 * 86400, "y"), (86400, "d"), (3600, "h"), (60, "min"), (1, "s"), (1e-3, "ms"), (1e-6, "us"))
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that keeps it >= 1 (to 3 digits): "1 ms", "65.5 s", "4.66 h"."""
+    size, unit = next(((size, unit) for size, unit in _UNITS if seconds >= size), _UNITS[-1])
+    value = seconds / size
+    return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
+
+
+def _print(lines: Iterable[str]) -> None:
+    for line in lines:
+        print(line)
+    sys.stdout.flush()
+
+
+def _print_json(obj: object) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+# -- the segments in /dev/shm -------------------------------------------------
+
+_SHM = Path("/dev/shm")
+_MAGIC = struct.pack("<Q", lib.SHMW_MAGIC)
+
+
+def _wheel_stat(name: str) -> os.stat_result | None:
+    """The stat of /dev/shm/NAME if it begins with the shmwheel magic, else None.
+
+    Reads 8 bytes through a file descriptor and maps nothing, so it is safe to
+    point at any other program's segment.  OSError if it cannot be read.
+    """
+    fd = os.open(_SHM / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        return st if stat.S_ISREG(st.st_mode) and os.pread(fd, 8, 0) == _MAGIC else None
+    finally:
+        os.close(fd)
+
+
+def _owner(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _segments() -> list[dict[str, Any]]:
+    """Every shmwheel segment in /dev/shm, by name, as ``ls`` reports it."""
+    found = []
+    for entry in sorted(os.scandir(_SHM), key=lambda e: e.name):
+        try:
+            st = _wheel_stat(entry.name)
+        except OSError:
+            continue  # gone, or not readable by us: we cannot tell whose it is
+        if st is None:
+            continue
+        seg: dict[str, Any] = {
+            "name": entry.name,
+            "size": st.st_size,
+            "owner": _owner(st.st_uid),
+            "mode": f"{stat.S_IMODE(st.st_mode):04o}",
+            "capacity": None,
+            "pending": None,
+            "driver_pid": None,
+            "error": None,
+        }
+        try:
+            with attach(entry.name) as wheel:
+                s = wheel.stats()
+            seg.update(capacity=s.capacity, pending=s.pending, driver_pid=s.driver_pid)
+        except SegmentNotFoundError:
+            continue  # removed since the scan
+        except (ShmwheelError, OSError, ValueError) as exc:
+            seg["error"] = _message(exc)
+        found.append(seg)
+    return found
+
+
+# -- commands -------------------------------------------------------------------
+
+
+def _create(args: argparse.Namespace) -> int:
+    with create(
+        args.name,
+        capacity=args.capacity,
+        tick=args.tick,
+        payload_size=args.payload_size,
+        mode=args.mode,
+        wheel_size=args.wheel_size,
+    ) as wheel:
+        size = os.stat(_SHM / wheel.name).st_size
+        print(
+            f"created wheel {wheel.name!r}: capacity {wheel.capacity}, tick {_duration(wheel.tick)}, "
+            f"payload {wheel.payload_size} bytes, {wheel.levels} levels of {wheel.wheel_size} buckets, "
+            f"{size} bytes in {_SHM / wheel.name}, mode {args.mode:04o}"
+        )
+    return 0
+
+
+def _driver(args: argparse.Namespace) -> int:
+    from ._driver import driver_main  # only this command needs the driver's machinery
+
+    return driver_main(args.name, args.handler, args.jsonl)
+
+
+def _report(name: str, before: WheelStats, after: WheelStats, seconds: float) -> dict[str, Any]:
+    """What ``stat`` shows: every WheelStats field of the second sample under
+    its own name, plus the rates between the two samples."""
+    return {
+        "name": name,
+        "time": time.time(),
+        "interval": seconds,
+        **after.as_dict(),
+        "used_percent": 100 * (after.capacity - after.free) / after.capacity,
+        "added_per_s": (after.added - before.added) / seconds,
+        "cancelled_per_s": (after.cancelled - before.cancelled) / seconds,
+        "fired_per_s": (after.fired - before.fired) / seconds,
+    }
+
+
+def _stat_table(r: dict[str, Any]) -> list[str]:
+    driver = "none" if r["driver_pid"] is None else f"{r['driver_pid']} ({r['driver_state']})"
+    rows = [
+        ("wheel", r["name"]),
+        ("pending", r["pending"]),
+        ("capacity", f"{r['capacity']} ({r['used_percent']:.1f}% used)"),
+        ("free", r["free"]),
+        ("in flight", r["in_flight"]),
+        ("retired", r["retired"]),
+        (
+            "rates",
+            f"{r['added_per_s']:.1f} added/s, {r['cancelled_per_s']:.1f} cancelled/s, "
+            f"{r['fired_per_s']:.1f} fired/s (over {r['interval']:.2f} s)",
+        ),
+        ("totals", f"{r['added']} added, {r['cancelled']} cancelled, {r['fired']} fired, {r['resets']} resets"),
+        ("handlers", f"{r['acked']} acked, {r['redelivered']} redelivered, {r['handler_errors']} failed"),
+        ("driver", driver),
+        ("lag", _duration(r["lag"])),
+        ("tick", _duration(r["tick"])),
+        ("levels", f"{r['levels']} of {r['wheel_size']} buckets"),
+    ]
+    rows += [
+        (f"level {i} ({_duration(r['tick'] * r['wheel_size'] ** i)})", n) for i, n in enumerate(r["level_pending"])
+    ]
+    return _table(rows)
+
+
+def _stat(args: argparse.Namespace) -> int:
+    with attach(args.name) as wheel:
+        if args.watch:
+            signal.signal(signal.SIGTERM, signal.default_int_handler)  # ends the watch as Ctrl-C does
+        before, t0 = wheel.stats(), time.monotonic()
+        try:
+            while True:
+                time.sleep(max(0.0, t0 + args.interval - time.monotonic()))
+                after, t1 = wheel.stats(), time.monotonic()
+                report = _report(wheel.name, before, after, t1 - t0)
+                if args.json:
+                    _print_json(report)
+                else:
+                    _print([*_stat_table(report), *([""] if args.watch else [])])
+                if not args.watch:
+                    return 0
+                before, t0 = after, t1
+        except KeyboardInterrupt:
+            if args.watch:
+                return 0
+            raise
+
+
+def _ls(args: argparse.Namespace) -> int:
+    segments = _segments()
+    if args.json:
+        _print_json(segments)
+    elif segments:
+        head = ("NAME", "SIZE", "OWNER", "MODE", "CAPACITY", "PENDING", "DRIVER")
+        rows = [
+            [s["name"], s["size"], s["owner"], s["mode"]]
+            + ([s["error"]] if s["error"] else [s["capacity"], s["pending"], s["driver_pid"] or "-"])
+            for s in segments
+        ]
+        _print(_table([head, *rows], right=(1, 4, 5, 6)))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    with attach(args.name) as wheel:
+        wheel.check()
+        print(f"{wheel.name}: ok")
+    return 0
+
+
+def _unlink(args: argparse.Namespace) -> int:
+    name = _bare(args.name)
+    # Refuse another program's segment; a missing one is left to unlink() to report.
+    if (_SHM / name).exists() and _wheel_stat(name) is None:
+        raise IncompatibleSegmentError(f"segment {name!r} is not a shmwheel segment: not removing it")
+    unlink(name)
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmwheel", description="A timing wheel in POSIX shared memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = sub.add_parser("demo", help="run worker processes with per-request timeouts and show the fires")
+
+    def command(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
+        if name not in ("demo", "ls"):
+            p.add_argument("name", metavar="NAME", help="the wheel's name: its segment is /dev/shm/NAME")
+        p.set_defaults(func=func)
+        return p
+
+    demo = command("demo", _demo, "run worker processes with per-request timeouts and show the fires")
     demo.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     demo.add_argument("--duration", type=_positive, default=5.0, help="seconds to run (default 5)")
-    demo.set_defaults(func=_demo)
+
+    p = command("create", _create, "create a wheel's segment and leave it in /dev/shm")
+    p.add_argument("--capacity", type=int, required=True, help="timers that can be pending at once")
+    p.add_argument("--tick", type=float, default=0.001, metavar="SECONDS", help="resolution (default 0.001)")
+    p.add_argument("--payload-size", type=int, default=64, metavar="N", help="bytes of payload a timer (default 64)")
+    p.add_argument("--mode", type=_octal, default=0o600, metavar="OCTAL", help="permissions (default 600)")
+    p.add_argument("--wheel-size", type=int, default=256, metavar="N", help="buckets a level, a power of two (256)")
+
+    p = command("driver", _driver, "drive a wheel: advance its clock and run a handler for each fire")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--handler", metavar="MODULE:FUNCTION", help="call this function with each fire")
+    how.add_argument("--jsonl", action="store_true", help="print each fire as a line of JSON")
+
+    p = command(
+        "stat",
+        _stat,
+        "show a wheel's state and its add/cancel/fire rates; it samples the wheel twice, "
+        "--interval apart, so it takes that long",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (one a line with --watch)")
+    p.add_argument("--watch", action="store_true", help="repeat every interval until Ctrl-C or SIGTERM")
+    p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help="sampling interval (default 1)")
+
+    p = command("ls", _ls, "list the shmwheel segments in /dev/shm")
+    p.add_argument("--json", action="store_true", help="print a JSON array")
+
+    command("check", _check, "check a wheel's invariants")
+    command("unlink", _unlink, "remove a wheel's segment")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
     args = _parser().parse_args(argv)
     try:
-        return int(args.func(args))
-    except (ShmwheelError, OSError, ValueError) as exc:
-        print(f"shmwheel: {exc}", file=sys.stderr)
+        status = int(args.func(args))
+        sys.stdout.flush()  # a reader that went away shows here, not at exit
+        return status
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `shmwheel ls | head -1`: stop quietly, as a tool killed by SIGPIPE
+        # does, and keep the interpreter from flushing into the pipe at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except (ShmwheelError, OSError, ValueError, TypeError) as exc:
+        print(f"shmwheel: {_message(exc)}", file=sys.stderr)
         return 1
