@@ -282,7 +282,7 @@ def _stat_table(r: dict[str, Any]) -> list[str]:
         ("levels", f"{r['levels']} of {r['wheel_size']} buckets"),
     ]
     rows += [
-        (f"level {i} ({_duration(r['tick'] * r['wheel_size'] ** i)})", n) for i, n in enumerate(r["level_pending"])
+        (f"level {i} ({_duration(r['tick'] * r['wheel_size'] ** i)}/bucket)", n) for i, n in enumerate(r["level_pending"])
     ]
     return _table(rows)
 

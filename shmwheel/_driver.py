@@ -161,11 +161,21 @@ class Driver:
             finally:
                 os.close(out_fd)  # the reader sees EOF once everything is sent
 
+        def dispatch(read_fd: int) -> None:
+            # If this thread dies, the driver stops: closing the read end
+            # makes the writer fail with EPIPE instead of blocking forever.
+            try:
+                self._dispatch(wheel, read_fd)
+            except BaseException as exc:
+                _log.exception("driver %d: the dispatcher failed", me)
+                errors.append(exc)
+                self._stop.set()
+
         threads = [threading.Thread(target=clock, name="shmwheel-clock", daemon=True)]
         threads.append(threading.Thread(target=writer, name="shmwheel-writer", daemon=True))
         dispatcher = None
         if read_fd is not None:
-            dispatcher = threading.Thread(target=self._dispatch, args=(wheel, read_fd), name="shmwheel-dispatch")
+            dispatcher = threading.Thread(target=dispatch, args=(read_fd,), name="shmwheel-dispatch")
             dispatcher.start()
         for t in threads:
             t.start()
