@@ -7,6 +7,7 @@ one driver advances the clock and collects the fires.  See README.md.
 import logging
 
 from ._binding import MAX_DELAY
+from ._driver import Driver, DriverProcess, FireReader, start_driver
 from ._errors import (
     CorruptSegmentError,
     DriverRunningError,
@@ -16,7 +17,6 @@ from ._errors import (
     ShmwheelError,
     WheelFullError,
 )
-from ._driver import Driver, DriverProcess, FireReader, start_driver
 from ._wheel import Fire, Wheel, WheelStats, attach, create, unlink
 
 __version__ = "0.1.0"

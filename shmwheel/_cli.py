@@ -1,4 +1,12 @@
-"""The ``shmwheel`` command line (``python -m shmwheel``)."""
+"""The ``shmwheel`` command line (``python -m shmwheel`` or ``shmwheel``).
+
+``create``, ``stat``, ``ls``, ``check`` and ``unlink`` manage segments;
+``driver`` runs a wheel's driver (shmwheel._driver); ``demo`` shows it all.
+As the Unix tools around it do: results on stdout, an error as one line
+"shmwheel: ..." on stderr and exit status 1, a usage error exit status 2
+(argparse's), Ctrl-C 130, and a reader that goes away (``shmwheel ls | head
+-1``) ends it quietly with 141, as SIGPIPE ends other tools.
+"""
 
 from __future__ import annotations
 
@@ -139,12 +147,21 @@ def _table(rows: Sequence[Sequence[object]], right: Collection[int] = ()) -> lis
     ]
 
 
-_UNITS = ((365.25 * 86400, "y"), (86400, "d"), (3600, "h"), (60, "min"), (1, "s"), (1e-3, "ms"), (1e-6, "us"))
+_UNITS = (
+    (365.25 * 86400, "y"),
+    (86400, "d"),
+    (3600, "h"),
+    (60, "min"),
+    (1, "s"),
+    (1e-3, "ms"),
+    (1e-6, "us"),
+    (1e-9, "ns"),
+)
 
 
 def _duration(seconds: float) -> str:
     """``seconds`` in the largest unit that keeps it >= 1 (to 3 digits): "1 ms", "65.5 s", "4.66 h"."""
-    size, unit = next(((size, unit) for size, unit in _UNITS if seconds >= size), _UNITS[-1])
+    size, unit = next(((size, unit) for size, unit in _UNITS if seconds >= size), (1, "s"))
     value = seconds / size
     return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
 
@@ -282,7 +299,8 @@ def _stat_table(r: dict[str, Any]) -> list[str]:
         ("levels", f"{r['levels']} of {r['wheel_size']} buckets"),
     ]
     rows += [
-        (f"level {i} ({_duration(r['tick'] * r['wheel_size'] ** i)}/bucket)", n) for i, n in enumerate(r["level_pending"])
+        (f"level {i} ({_duration(r['tick'] * r['wheel_size'] ** i)}/bucket)", n)
+        for i, n in enumerate(r["level_pending"])
     ]
     return _table(rows)
 
@@ -345,19 +363,21 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmwheel", description="A timing wheel in POSIX shared memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+    def command(
+        name: str, func: Callable[[argparse.Namespace], int], help: str, named: bool = True
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
-        if name not in ("demo", "ls"):
+        if named:
             p.add_argument("name", metavar="NAME", help="the wheel's name: its segment is /dev/shm/NAME")
         p.set_defaults(func=func)
         return p
 
-    demo = command("demo", _demo, "run worker processes with per-request timeouts and show the fires")
+    demo = command("demo", _demo, "run worker processes with per-request timeouts and show the fires", named=False)
     demo.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     demo.add_argument("--duration", type=_positive, default=5.0, help="seconds to run (default 5)")
 
     p = command("create", _create, "create a wheel's segment and leave it in /dev/shm")
-    p.add_argument("--capacity", type=int, required=True, help="timers that can be pending at once")
+    p.add_argument("--capacity", type=int, required=True, metavar="N", help="timers that can be pending at once")
     p.add_argument("--tick", type=float, default=0.001, metavar="SECONDS", help="resolution (default 0.001)")
     p.add_argument("--payload-size", type=int, default=64, metavar="N", help="bytes of payload a timer (default 64)")
     p.add_argument("--mode", type=_octal, default=0o600, metavar="OCTAL", help="permissions (default 600)")
@@ -378,7 +398,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="repeat every interval until Ctrl-C or SIGTERM")
     p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help="sampling interval (default 1)")
 
-    p = command("ls", _ls, "list the shmwheel segments in /dev/shm")
+    p = command("ls", _ls, "list the shmwheel segments in /dev/shm", named=False)
     p.add_argument("--json", action="store_true", help="print a JSON array")
 
     command("check", _check, "check a wheel's invariants")

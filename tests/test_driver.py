@@ -63,9 +63,11 @@ def record_or_raise(path: str, fire: shmwheel.Fire) -> None:
 
 
 def read_records(path: Path) -> list[dict]:
+    """The complete lines so far (the handler may be half-way through one)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:

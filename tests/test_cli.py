@@ -1,0 +1,316 @@
+"""The command line, run as a real subprocess against real segments."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import posix_ipc
+import pytest
+from conftest import fresh_name
+
+import shmwheel
+from shmwheel._binding import ffi, lib
+
+SHM = Path("/dev/shm")
+
+MakeWheel = Callable[..., shmwheel.Wheel]
+
+
+def run(*args: str, prefix: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "shmwheel", *args], capture_output=True, text=True, timeout=30
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str], status: int = 1) -> str:
+    """Assert the command failed the Unix way: ``status``, nothing on stdout, one line on stderr."""
+    assert proc.returncode == status, proc
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    if status == 1:
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith("shmwheel: ")
+    return lines[-1]
+
+
+def table(stdout: str) -> dict[str, str]:
+    """A two-column table as {label: value}, asserting that the values line up."""
+    rows = [re.fullmatch(r"(\S+(?: \S+)*)(\s{2,})(.*)", line) for line in stdout.splitlines()]
+    assert all(rows) and len({len(m[1] + m[2]) for m in rows if m}) == 1, stdout
+    return {m[1]: m[3] for m in rows if m}
+
+
+def foreign_segment(name: str, data: bytes) -> None:
+    """A segment some other program made: ``data`` at its start."""
+    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
+    try:
+        os.pwrite(shm.fd, data, 0)
+    finally:
+        shm.close_fd()
+
+
+@contextlib.contextmanager
+def watching(wheel_name: str, *extra: str) -> Iterator[subprocess.Popen[str]]:
+    """``stat --watch --json`` running in the background; killed at the end if still running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmwheel", "stat", wheel_name, "--watch", "--json", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watchdog = threading.Timer(20, proc.kill)  # a hung CLI fails the test instead of hanging it
+    watchdog.start()
+    try:
+        with proc:
+            yield proc
+            proc.kill()
+    finally:
+        watchdog.cancel()
+
+
+# -- create -------------------------------------------------------------------
+
+
+def test_create_then_stat_shows_the_parameters(name: str) -> None:
+    proc = run(
+        "create", name, "--capacity", "500", "--tick", "0.002", "--payload-size", "32", "--wheel-size", "64",
+        "--mode", "640",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    size = (SHM / name).stat().st_size
+    assert proc.stdout.count("\n") == 1
+    for part in (repr(name), "capacity 500", "tick 2 ms", "payload 32 bytes", "of 64 buckets", f"{size} bytes"):
+        assert part in proc.stdout
+    assert (SHM / name).stat().st_mode & 0o777 == 0o640
+
+    proc = run("stat", name, "--interval", "0.1")
+    assert proc.returncode == 0, proc.stderr
+    rows = table(proc.stdout)
+    assert rows["wheel"] == name
+    assert rows["pending"] == "0"
+    assert rows["capacity"] == "500 (0.0% used)"
+    assert rows["tick"] == "2 ms"
+    with shmwheel.attach(name) as w:
+        levels = w.levels
+    assert rows["levels"] == f"{levels} of 64 buckets"
+    assert [k for k in rows if k.startswith("level ")][:2] == ["level 0 (2 ms/bucket)", "level 1 (128 ms/bucket)"]
+    assert len([k for k in rows if k.startswith("level ")]) == levels
+
+
+def test_create_over_an_existing_name_fails(name: str) -> None:
+    assert run("create", name, "--capacity", "10").returncode == 0
+    error = one_line_error(run("create", name, "--capacity", "20"))
+    assert name in error and "exists" in error
+    with shmwheel.attach(name) as w:
+        assert w.capacity == 10  # the first one is untouched
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "says"),
+    [
+        (["--capacity", "0"], 1, "capacity must be between 1 and"),
+        (["--capacity", "many"], 2, "argument --capacity: invalid int value: 'many'"),
+        (["--capacity", "10", "--wheel-size", "100"], 1, "wheel_size must be a power of two"),
+        (["--capacity", "10", "--tick", "0"], 1, "tick must be between"),
+        (["--capacity", "10", "--mode", "800"], 2, "argument --mode: must be an octal mode"),
+    ],
+)
+def test_create_bad_values_fail_with_a_clear_message(name: str, args: list[str], status: int, says: str) -> None:
+    assert says in one_line_error(run("create", name, *args), status)
+    assert not (SHM / name).exists()
+
+
+# -- errors common to the commands that take a NAME --------------------------------
+
+
+@pytest.mark.parametrize("command", ["stat", "check", "unlink"])
+def test_missing_segment_is_an_error(name: str, command: str) -> None:
+    assert one_line_error(run(command, name)) == f"shmwheel: no shmwheel segment named {name!r}"
+
+
+def test_a_name_outside_dev_shm_is_refused() -> None:
+    assert "invalid wheel name" in one_line_error(run("unlink", "../../etc/passwd"))
+
+
+# -- stat ---------------------------------------------------------------------
+
+
+def test_stat_json_reports_the_wheel(make_wheel: MakeWheel) -> None:
+    w = make_wheel(capacity=200, payload_size=16)
+    w.add_many([0.1, 10, 100, 10_000])
+    w.cancel(w.add(50))
+    proc = run("stat", w.name, "--json", "--interval", "0.2")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert {k: report[k] for k in ("name", "pending", "capacity", "free", "added", "cancelled", "fired")} == {
+        "name": w.name,
+        "pending": 4,
+        "capacity": 200,
+        "free": 196,
+        "added": 5,
+        "cancelled": 1,
+        "fired": 0,
+    }
+    assert report["used_percent"] == 2.0
+    assert report["driver_pid"] is None and report["driver_state"] == "none"
+    assert report["payload_size"] == 16 and report["tick"] == 0.001
+    assert len(report["level_pending"]) == w.levels and sum(report["level_pending"]) == 4
+    assert 0.2 <= report["interval"] < 5
+    assert report["added_per_s"] == report["cancelled_per_s"] == report["fired_per_s"] == 0
+    assert set(shmwheel.WheelStats.__dataclass_fields__) <= set(report)
+    assert all(isinstance(report[k], (int, float)) for k in ("lag", "clock", "in_flight", "interval", "time"))
+
+
+def test_stat_watch_json_rates_follow_the_counters(make_wheel: MakeWheel) -> None:
+    """Each line's rates are the counters' change over the time since the line before."""
+    w = make_wheel()
+    with watching(w.name, "--interval", "0.2") as proc:
+        assert proc.stdout is not None
+        lines = [json.loads(proc.stdout.readline())]  # the watch has sampled: what we add now shows up later
+        w.add_many([60.0] * 10)
+        while lines[-1]["added"] < 10:
+            lines.append(json.loads(proc.stdout.readline()))
+        proc.terminate()
+        assert proc.wait() == 0
+    for before, after in itertools.pairwise(lines):
+        assert after["added_per_s"] == pytest.approx((after["added"] - before["added"]) / after["interval"])
+    assert max(line["added_per_s"] for line in lines) > 0
+    assert lines[-1]["pending"] == 10
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stat_watch_prints_json_lines_until_a_signal_then_exits_0(make_wheel: MakeWheel, sig: signal.Signals) -> None:
+    w = make_wheel()
+    with watching(w.name, "--interval", "0.05") as proc:
+        assert proc.stdout is not None
+        lines = [json.loads(proc.stdout.readline()) for _ in range(3)]
+        proc.send_signal(sig)
+        rest, err = proc.communicate()
+    assert proc.returncode == 0
+    assert err == ""
+    assert [line["name"] for line in lines] == [w.name] * 3
+    assert lines[0]["time"] < lines[1]["time"] < lines[2]["time"]
+    assert all(json.loads(line)["name"] == w.name for line in rest.splitlines())
+
+
+# -- ls -----------------------------------------------------------------------
+
+
+def test_ls_lists_wheels_and_only_wheels(make_wheel: MakeWheel, name: str) -> None:
+    w = make_wheel(capacity=77)
+    w.add(60)
+    foreign_segment(name, b"not a wheel, just bytes")
+    old = fresh_name()
+    foreign_segment(old, struct.pack("<QI", lib.SHMW_MAGIC, 999))  # a shmwheel of a layout version from the future
+    try:
+        proc = run("ls")
+    finally:
+        posix_ipc.unlink_shared_memory("/" + old)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()}
+    assert rows["NAME"] == ["NAME", "SIZE", "OWNER", "MODE", "CAPACITY", "PENDING", "DRIVER"]
+    size = (SHM / w.name).stat().st_size
+    assert rows[w.name] == [w.name, str(size), pwd.getpwuid(os.getuid()).pw_name, "0600", "77", "1", "-"]
+    assert name not in rows
+    assert "has another layout version" in " ".join(rows[old])
+
+
+def test_ls_json_is_an_array_of_segments(make_wheel: MakeWheel) -> None:
+    w = make_wheel(capacity=33)
+    proc = run("ls", "--json")
+    assert proc.returncode == 0, proc.stderr
+    segments = json.loads(proc.stdout)
+    assert isinstance(segments, list)
+    (mine,) = [s for s in segments if s["name"] == w.name]
+    assert mine == {
+        "name": w.name,
+        "size": (SHM / w.name).stat().st_size,
+        "owner": pwd.getpwuid(os.getuid()).pw_name,
+        "mode": "0600",
+        "capacity": 33,
+        "pending": 0,
+        "driver_pid": None,
+        "error": None,
+    }
+
+
+def test_ls_lists_a_wheel_it_cannot_attach_with_the_reason(make_wheel: MakeWheel) -> None:
+    """A wheel others may read but not write: listed, with why there are no numbers."""
+    w = make_wheel(mode=0o444)
+    prefix: list[str] = []
+    if os.geteuid() == 0:  # root opens anything: run ls without the capabilities that let it
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root and setpriv is not there to drop CAP_DAC_OVERRIDE")
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    proc = run("ls", "--json", prefix=prefix)
+    assert proc.returncode == 0, proc.stderr
+    (mine,) = [s for s in json.loads(proc.stdout) if s["name"] == w.name]
+    assert mine["capacity"] is None
+    assert mine["error"].startswith(f"cannot open segment {w.name!r}: ")  # one clean line, no "[Errno 13]"
+    assert "permission" in mine["error"].lower()
+
+
+def test_ls_into_a_closed_pipe_stops_quietly(make_wheel: MakeWheel) -> None:
+    """`shmwheel ls | head -1` must not print a BrokenPipeError."""
+    make_wheel()  # so that there is something to print
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "shmwheel", "ls"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=30
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 128 + signal.SIGPIPE
+    assert proc.stderr == ""
+
+
+# -- check and unlink -----------------------------------------------------------
+
+
+def test_check_a_good_wheel(make_wheel: MakeWheel) -> None:
+    w = make_wheel()
+    w.add(1)
+    proc = run("check", w.name)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"{w.name}: ok\n", "")
+
+
+def test_check_a_corrupt_wheel_names_the_broken_invariant(make_wheel: MakeWheel) -> None:
+    w = make_wheel()
+    w.add(1)
+    header = ffi.cast("struct shmw_header *", w._buf)
+    header.pending += 1
+    try:
+        error = one_line_error(run("check", w.name))
+    finally:
+        header.pending -= 1
+    assert error.startswith(f"shmwheel: segment {w.name!r} is corrupt: ")
+    assert "pending is 2" in error
+
+
+def test_unlink_removes_the_segment(name: str) -> None:
+    assert run("create", name, "--capacity", "10").returncode == 0
+    proc = run("unlink", name)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
+    assert not (SHM / name).exists()
+    one_line_error(run("unlink", name))
+
+
+def test_unlink_leaves_another_programs_segment_alone(name: str) -> None:
+    foreign_segment(name, b"someone else's")
+    assert "not a shmwheel segment" in one_line_error(run("unlink", name))
+    assert (SHM / name).exists()
