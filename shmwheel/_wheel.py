@@ -189,6 +189,7 @@ class WheelStats:
     next_expiry: float | None  #: when the earliest non-empty bucket comes due
     level_pending: tuple[int, ...]  #: timers in each level, lowest first
     driver_pid: int | None  #: the registered driver, if any
+    driver_start: int | None  #: its process start time (us since the epoch): with the pid, its identity
     driver_state: str  #: "none", "running" or "stopping"
     in_flight: int  #: fired by the driver, handler not yet done
     acked: int
@@ -513,6 +514,7 @@ class Wheel:
             next_expiry=None if st.next_expiry_ns < 0 else st.next_expiry_ns / 1e9,
             level_pending=tuple(st.level_pending[0 : st.levels]),
             driver_pid=st.driver_pid or None,
+            driver_start=st.driver_start if st.driver_pid else None,
             driver_state=_DRIVER_STATES.get(st.driver_state, "unknown"),
             in_flight=st.inflight,
             acked=st.acked,
