@@ -48,7 +48,12 @@ struct shmw_header {
     int32_t  driver_pid;
     uint32_t driver_state;
     int64_t  driver_start;
+    uint64_t sleep_until;
+    uint32_t inflight_head;
+    uint32_t inflight_tail;
+    uint32_t inflight_unsent;
     uint32_t inflight;
+    uint32_t wake_word;
     ...;
 };
 struct shmw_bucket {

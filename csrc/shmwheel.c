@@ -62,7 +62,7 @@ static void pid_init(void)
 
 uint64_t shmw_ticks_ceil(int64_t ns, int64_t tick_ns)
 {
-    if (ns <= 0)
+    if (ns <= 0 || tick_ns <= 0)
         return 0;
     return (uint64_t)ns / (uint64_t)tick_ns + ((uint64_t)ns % (uint64_t)tick_ns != 0);
 }
@@ -75,7 +75,7 @@ uint32_t shmw_level_for(uint64_t elapsed, uint64_t t, uint32_t wheel_bits)
     uint32_t level = 0;
     uint32_t shift = 0;
 
-    if (t <= elapsed)
+    if (t <= elapsed || wheel_bits == 0 || wheel_bits >= 32)
         return 0;
     for (; shift < 64; level++, shift += wheel_bits)
         if ((t >> shift) - (elapsed >> shift) < w)
@@ -87,7 +87,7 @@ uint32_t shmw_slot_for(uint64_t t, uint32_t level, uint32_t wheel_bits)
 {
     uint32_t shift = level * wheel_bits;
 
-    if (shift >= 64)
+    if (shift >= 64 || wheel_bits >= 32)
         return 0;
     return (uint32_t)((t >> shift) & ((1ULL << wheel_bits) - 1));
 }
@@ -108,9 +108,13 @@ uint32_t shmw_levels_for(int64_t tick_ns, uint32_t wheel_bits)
      * (elapsed behind the real clock), so that every accepted timer has a
      * level even if nobody polls for a century. */
     uint64_t need = 2 * shmw_ticks_ceil(SHMW_MAX_DELAY_NS, tick_ns) + 2;
-    uint64_t w = 1ULL << wheel_bits;
-    uint64_t window = w - 1;
+    uint64_t w, window;
     uint32_t levels = 1;
+
+    if (wheel_bits == 0 || wheel_bits >= 32 || tick_ns <= 0)
+        return SHMW_MAX_LEVELS + 1;   /* no such wheel */
+    w = 1ULL << wheel_bits;
+    window = w - 1;
 
     while (window <= need && levels < SHMW_MAX_LEVELS) {
         if (window > UINT64_MAX / w)
@@ -458,6 +462,8 @@ static int sift_down(shmw_t *w, uint32_t pos, uint32_t len)
         if (child >= len)
             break;
         cb = w->heap[child];
+        if (cb >= w->nbuckets)
+            return SHMW_ECORRUPT;
         if (child + 1 < len) {
             uint32_t rb = w->heap[child + 1];
             if (rb >= w->nbuckets)
@@ -467,8 +473,6 @@ static int sift_down(shmw_t *w, uint32_t pos, uint32_t len)
                 cb = rb;
             }
         }
-        if (cb >= w->nbuckets)
-            return SHMW_ECORRUPT;
         if (!heap_less(w, cb, b))
             break;
         heap_place(w, pos, cb);
@@ -526,6 +530,19 @@ static int place(const shmw_t *w, uint64_t elapsed, uint64_t t, uint32_t *bucket
     *bucket = (level << w->wheel_bits) | shmw_slot_for(key, level, w->wheel_bits);
     *expires = shmw_bucket_expiry(key, level, w->wheel_bits);
     return SHMW_OK;
+}
+
+/* Whether bucket b can take an entry due at `expires`.  Operations check
+ * this before they change anything, so that one that fails on a scribbled
+ * segment leaves it as it was. */
+static int bucket_can_take(const shmw_t *w, uint32_t b, uint64_t expires)
+{
+    const struct shmw_bucket *bk = &w->buckets[b];
+
+    if (bk->head == SHMW_NIL)
+        return bk->count == 0 && bk->tail == SHMW_NIL && bk->heap_pos == SHMW_NIL
+            && w->hdr->heap_len < w->nbuckets ? SHMW_OK : SHMW_ECORRUPT;
+    return bk->count > 0 && bk->tail < w->capacity && bk->expires == expires ? SHMW_OK : SHMW_ECORRUPT;
 }
 
 static int bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
@@ -646,8 +663,9 @@ static int slot_alloc(shmw_t *w, uint32_t *out)
     if (i >= w->capacity)
         return SHMW_ECORRUPT;
     e = entry_at(w, i);
-    if (e->state != SHMW_FREE || (e->next != SHMW_NIL && e->next >= w->capacity))
-        return SHMW_ECORRUPT;
+    if (e->state != SHMW_FREE || (e->next != SHMW_NIL && e->next >= w->capacity)
+        || e->generation == 0 || e->generation > w->max_generation)
+        return SHMW_ECORRUPT;   /* a bad generation would make a negative handle */
     h->free_head = e->next;
     h->free_count--;
     *out = i;
@@ -687,9 +705,10 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
     int rc;
 
     rc = place(w, h->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
-    if (rc)
-        return rc;
-    rc = slot_alloc(w, &i);
+    if (rc == SHMW_OK)
+        rc = bucket_can_take(w, b, expires);
+    if (rc == SHMW_OK)
+        rc = slot_alloc(w, &i);
     if (rc)
         return rc;
     e = entry_at(w, i);
@@ -882,7 +901,10 @@ static int reset_checked(shmw_t *w, int64_t handle, int64_t deadline_ns)
     e = entry_at(w, i);
     rc = place(w, w->hdr->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
     if (rc == SHMW_OK && !(b == e->bucket && w->buckets[b].expires == expires)) {
-        rc = bucket_unlink(w, i);
+        if (b != e->bucket)
+            rc = bucket_can_take(w, b, expires);
+        if (rc == SHMW_OK)
+            rc = bucket_unlink(w, i);
         if (rc == SHMW_OK)
             rc = bucket_append(w, b, expires, i);
     }
@@ -951,6 +973,17 @@ static void write_record(const shmw_t *w, uint32_t i, char *rec)
 
 /* The in-flight FIFO: append at the tail, unlink anywhere (acks may come
  * in any order).  Links are checked before anything is changed. */
+/* Whether the in-flight FIFO's tail can be appended to (checked before
+ * the entry leaves its bucket). */
+static int inflight_can_take(const shmw_t *w)
+{
+    const struct shmw_header *h = w->hdr;
+
+    if (h->inflight_tail == SHMW_NIL)
+        return h->inflight == 0 && h->inflight_head == SHMW_NIL ? SHMW_OK : SHMW_ECORRUPT;
+    return h->inflight > 0 && h->inflight_tail < w->capacity ? SHMW_OK : SHMW_ECORRUPT;
+}
+
 static void inflight_append(shmw_t *w, uint32_t i)
 {
     struct shmw_header *h = w->hdr;
@@ -1004,52 +1037,70 @@ static int inflight_unlink(shmw_t *w, uint32_t i)
  * in expiry order.  A level-0 bucket fires whole; a higher bucket is a
  * cascade: the clock jumps to its expiry and its timers go back in, each
  * to a strictly later bucket of a lower level, or fire if due at that very
- * tick.  Entries are taken off the head one at a time, so a call that runs
- * out of room leaves the rest of the bucket, and the clock, where they
- * were.  The walk is bounded: no entry moves more than `levels` times. */
-static int advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, char *records, uint32_t *fired)
+ * tick.  Entries are taken off the head one at a time, so a call that
+ * stops early leaves the rest of the bucket, and the clock, where they
+ * were: it stops after `max` fires or SHMW_LOCK_WORK entries moved or
+ * fired, whichever comes first, and sets *more if something due is left.
+ * That bounds the lock hold: cascading a million timers takes many short
+ * holds, not one of tens of milliseconds. */
+static int advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, char *records,
+                   uint32_t *fired, int *more)
 {
     struct shmw_header *h = w->hdr;
-    uint64_t budget = (uint64_t)w->capacity * (w->levels + 1) + w->nbuckets;
     uint32_t stride = sizeof(struct shmw_fire) + (uint32_t)ALIGN_UP(w->payload_size, 8);
-    uint32_t n = 0;
+    uint32_t n = 0, work = 0;
     int rc = SHMW_OK;
 
+    *more = 0;
     for (;;) {
         struct shmw_bucket *bk;
         struct shmw_entry *e;
-        uint32_t b, i, nb;
-        uint64_t at, t, expires;
+        uint32_t b, i, nb = 0;
+        uint64_t at, t, expires = 0;
 
-        if (h->heap_len == 0 || (h->heap_len <= w->nbuckets && w->heap[0] < w->nbuckets
-                                 && w->buckets[w->heap[0]].expires > now_tick)) {
+        if (h->heap_len > w->nbuckets || (h->heap_len > 0 && w->heap[0] >= w->nbuckets)) {
+            rc = SHMW_ECORRUPT;
+            break;
+        }
+        if (h->heap_len == 0 || w->buckets[w->heap[0]].expires > now_tick) {
             if (now_tick > h->elapsed)
                 set_elapsed(w, now_tick, now_ns);
             break;
         }
-        if (h->heap_len > w->nbuckets || (b = w->heap[0]) >= w->nbuckets) {
+        if (n == max || work == SHMW_LOCK_WORK) {
+            *more = 1;
+            break;
+        }
+        b = w->heap[0];
+        bk = &w->buckets[b];
+        at = bk->expires;
+        i = bk->head;
+        if (at < h->elapsed || i >= w->capacity) {
             rc = SHMW_ECORRUPT;
             break;
         }
-        if (n == max)
-            break;
-        bk = &w->buckets[b];
-        at = bk->expires;
-        if (at < h->elapsed || bk->head >= w->capacity || budget-- == 0) {
+        e = entry_at(w, i);
+        if (e->state != SHMW_PENDING || e->bucket != b) {
             rc = SHMW_ECORRUPT;
             break;
         }
         if (at > h->elapsed)
             set_elapsed(w, at, now_ns);
+        work++;
 
-        i = bk->head;
-        if ((rc = bucket_unlink(w, i)))
-            break;
-        e = entry_at(w, i);
+        /* Check where the entry goes before it leaves its bucket. */
         t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
         if (t > at) {
+            if ((rc = place(w, at, t, &nb, &expires)) || (rc = bucket_can_take(w, nb, expires)))
+                break;
+        } else if (!records && (rc = inflight_can_take(w))) {
+            break;
+        }
+        if ((rc = bucket_unlink(w, i)))
+            break;
+        if (t > at) {
             /* Cascade. */
-            if ((rc = place(w, at, t, &nb, &expires)) || (rc = bucket_append(w, nb, expires, i)))
+            if ((rc = bucket_append(w, nb, expires, i)))
                 break;
             continue;
         }
@@ -1091,9 +1142,9 @@ static int drain_inflight(shmw_t *w, uint32_t max, char *records, uint32_t *n)
     return SHMW_OK;
 }
 
-int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *records)
+int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *records, int *more)
 {
-    uint32_t stride, n = 0, more = 0;
+    uint32_t stride, n = 0, fired = 0;
     uint64_t now_tick;
     int64_t now_ns;
     int rc;
@@ -1107,14 +1158,15 @@ int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *record
     now_tick = (uint64_t)now_ns / (uint64_t)w->tick_ns;
     stride = sizeof(struct shmw_fire) + (uint32_t)ALIGN_UP(w->payload_size, 8);
 
+    *more = 0;
     if ((rc = lock(w)))
         return rc;
     if (w->hdr->driver_pid != 0)
         rc = SHMW_EDRIVER;
     else if ((rc = drain_inflight(w, max, records, &n)) == SHMW_OK)
-        rc = advance(w, now_tick, now_ns, max - n, records + (uint64_t)n * stride, &more);
+        rc = advance(w, now_tick, now_ns, max - n, records + (uint64_t)n * stride, &fired, more);
     unlock(w);
-    return rc ? rc : (int)(n + more);
+    return rc ? rc : (int)(n + fired);
 }
 
 /* ---- the driver ----------------------------------------------------------------- */
@@ -1149,9 +1201,9 @@ int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_p
     /* Whatever is in flight now was fired by a driver that is gone: send
      * all of it again, marked.  Bounded by the in-flight count. */
     i = h->inflight_head;
-    for (k = 0; k < h->inflight && i != SHMW_NIL; k++) {
+    for (k = 0; k < h->inflight && k < w->capacity; k++) {
         struct shmw_entry *e;
-        if (i >= w->capacity) {
+        if (i >= w->capacity || entry_at(w, i)->state != SHMW_INFLIGHT) {
             unlock(w);
             return SHMW_ECORRUPT;
         }
@@ -1161,6 +1213,10 @@ int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_p
             h->redelivered++;
         }
         i = e->next;
+    }
+    if (i != SHMW_NIL) {
+        unlock(w);
+        return SHMW_ECORRUPT;
     }
     h->inflight_unsent = h->inflight_head;
     h->driver_pid = pid;
@@ -1207,6 +1263,7 @@ int shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
         int64_t now_ns = shmw_now_ns();
         int64_t until_ns = -1;
         uint32_t fired = 0, seen;
+        int more = 0;
 
         if ((rc = lock(w)))
             return rc;
@@ -1215,19 +1272,25 @@ int shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
             return SHMW_EDRIVER;   /* someone took over: stop at once */
         }
         h->sleep_until = 0;
-        rc = advance(w, (uint64_t)now_ns / (uint64_t)w->tick_ns, now_ns, batch, NULL, &fired);
+        rc = advance(w, (uint64_t)now_ns / (uint64_t)w->tick_ns, now_ns, batch, NULL, &fired, &more);
         if (rc) {
             unlock(w);
             return rc;
         }
         if (fired)
             __atomic_add_fetch(&h->outbox_word, 1, __ATOMIC_SEQ_CST);
-        if (fired < batch) {
-            /* Nothing more is due: sleep until the earliest bucket. */
+        if (!more) {
+            /* Nothing more is due: sleep until the earliest bucket, but
+             * never longer than SHMW_MAX_SLEEP_NS.  The cap bounds the
+             * stall if a producer dies between lowering sleep_until and
+             * its FUTEX_WAKE (or under the lock): a later add for the same
+             * moment skips the wake, so only the sleeper can recover. */
+            until_ns = now_ns + SHMW_MAX_SLEEP_NS;
             if (h->heap_len > 0 && h->heap_len <= w->nbuckets && w->heap[0] < w->nbuckets) {
                 uint64_t next = w->buckets[w->heap[0]].expires;
                 h->sleep_until = next;
-                until_ns = (int64_t)(next * (uint64_t)w->tick_ns);
+                if ((int64_t)(next * (uint64_t)w->tick_ns) < until_ns)
+                    until_ns = (int64_t)(next * (uint64_t)w->tick_ns);
             } else {
                 h->sleep_until = UINT64_MAX;
             }
@@ -1236,7 +1299,7 @@ int shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
         unlock(w);
         if (fired)
             futex_wake_all(&h->outbox_word);
-        if (fired < batch && !*stop)
+        if (!more && !*stop)
             futex_wait_until(&h->wake_word, seen, until_ns);
     }
     return SHMW_OK;
@@ -1275,11 +1338,15 @@ int shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, ui
     stride = (uint32_t)shmw_record_size(w);
     for (;;) {
         uint32_t n = 0, seen, i;
-        int stopping = *stop;
+        int stopping;
 
         if ((rc = lock(w)))
             return rc;
+        /* *stop is read after the word: a stop set before this load is
+         * seen here, and one set after it bumps the word past `seen`, so
+         * the FUTEX_WAIT below returns at once.  No stop is missed. */
         seen = __atomic_load_n(&h->outbox_word, __ATOMIC_SEQ_CST);
+        stopping = __atomic_load_n(stop, __ATOMIC_SEQ_CST);
         i = h->inflight_unsent;
         while (n < cap && i != SHMW_NIL) {
             if (i >= w->capacity || entry_at(w, i)->state != SHMW_INFLIGHT) {

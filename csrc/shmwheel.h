@@ -80,7 +80,11 @@
  * parameters are copied into process-private memory at open and only the
  * copies are used for bounds; every index read from the segment is checked
  * against them before use, and every walk is bounded.  A check that fails
- * returns SHMW_ECORRUPT and leaves the segment as it was.
+ * returns SHMW_ECORRUPT.  Operations check what they will touch before they
+ * change anything (the target bucket, the free slot, the in-flight tail),
+ * so most failures leave the segment as it was; a scribble deep inside the
+ * delay-heap can still be met half-way through a sift, and then the
+ * segment is left for shmw_check to describe.
  *
  * Byte layout (all offsets from the start of the segment, host byte order)
  * -----------------------------------------------------------------------
@@ -120,6 +124,8 @@
 #define SHMW_MAX_PAYLOAD    65536U
 #define SHMW_MAX_DELAY_NS   (1LL << 62)       /* about 146 years */
 #define SHMW_NIL            0xffffffffU
+#define SHMW_LOCK_WORK      4096U             /* entries moved or fired per lock hold */
+#define SHMW_MAX_SLEEP_NS   100000000LL       /* the driver's clock wakes at least this often */
 
 /* Return codes.  0 is success; everything else is negative and is turned
  * into a Python exception in exactly one place (shmwheel/_binding.py). */
@@ -202,7 +208,7 @@ struct shmw_header {
      * marks every entry in flight redelivered and sends them all again. */
     int32_t  driver_pid;        /* 0: no driver registered */
     uint32_t driver_state;      /* SHMW_DRIVER_* */
-    int64_t  driver_start;      /* the driver's process start time (us since the epoch) */
+    int64_t  driver_start;      /* its start time: /proc/PID/stat field 22, ticks since boot */
     uint64_t sleep_until;       /* tick the clock sleeps until; 0 while awake */
     int64_t  advanced_ns;       /* CLOCK_MONOTONIC when the clock last advanced */
     uint32_t inflight_head;     /* oldest entry in flight or NIL */
@@ -332,7 +338,7 @@ int     shmw_cancel(shmw_t *w, int64_t handle);
 int     shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n);
 int     shmw_reset(shmw_t *w, int64_t handle, double delay_s);
 int     shmw_reset_at(shmw_t *w, int64_t handle, double deadline_s);
-int     shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *records);
+int     shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *records, int *more);
 int     shmw_record_size(shmw_t *w);
 
 /* The driver.  Register takes over only if the registration is still the

@@ -21,6 +21,7 @@ it out again with ``redelivered`` set: at least once across driver crashes.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import importlib
@@ -28,9 +29,11 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -81,6 +84,7 @@ class Driver:
         fd: int | None = None,
         fifo: str | os.PathLike[str] | None = None,
         after_batch: Callable[[], object] | None = None,
+        ack_timeout: float = 10.0,
     ) -> None:
         if fd is not None and fifo is not None:
             raise ValueError("give fd or fifo, not both")
@@ -94,6 +98,7 @@ class Driver:
         self._fd = fd
         self._fifo = fifo
         self._after_batch = after_batch
+        self._ack_timeout = ack_timeout
         self._stop = threading.Event()
         self._clock_stop = ffi.new("int *")
         self._writer_stop = ffi.new("int *")
@@ -142,7 +147,10 @@ class Driver:
                 raise_for(rc, name=self.name)
 
     def _drive(self, wheel: Wheel, me: int, on_ready: Callable[[], object] | None) -> None:
-        out_fd, read_fd = self._open_output()
+        fds = self._open_output()
+        if fds is None:
+            return
+        out_fd, read_fd = fds
         rec_size = wheel._record.size
         errors: list[BaseException] = []
 
@@ -180,37 +188,73 @@ class Driver:
             dispatcher.start()
         for t in threads:
             t.start()
-        _log.info("driver %d: running on wheel %r", me, self.name)
-        if on_ready is not None:
-            on_ready()
-        self._stop.wait()
-
-        # Graceful stop: no new fires; send what has fired; let the
-        # handlers finish and acknowledge; then deregister (in run()).
-        lib.shmw_driver_set_state(wheel._w, me, lib.SHMW_DRIVER_STOPPING)
-        self._clock_stop[0] = 1
-        lib.shmw_wake(wheel._w)
-        threads[0].join()
-        self._writer_stop[0] = 1
-        lib.shmw_wake(wheel._w)
-        threads[1].join()
-        if dispatcher is not None:
-            dispatcher.join()
+        try:
+            _log.info("driver %d: running on wheel %r", me, self.name)
+            if on_ready is not None:
+                on_ready()
+            self._stop.wait()
+        finally:
+            # Graceful stop, and on any way out: no new fires; send what
+            # has fired; let the handlers finish and acknowledge.  The C
+            # threads use the mapping, so they must be gone before run()
+            # closes the wheel.
+            lib.shmw_driver_set_state(wheel._w, me, lib.SHMW_DRIVER_STOPPING)
+            self._clock_stop[0] = 1
+            lib.shmw_wake(wheel._w)
+            threads[0].join()
+            self._writer_stop[0] = 1
+            lib.shmw_wake(wheel._w)
+            threads[1].join()
+            if dispatcher is not None:
+                dispatcher.join()
+            elif self._external:
+                self._await_external_acks(wheel)
         if errors:
             raise errors[0]
 
-    def _open_output(self) -> tuple[int, int | None]:
-        """The fd the writer writes to, and the one the dispatcher reads (or None)."""
+    def _await_external_acks(self, wheel: Wheel) -> None:
+        """Give an external consumer time to acknowledge what it was sent.
+
+        What is still in flight when the driver deregisters is marked
+        redelivered and sent again by the next driver; waiting here avoids
+        that for a consumer that is merely a little behind.
+        """
+        give_up = time.monotonic() + self._ack_timeout
+        while wheel._raw_stats().inflight and time.monotonic() < give_up:
+            time.sleep(0.01)
+
+    def _open_output(self) -> tuple[int, int | None] | None:
+        """The fd the writer writes to, and the one the dispatcher reads (or
+        None); None if asked to stop while waiting for a FIFO's reader."""
         if self._fd is not None:
             return self._fd, None
         if self._fifo is not None:
-            return os.open(self._fifo, os.O_WRONLY), None  # blocks until a reader opens it
+            fd = self._open_fifo(self._fifo)
+            return None if fd is None else (fd, None)
         read_fd, write_fd = os.pipe()
         try:
             fcntl.fcntl(write_fd, _F_SETPIPE_SZ, _PIPE_SIZE)
         except OSError:  # above /proc/sys/fs/pipe-max-size: the default will do
             pass
         return write_fd, read_fd
+
+    def _open_fifo(self, path: str | os.PathLike[str]) -> int | None:
+        """Open the FIFO for writing once a reader has it open; stop() interrupts the wait.
+
+        A blocking open would wait for a reader with no way out: PEP 475
+        retries it after the signal handler that asked us to stop.
+        """
+        while True:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:  # ENXIO: no reader yet
+                    raise
+                if self._stop.wait(0.05):
+                    return None  # asked to stop before anyone read
+                continue
+            os.set_blocking(fd, True)
+            return fd
 
     def _dispatch(self, wheel: Wheel, read_fd: int) -> None:
         try:
@@ -372,12 +416,18 @@ def start_driver(name: str, handler: Handler | None = None, *, timeout: float = 
     status = ctx.Queue()
     proc = ctx.Process(target=_serve, args=(name, handler, status), name=f"shmwheel-driver-{name}")
     proc.start()
-    try:
-        result = status.get(timeout=timeout)
-    except Exception:
-        proc.kill()
-        proc.join()
-        raise ShmwheelError(f"the driver for {name!r} did not start within {timeout} s") from None
+    give_up = time.monotonic() + timeout
+    while True:
+        try:
+            result = status.get(timeout=0.05)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise ShmwheelError(f"the driver for {name!r} exited with status {proc.exitcode} on start") from None
+            if time.monotonic() > give_up:
+                proc.kill()
+                proc.join()
+                raise ShmwheelError(f"the driver for {name!r} did not start within {timeout} s") from None
     if isinstance(result, BaseException):
         proc.join()
         raise result

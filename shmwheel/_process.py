@@ -1,25 +1,36 @@
 """Process identity: a pid plus its start time, so that a reused pid is never
-mistaken for the process that registered it."""
+mistaken for the process that registered it.
+
+The start time is field 22 of /proc/PID/stat, in clock ticks since boot, not
+psutil's create_time(): that one adds the boot time as seen from the wall
+clock, which moves whenever the wall clock is stepped (NTP at boot,
+``date -s``), so two readings of one live process can disagree and a live
+driver would be declared dead.
+"""
 
 from __future__ import annotations
-
-import psutil
 
 __all__ = ["alive", "start_time"]
 
 
 def start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` in microseconds since the epoch, or
-    None if there is no such process (a zombie counts as gone)."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return round(proc.create_time() * 1e6)
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    """The start time of process ``pid`` in clock ticks since boot, or None
+    if there is no such process (a zombie counts as gone)."""
+    if pid <= 0:
         return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no such process
+        return None
+    # The command name (field 2) is in parentheses and may hold anything,
+    # spaces and parentheses included: count the fields after the last ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):  # field 3, the state: zombie or dead
+        return None
+    return int(fields[19])  # field 22
 
 
 def alive(pid: int, start: int) -> bool:
     """Whether ``pid`` is still the process that started at ``start``."""
-    return pid > 0 and start_time(pid) == start
+    return start_time(pid) == start

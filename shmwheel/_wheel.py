@@ -189,7 +189,7 @@ class WheelStats:
     next_expiry: float | None  #: when the earliest non-empty bucket comes due
     level_pending: tuple[int, ...]  #: timers in each level, lowest first
     driver_pid: int | None  #: the registered driver, if any
-    driver_start: int | None  #: its process start time (us since the epoch): with the pid, its identity
+    driver_start: int | None  #: its start time (clock ticks since boot): with the pid, its identity
     driver_state: str  #: "none", "running" or "stopping"
     in_flight: int  #: fired by the driver, handler not yet done
     acked: int
@@ -469,20 +469,21 @@ class Wheel:
             records = self._poll_buffers.pop()
         except IndexError:
             records = ffi.new("char[]", _POLL_BATCH * rec.size)
+        more = ffi.new("int *")
         out: list[Fire] = []
         try:
             while True:
                 want = _POLL_BATCH if max_fires is None else min(_POLL_BATCH, max_fires - len(out))
                 if want == 0:
                     return out
-                n: int = lib.shmw_poll(self._w, 0.0 if use_clock else now, use_clock, want, records)
+                n: int = lib.shmw_poll(self._w, 0.0 if use_clock else now, use_clock, want, records, more)
                 if n == lib.SHMW_EDRIVER and self._release_dead_driver():
                     continue
                 if n < 0:
                     self._raise(n, "now", now)
                 if n:
                     out += decode_records(rec, ffi.buffer(records, n * rec.size))
-                if n < want:
+                if not more[0]:
                     return out
         finally:
             self._poll_buffers.append(records)

@@ -1,0 +1,206 @@
+"""A scribbled segment, a dying producer, a wall-clock step: the C core reports
+instead of crashing, the driver recovers instead of stalling."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import shmwheel
+from shmwheel._binding import ffi, lib
+from shmwheel._process import alive, start_time
+
+
+def header(w: shmwheel.Wheel):
+    return ffi.cast("struct shmw_header *", w._buf)
+
+
+def heap(w: shmwheel.Wheel):
+    b, h, s = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    assert lib.shmw_layout(w._w, b, h, s) == 0
+    return ffi.cast("uint32_t *", w._buf + h[0])
+
+
+# -- process identity -----------------------------------------------------------------
+
+
+def test_start_time_identifies_a_process() -> None:
+    me = start_time(os.getpid())
+    assert me is not None and alive(os.getpid(), me)
+    assert not alive(os.getpid(), me + 1), "another start time is another process"
+    assert start_time(0) is None and start_time(-1) is None
+
+
+def test_a_zombie_or_reaped_process_is_not_alive() -> None:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 5
+        while start_time(pid) is not None:  # a zombie until reaped: counts as gone
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        os.waitpid(pid, 0)
+    assert start_time(pid) is None
+
+
+# -- corruption -----------------------------------------------------------------------
+
+
+def test_scribbled_heap_entry_is_reported_not_followed(make_wheel) -> None:
+    """A bucket index far out of bounds in the heap: cancel and check report it."""
+    w = make_wheel(capacity=16)
+    hs = [w.add(d) for d in (1, 100, 10_000, 1_000_000)]  # four buckets, four heap entries
+    heap(w)[1] = 0x7FFFFFF0
+    with pytest.raises(shmwheel.CorruptSegmentError):
+        w.cancel(hs[0])
+    with pytest.raises(shmwheel.CorruptSegmentError, match="delay-heap|bucket"):
+        w.check()
+    # Found half-way through a removal, it leaves the segment inconsistent:
+    # this wheel is for the bin (the fixture skips a segment that is gone).
+    w.close()
+    shmwheel.unlink(w.name)
+
+
+def test_scribbled_bucket_expiry_fails_an_add_without_changing_anything(make_wheel) -> None:
+    w = make_wheel(capacity=16)
+    w.add(60)
+    st = w.stats()
+    buckets = ffi.cast("struct shmw_bucket *", w._buf + ffi.sizeof("struct shmw_header"))
+    # The bucket the first timer went to: find it by its count.
+    b, h, s = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    lib.shmw_layout(w._w, b, h, s)
+    buckets = ffi.cast("struct shmw_bucket *", w._buf + b[0])
+    used = next(i for i in range(w.levels * w.wheel_size) if buckets[i].count)
+    buckets[used].expires += 1
+    try:
+        with pytest.raises(shmwheel.CorruptSegmentError):
+            w.add(60)  # lands in the same bucket, whose expiry no longer matches
+    finally:
+        buckets[used].expires -= 1
+    assert w.stats() == st, "a failed add changed the segment"
+    w.check()
+
+
+def test_in_flight_walk_is_bounded_by_capacity(make_wheel) -> None:
+    w = make_wheel(capacity=8)
+    hd = header(w)
+    hd.inflight = 0xFFFFFFFF
+    try:
+        started = time.monotonic()
+        assert lib.shmw_driver_register(w._w, os.getpid(), 1, 0, 0) == lib.SHMW_ECORRUPT
+        assert time.monotonic() - started < 1
+    finally:
+        hd.inflight = 0
+    assert w.stats().driver_pid is None
+
+
+def test_scribbled_in_flight_tail_stops_the_clock_cleanly(make_wheel) -> None:
+    w = make_wheel(capacity=8)
+    me = os.getpid()
+    assert lib.shmw_driver_register(w._w, me, start_time(me), 0, 0) == 0
+    try:
+        w.add(0)
+        time.sleep(0.005)
+        hd = header(w)
+        hd.inflight_tail = 0x20000000
+        stop = ffi.new("int *")
+        try:
+            assert lib.shmw_drive_clock(w._w, stop, 16) == lib.SHMW_ECORRUPT
+        finally:
+            hd.inflight_tail = lib.SHMW_NIL
+        assert len(w) == 1 and w.stats().in_flight == 0, "the timer left its bucket"
+    finally:
+        assert lib.shmw_driver_register(w._w, 0, 0, me, start_time(me)) == 0
+
+
+# -- bounded lock holds ---------------------------------------------------------------
+
+
+def test_a_big_cascade_is_done_in_bounded_steps_and_poll_still_returns_everything_due(make_wheel) -> None:
+    """10,000 timers share one level-2 bucket; a poll just past its start must
+    cascade them all (in several lock holds) and return exactly the due ones."""
+    w = make_wheel(capacity=20_000, payload_size=0, wheel_size=16)
+    now = w.stats().clock
+    g2 = 16**2 * 0.001  # a level-2 bucket spans 256 ticks
+    start = (int(now / g2) + 4) * g2  # a level-2 bucket boundary well ahead
+    due = set(w.add_many([start - time.monotonic() + 0.0001 + 0.00002 * i for i in range(10)]))
+    w.add_many([start - time.monotonic() + 0.05 + (i % 200) * 0.001 for i in range(10_000)])
+    fires = w.poll(start + 0.001)
+    assert {f.handle for f in fires} == due
+    assert len(w) == 10_000
+    w.check()
+    assert len(w.poll(start + 1)) == 10_000
+
+
+# -- the driver's wake-up ---------------------------------------------------------------
+
+
+def test_clock_recovers_from_a_producer_that_died_before_its_wake(make_wheel, tmp_path) -> None:
+    """A producer lowered sleep_until and bumped the wake word, then died before
+    FUTEX_WAKE: the clock still wakes within its sleep cap."""
+    w = make_wheel(capacity=10)
+    w.add(3600)
+    d = shmwheel.start_driver(w.name)
+    try:
+        time.sleep(0.3)  # asleep until the 1 h timer
+        hd = header(w)
+        # What the dead producer left: sleep_until lowered (here to 0, as
+        # low as it goes) and the word bumped, but no FUTEX_WAKE.  Every
+        # later add is due at or after sleep_until, so it skips the wake.
+        hd.sleep_until = 0
+        hd.wake_word += 1
+        h = w.add(0.02)
+        deadline = time.monotonic() + lib.SHMW_MAX_SLEEP_NS / 1e9 + 1.0
+        while len(w) > 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(w) == 1, "the clock did not wake for a due timer"
+        assert w.cancel(h) is False
+    finally:
+        assert d.stop() == 0
+
+
+def test_run_exits_cleanly_when_on_ready_raises(make_wheel) -> None:
+    """The C threads are stopped and joined before the wheel is unmapped."""
+    w = make_wheel(capacity=10)
+    driver = shmwheel.Driver(w.name)
+
+    def boom() -> None:
+        raise RuntimeError("on_ready failed")
+
+    with pytest.raises(RuntimeError, match="on_ready failed"):
+        driver.run(on_ready=boom)
+    assert not any(t.name.startswith("shmwheel-") for t in threading.enumerate())
+    st = w.stats()
+    assert (st.driver_pid, st.driver_state) == (None, "none")
+
+
+def test_fifo_driver_stops_while_waiting_for_a_reader(make_wheel, tmp_path) -> None:
+    w = make_wheel(capacity=10)
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    driver = shmwheel.Driver(w.name, fifo=fifo)
+    t = threading.Thread(target=driver.run)
+    t.start()
+    time.sleep(0.2)
+    driver.stop()
+    t.join(timeout=5)
+    assert not t.is_alive()
+    assert w.stats().driver_pid is None
+
+
+def test_signal_handler_can_stop_a_driver(make_wheel) -> None:
+    w = make_wheel(capacity=10)
+    driver = shmwheel.Driver(w.name)
+    old = signal.signal(signal.SIGUSR1, lambda *_: driver.stop())
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        driver.run()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert w.stats().driver_pid is None
