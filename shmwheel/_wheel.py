@@ -457,7 +457,12 @@ class Wheel:
 
         ``now`` is on the :func:`time.monotonic` clock and defaults to it.
         A clock never goes back: a ``now`` before the wheel clock fires
-        nothing.  With ``max_fires``, the rest stay due for the next poll.
+        nothing.  The wheel clock is shared: a ``now`` ahead of real time
+        moves it ahead for every process, and timers due before it then
+        wait for a poll at or past it (late, never early), so a future
+        ``now`` is for a wheel you drive alone, as tests do.  With
+        ``max_fires``, the rest stay due for the next poll.  Raises
+        DriverRunningError while a live driver is registered.
         """
         use_clock = now is None
         if not use_clock:
