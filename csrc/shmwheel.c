@@ -43,6 +43,34 @@ struct shmw {
     uint64_t             max_generation;
 };
 
+/* ---- crash points (tests only) --------------------------------------------
+ * Every store to the segment goes through STORE.  shmw_test_crash_after(n)
+ * makes this process _exit(SHMW_CRASH_EXIT) just before its n-th store from
+ * then on, so that a test can stop an operation at every step and check
+ * what the next locker makes of it.  Off (0) by default: one predictable
+ * branch a store.  The compiler barrier keeps the stores in program order,
+ * which is what makes a half-made change repairable: an entry's own fields
+ * are written before the store of its state that commits them. */
+
+static long crash_countdown;
+
+static inline void crash_point(void)
+{
+    if (__builtin_expect(crash_countdown > 0, 0) && --crash_countdown == 0)
+        _exit(SHMW_CRASH_EXIT);
+}
+
+#define STORE(lhs, rhs) do {                    \
+        crash_point();                          \
+        __asm__ __volatile__("" ::: "memory");  \
+        (lhs) = (rhs);                          \
+    } while (0)
+
+void shmw_test_crash_after(long n)
+{
+    crash_countdown = n > 0 ? n : 0;
+}
+
 /* ---- process identity ---------------------------------------------------
  * getpid() is a system call on current glibc; the pid is cached and
  * refreshed in the child after fork so the add path never makes one. */
@@ -260,7 +288,7 @@ int shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t no
     for (i = 0; i < p->capacity; i++) {
         struct shmw_entry *e = (struct shmw_entry *)(slab + (uint64_t)i * l.stride);
         memset(e, 0, sizeof(*e));
-        e->generation = 1;
+        e->generation = 0;      /* the first handle of a slot has generation 1 */
         e->state = SHMW_FREE;
         e->next = (i + 1 < p->capacity) ? i + 1 : SHMW_NIL;
         e->prev = e->bucket = SHMW_NIL;
@@ -361,18 +389,20 @@ int shmw_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t *
 
 static int check_locked(shmw_t *w, char *reason, uint32_t reason_len);
 
+static int repair_locked(shmw_t *w);
+
 static int lock(shmw_t *w)
 {
     int rc = pthread_mutex_lock(&w->hdr->mutex);
 
     if (rc == EOWNERDEAD) {
-        /* The previous holder died inside a critical section.  Mark the
-         * mutex consistent either way, so that nobody ever sees
-         * ENOTRECOVERABLE and blocks; if the segment no longer checks out,
-         * flag it damaged so that every later operation refuses it rather
-         * than build on a half-made change. */
-        if (check_locked(w, NULL, 0) != SHMW_OK)
-            w->hdr->flags |= SHMW_F_DAMAGED;
+        /* The previous holder died inside a critical section: rebuild what
+         * it may have left half-made, then mark the mutex consistent, so
+         * that nobody ever sees ENOTRECOVERABLE.  If the repairer dies
+         * too, the next locker gets EOWNERDEAD and repairs again.  Only a
+         * segment repair cannot make sense of stays flagged damaged. */
+        if (repair_locked(w) != SHMW_OK)
+            STORE(w->hdr->flags, w->hdr->flags | SHMW_F_DAMAGED);
         pthread_mutex_consistent(&w->hdr->mutex);
         rc = 0;
     }
@@ -430,8 +460,8 @@ static inline int heap_less(const shmw_t *w, uint32_t a, uint32_t b)
 
 static void heap_place(shmw_t *w, uint32_t pos, uint32_t b)
 {
-    w->heap[pos] = b;
-    w->buckets[b].heap_pos = pos;
+    STORE(w->heap[pos], b);
+    STORE(w->buckets[b].heap_pos, pos);
 }
 
 static int sift_up(shmw_t *w, uint32_t pos)
@@ -488,8 +518,8 @@ static int heap_push(shmw_t *w, uint32_t b)
 
     if (len >= w->nbuckets)
         return SHMW_ECORRUPT;
-    w->heap[len] = b;
-    w->hdr->heap_len = len + 1;
+    STORE(w->heap[len], b);
+    STORE(w->hdr->heap_len, len + 1);
     return sift_up(w, len);
 }
 
@@ -503,8 +533,8 @@ static int heap_remove(shmw_t *w, uint32_t b)
     if (len == 0 || len > w->nbuckets || pos >= len || w->heap[pos] != b)
         return SHMW_ECORRUPT;
     len--;
-    w->hdr->heap_len = len;
-    w->buckets[b].heap_pos = SHMW_NIL;
+    STORE(w->hdr->heap_len, len);
+    STORE(w->buckets[b].heap_pos, SHMW_NIL);
     if (pos == len)
         return SHMW_OK;
     last = w->heap[len];
@@ -553,23 +583,23 @@ static int bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
     if (bk->head == SHMW_NIL) {
         if (bk->count != 0 || bk->heap_pos != SHMW_NIL)
             return SHMW_ECORRUPT;
-        bk->expires = expires;
-        bk->head = bk->tail = i;
-        bk->count = 1;
-        e->prev = e->next = SHMW_NIL;
-        e->bucket = b;
-        w->hdr->level_pending[b >> w->wheel_bits]++;
+        STORE(bk->expires, expires);
+        STORE(bk->head, i); STORE(bk->tail, i);
+        STORE(bk->count, 1);
+        STORE(e->prev, SHMW_NIL); STORE(e->next, SHMW_NIL);
+        STORE(e->bucket, b);
+        STORE(w->hdr->level_pending[b >> w->wheel_bits], w->hdr->level_pending[b >> w->wheel_bits] + 1);
         return heap_push(w, b);
     }
     if (bk->tail >= w->capacity || bk->expires != expires)
         return SHMW_ECORRUPT;
-    entry_at(w, bk->tail)->next = i;
-    e->prev = bk->tail;
-    e->next = SHMW_NIL;
-    e->bucket = b;
-    bk->tail = i;
-    bk->count++;
-    w->hdr->level_pending[b >> w->wheel_bits]++;
+    STORE(entry_at(w, bk->tail)->next, i);
+    STORE(e->prev, bk->tail);
+    STORE(e->next, SHMW_NIL);
+    STORE(e->bucket, b);
+    STORE(bk->tail, i);
+    STORE(bk->count, bk->count + 1);
+    STORE(w->hdr->level_pending[b >> w->wheel_bits], w->hdr->level_pending[b >> w->wheel_bits] + 1);
     return SHMW_OK;
 }
 
@@ -594,17 +624,18 @@ static int bucket_unlink(shmw_t *w, uint32_t i)
         return SHMW_ECORRUPT;
 
     if (e->prev == SHMW_NIL)
-        bk->head = e->next;
+        STORE(bk->head, e->next);
     else
-        entry_at(w, e->prev)->next = e->next;
+        STORE(entry_at(w, e->prev)->next, e->next);
     if (e->next == SHMW_NIL)
-        bk->tail = e->prev;
+        STORE(bk->tail, e->prev);
     else
-        entry_at(w, e->next)->prev = e->prev;
-    e->prev = e->next = e->bucket = SHMW_NIL;
-    w->hdr->level_pending[b >> w->wheel_bits]--;
-    if (--bk->count == 0) {
-        bk->head = bk->tail = SHMW_NIL;
+        STORE(entry_at(w, e->next)->prev, e->prev);
+    STORE(e->prev, SHMW_NIL); STORE(e->next, SHMW_NIL); STORE(e->bucket, SHMW_NIL);
+    STORE(w->hdr->level_pending[b >> w->wheel_bits], w->hdr->level_pending[b >> w->wheel_bits] - 1);
+    STORE(bk->count, bk->count - 1);
+    if (bk->count == 0) {
+        STORE(bk->head, SHMW_NIL); STORE(bk->tail, SHMW_NIL);
         return heap_remove(w, b);
     }
     return SHMW_OK;
@@ -631,25 +662,27 @@ static uint32_t lookup(const shmw_t *w, int64_t handle)
     return i;
 }
 
+/* Generations go up when a slot is handed out, not when it is freed: a
+ * process that dies between the two stores of either leaves a slot whose
+ * next handle is still new.  A slot whose generation has reached the
+ * maximum is retired when freed instead of reused. */
 static void slot_free(shmw_t *w, uint32_t i)
 {
     struct shmw_entry *e = entry_at(w, i);
     struct shmw_header *h = w->hdr;
 
-    e->prev = e->bucket = SHMW_NIL;
-    e->flags = 0;
+    STORE(e->prev, SHMW_NIL); STORE(e->bucket, SHMW_NIL);
+    STORE(e->flags, 0);
     if (e->generation >= w->max_generation) {
-        /* Its next handle would repeat an old one: retire the slot. */
-        e->state = SHMW_RETIRED;
-        e->next = SHMW_NIL;
-        h->retired++;
+        STORE(e->next, SHMW_NIL);
+        STORE(e->state, SHMW_RETIRED);
+        STORE(h->retired, h->retired + 1);
         return;
     }
-    e->state = SHMW_FREE;
-    e->generation++;
-    e->next = h->free_head;
-    h->free_head = i;
-    h->free_count++;
+    STORE(e->next, h->free_head);
+    STORE(e->state, SHMW_FREE);
+    STORE(h->free_head, i);
+    STORE(h->free_count, h->free_count + 1);
 }
 
 static int slot_alloc(shmw_t *w, uint32_t *out)
@@ -664,10 +697,11 @@ static int slot_alloc(shmw_t *w, uint32_t *out)
         return SHMW_ECORRUPT;
     e = entry_at(w, i);
     if (e->state != SHMW_FREE || (e->next != SHMW_NIL && e->next >= w->capacity)
-        || e->generation == 0 || e->generation > w->max_generation)
+        || e->generation >= w->max_generation)
         return SHMW_ECORRUPT;   /* a bad generation would make a negative handle */
-    h->free_head = e->next;
-    h->free_count--;
+    STORE(h->free_head, e->next);
+    STORE(h->free_count, h->free_count - 1);
+    STORE(e->generation, e->generation + 1);
     *out = i;
     return SHMW_OK;
 }
@@ -683,7 +717,7 @@ static int wake_for(shmw_t *w, uint64_t expires)
 
     if (expires >= h->sleep_until)
         return 0;
-    h->sleep_until = expires;
+    STORE(h->sleep_until, expires);
     __atomic_add_fetch(&h->wake_word, 1, __ATOMIC_SEQ_CST);
     return 1;
 }
@@ -712,18 +746,20 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
     if (rc)
         return rc;
     e = entry_at(w, i);
-    e->deadline_ns = deadline_ns;
-    e->owner_pid = cached_pid;
-    e->payload_len = len;
-    e->flags = 0;
-    if (len)
+    STORE(e->deadline_ns, deadline_ns);
+    STORE(e->owner_pid, cached_pid);
+    STORE(e->payload_len, len);
+    STORE(e->flags, 0);
+    if (len) {
+        crash_point();
         memcpy((char *)(e + 1), payload, len);
-    e->state = SHMW_PENDING;
+    }
+    STORE(e->state, SHMW_PENDING);          /* commits the entry */
     rc = bucket_append(w, b, expires, i);
     if (rc)
         return rc;
-    h->pending++;
-    h->added++;
+    STORE(h->pending, h->pending + 1);
+    STORE(h->added, h->added + 1);
     *wake |= wake_for(w, expires);
     *handle = handle_of(w, i);
     return SHMW_OK;
@@ -838,8 +874,8 @@ static int cancel_locked(shmw_t *w, int64_t handle)
     if ((rc = bucket_unlink(w, i)))
         return rc;
     slot_free(w, i);
-    w->hdr->pending--;
-    w->hdr->cancelled++;
+    STORE(w->hdr->pending, w->hdr->pending - 1);
+    STORE(w->hdr->cancelled, w->hdr->cancelled + 1);
     return 1;
 }
 
@@ -900,17 +936,20 @@ static int reset_checked(shmw_t *w, int64_t handle, int64_t deadline_ns)
     }
     e = entry_at(w, i);
     rc = place(w, w->hdr->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
-    if (rc == SHMW_OK && !(b == e->bucket && w->buckets[b].expires == expires)) {
-        if (b != e->bucket)
-            rc = bucket_can_take(w, b, expires);
-        if (rc == SHMW_OK)
+    if (rc == SHMW_OK && b != e->bucket)
+        rc = bucket_can_take(w, b, expires);
+    if (rc == SHMW_OK) {
+        /* The new deadline first: if this process dies before the entry
+         * is relinked, recovery files it by the deadline it now has. */
+        STORE(e->deadline_ns, deadline_ns);
+        if (!(b == e->bucket && w->buckets[b].expires == expires)) {
             rc = bucket_unlink(w, i);
-        if (rc == SHMW_OK)
-            rc = bucket_append(w, b, expires, i);
+            if (rc == SHMW_OK)
+                rc = bucket_append(w, b, expires, i);
+        }
     }
     if (rc == SHMW_OK) {
-        e->deadline_ns = deadline_ns;
-        w->hdr->resets++;
+        STORE(w->hdr->resets, w->hdr->resets + 1);
         wake = wake_for(w, expires);
     }
     unlock(w);
@@ -940,10 +979,10 @@ static void set_elapsed(shmw_t *w, uint64_t t, int64_t now_ns)
     struct shmw_header *h = w->hdr;
     uint32_t l;
 
-    h->elapsed = t;
-    h->advanced_ns = now_ns;
+    STORE(h->elapsed, t);
+    STORE(h->advanced_ns, now_ns);
     for (l = 0; l < w->levels; l++)
-        h->level_clock[l] = shmw_bucket_expiry(t, l, w->wheel_bits);
+        STORE(h->level_clock[l], shmw_bucket_expiry(t, l, w->wheel_bits));
 }
 
 int shmw_record_size(shmw_t *w)
@@ -989,18 +1028,18 @@ static void inflight_append(shmw_t *w, uint32_t i)
     struct shmw_header *h = w->hdr;
     struct shmw_entry *e = entry_at(w, i);
 
-    e->state = SHMW_INFLIGHT;
-    e->bucket = SHMW_NIL;
-    e->next = SHMW_NIL;
-    e->prev = h->inflight_tail;
+    STORE(e->state, SHMW_INFLIGHT);
+    STORE(e->bucket, SHMW_NIL);
+    STORE(e->next, SHMW_NIL);
+    STORE(e->prev, h->inflight_tail);
     if (h->inflight_tail == SHMW_NIL)
-        h->inflight_head = i;
+        STORE(h->inflight_head, i);
     else
-        entry_at(w, h->inflight_tail)->next = i;
-    h->inflight_tail = i;
+        STORE(entry_at(w, h->inflight_tail)->next, i);
+    STORE(h->inflight_tail, i);
     if (h->inflight_unsent == SHMW_NIL)
-        h->inflight_unsent = i;
-    h->inflight++;
+        STORE(h->inflight_unsent, i);
+    STORE(h->inflight, h->inflight + 1);
 }
 
 static int inflight_unlink(shmw_t *w, uint32_t i)
@@ -1017,17 +1056,17 @@ static int inflight_unlink(shmw_t *w, uint32_t i)
         : e->next >= w->capacity || entry_at(w, e->next)->prev != i)
         return SHMW_ECORRUPT;
     if (h->inflight_unsent == i)
-        h->inflight_unsent = e->next;
+        STORE(h->inflight_unsent, e->next);
     if (e->prev == SHMW_NIL)
-        h->inflight_head = e->next;
+        STORE(h->inflight_head, e->next);
     else
-        entry_at(w, e->prev)->next = e->next;
+        STORE(entry_at(w, e->prev)->next, e->next);
     if (e->next == SHMW_NIL)
-        h->inflight_tail = e->prev;
+        STORE(h->inflight_tail, e->prev);
     else
-        entry_at(w, e->next)->prev = e->prev;
-    e->prev = e->next = SHMW_NIL;
-    h->inflight--;
+        STORE(entry_at(w, e->next)->prev, e->prev);
+    STORE(e->prev, SHMW_NIL); STORE(e->next, SHMW_NIL);
+    STORE(h->inflight, h->inflight - 1);
     return SHMW_OK;
 }
 
@@ -1104,9 +1143,9 @@ static int advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, c
                 break;
             continue;
         }
-        e->fired_at_ns = now_ns;
-        h->pending--;
-        h->fired++;
+        STORE(e->fired_at_ns, now_ns);
+        STORE(h->pending, h->pending - 1);
+        STORE(h->fired, h->fired + 1);
         if (records) {
             write_record(w, i, records + (uint64_t)n * stride);
             slot_free(w, i);
@@ -1136,7 +1175,7 @@ static int drain_inflight(shmw_t *w, uint32_t max, char *records, uint32_t *n)
         if ((rc = inflight_unlink(w, i)))
             return rc;
         slot_free(w, i);
-        h->acked++;
+        STORE(h->acked, h->acked + 1);
         (*n)++;
     }
     return SHMW_OK;
@@ -1209,8 +1248,8 @@ int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_p
         }
         e = entry_at(w, i);
         if (!(e->flags & SHMW_REDELIVERED)) {
-            e->flags |= SHMW_REDELIVERED;
-            h->redelivered++;
+            STORE(e->flags, e->flags | SHMW_REDELIVERED);
+            STORE(h->redelivered, h->redelivered + 1);
         }
         i = e->next;
     }
@@ -1218,11 +1257,11 @@ int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_p
         unlock(w);
         return SHMW_ECORRUPT;
     }
-    h->inflight_unsent = h->inflight_head;
-    h->driver_pid = pid;
-    h->driver_start = pid ? start : 0;
-    h->driver_state = pid ? SHMW_DRIVER_RUNNING : SHMW_DRIVER_NONE;
-    h->sleep_until = 0;
+    STORE(h->inflight_unsent, h->inflight_head);
+    STORE(h->driver_pid, pid);
+    STORE(h->driver_start, pid ? start : 0);
+    STORE(h->driver_state, pid ? SHMW_DRIVER_RUNNING : SHMW_DRIVER_NONE);
+    STORE(h->sleep_until, 0);
     unlock(w);
     return SHMW_OK;
 }
@@ -1240,7 +1279,7 @@ int shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state)
     if (w->hdr->driver_pid != pid)
         rc = SHMW_EDRIVER;
     else
-        w->hdr->driver_state = state;
+        STORE(w->hdr->driver_state, state);
     unlock(w);
     return rc;
 }
@@ -1271,7 +1310,7 @@ int shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
             unlock(w);
             return SHMW_EDRIVER;   /* someone took over: stop at once */
         }
-        h->sleep_until = 0;
+        STORE(h->sleep_until, 0);
         rc = advance(w, (uint64_t)now_ns / (uint64_t)w->tick_ns, now_ns, batch, NULL, &fired, &more);
         if (rc) {
             unlock(w);
@@ -1288,11 +1327,11 @@ int shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
             until_ns = now_ns + SHMW_MAX_SLEEP_NS;
             if (h->heap_len > 0 && h->heap_len <= w->nbuckets && w->heap[0] < w->nbuckets) {
                 uint64_t next = w->buckets[w->heap[0]].expires;
-                h->sleep_until = next;
+                STORE(h->sleep_until, next);
                 if ((int64_t)(next * (uint64_t)w->tick_ns) < until_ns)
                     until_ns = (int64_t)(next * (uint64_t)w->tick_ns);
             } else {
-                h->sleep_until = UINT64_MAX;
+                STORE(h->sleep_until, UINT64_MAX);
             }
         }
         seen = __atomic_load_n(&h->wake_word, __ATOMIC_SEQ_CST);
@@ -1357,7 +1396,7 @@ int shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, ui
             n++;
             i = entry_at(w, i)->next;
         }
-        h->inflight_unsent = i;
+        STORE(h->inflight_unsent, i);
         unlock(w);
         if (n) {
             if ((rc = write_all(fd, buf, (size_t)n * stride)))
@@ -1382,7 +1421,7 @@ int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors
             return SHMW_EHANDLE;
     if ((rc = lock(w)))
         return rc;
-    w->hdr->handler_errors += errors;
+    STORE(w->hdr->handler_errors, w->hdr->handler_errors + errors);
     for (k = 0; k < n; k++) {
         uint64_t hd = (uint64_t)handles[k];
         uint32_t i = (uint32_t)(hd & ((1ULL << w->slot_bits) - 1));
@@ -1395,7 +1434,7 @@ int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors
         if ((rc = inflight_unlink(w, i)))
             break;
         slot_free(w, i);
-        w->hdr->acked++;
+        STORE(w->hdr->acked, w->hdr->acked + 1);
         done++;
     }
     unlock(w);
@@ -1451,7 +1490,137 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     out->handler_errors = h->handler_errors;
     out->advanced_ns = h->advanced_ns;
     out->clock_ns = (int64_t)(h->elapsed * (uint64_t)w->tick_ns);
+    out->recoveries = h->recoveries;
     unlock(w);
+    return SHMW_OK;
+}
+
+/* ---- recovery -------------------------------------------------------------
+ * A lock holder that dies leaves its change half-made.  What each entry
+ * says about itself (state, generation, deadline, payload) is written before
+ * the one store that commits it, its state, so it is authoritative; the
+ * free list, the buckets and their heap and the counters are derived from
+ * it and rebuilt here, in O(capacity + buckets), without allocating.  The
+ * in-flight FIFO is kept if it still walks cleanly, since its order and
+ * its unsent cursor say what the driver has sent; otherwise it is rebuilt
+ * in slot order with everything in it marked redelivered and unsent (only
+ * a driver, or a consumer acknowledging, changes it, and a driver that
+ * died redelivers anyway).  Repair rewrites nothing an entry says about
+ * itself but links and flags, so it can be repeated: a repairer that dies
+ * too leaves the next locker the same job. */
+
+static int inflight_walks(const shmw_t *w, uint32_t count)
+{
+    const struct shmw_header *h = w->hdr;
+    uint32_t i = h->inflight_head, prev = SHMW_NIL, k;
+    int unsent_found = h->inflight_unsent == SHMW_NIL;
+
+    if (h->inflight != count)
+        return 0;
+    for (k = 0; k < count; k++) {
+        const struct shmw_entry *e;
+        if (i >= w->capacity)
+            return 0;
+        e = entry_at(w, i);
+        if (e->state != SHMW_INFLIGHT || e->prev != prev)
+            return 0;
+        unsent_found |= i == h->inflight_unsent;
+        prev = i;
+        i = e->next;
+    }
+    return i == SHMW_NIL && h->inflight_tail == prev && unsent_found;
+}
+
+static int repair_locked(shmw_t *w)
+{
+    struct shmw_header *h = w->hdr;
+    uint32_t i, b, l, inflight = 0;
+    int rc;
+
+    /* What an entry says about itself must make sense on its own. */
+    for (i = 0; i < w->capacity; i++) {
+        struct shmw_entry *e = entry_at(w, i);
+        switch (e->state) {
+        case SHMW_FREE:
+        case SHMW_RETIRED:
+            break;
+        case SHMW_PENDING:
+        case SHMW_INFLIGHT:
+            if (e->generation == 0 || e->generation > w->max_generation
+                || e->payload_len > w->payload_size)
+                return SHMW_ECORRUPT;
+            inflight += e->state == SHMW_INFLIGHT;
+            break;
+        default:
+            return SHMW_ECORRUPT;
+        }
+    }
+
+    for (b = 0; b < w->nbuckets; b++) {
+        struct shmw_bucket *bk = &w->buckets[b];
+        STORE(bk->head, SHMW_NIL); STORE(bk->tail, SHMW_NIL);
+        STORE(bk->count, 0);
+        STORE(bk->heap_pos, SHMW_NIL);
+    }
+    STORE(h->heap_len, 0);
+    for (l = 0; l < SHMW_MAX_LEVELS; l++)
+        STORE(h->level_pending[l], 0);
+    set_elapsed(w, h->elapsed, h->advanced_ns);
+
+    if (!inflight_walks(w, inflight)) {
+        STORE(h->inflight_head, SHMW_NIL); STORE(h->inflight_tail, SHMW_NIL);
+        STORE(h->inflight_unsent, SHMW_NIL);
+        STORE(h->inflight, 0);
+    } else {
+        inflight = 0;   /* kept as it is */
+    }
+
+    /* Highest index first, so that the free list hands out low slots first. */
+    STORE(h->free_head, SHMW_NIL);
+    STORE(h->free_count, 0);
+    STORE(h->pending, 0);
+    STORE(h->retired, 0);
+    for (i = w->capacity; i-- > 0;) {
+        struct shmw_entry *e = entry_at(w, i);
+        uint64_t expires;
+        switch (e->state) {
+        case SHMW_FREE:
+            if (e->generation >= w->max_generation) {
+                STORE(e->state, SHMW_RETIRED);   /* died between alloc and commit */
+                STORE(h->retired, h->retired + 1);
+                break;
+            }
+            STORE(e->next, h->free_head);
+            STORE(h->free_head, i);
+            STORE(h->free_count, h->free_count + 1);
+            break;
+        case SHMW_RETIRED:
+            STORE(h->retired, h->retired + 1);
+            break;
+        case SHMW_PENDING:
+            if ((rc = place(w, h->elapsed, shmw_ticks_ceil(e->deadline_ns, w->tick_ns), &b, &expires)))
+                return rc;
+            if ((rc = bucket_append(w, b, expires, i)))
+                return rc;
+            STORE(h->pending, h->pending + 1);
+            break;
+        }
+    }
+    /* A broken in-flight FIFO: relink it in slot order, all of it to be
+     * sent again. */
+    for (i = 0; inflight > 0 && i < w->capacity; i++) {
+        struct shmw_entry *e = entry_at(w, i);
+        if (e->state != SHMW_INFLIGHT)
+            continue;
+        if (!(e->flags & SHMW_REDELIVERED)) {
+            STORE(e->flags, e->flags | SHMW_REDELIVERED);
+            STORE(h->redelivered, h->redelivered + 1);
+        }
+        inflight_append(w, i);
+    }
+    STORE(h->inflight_unsent, h->inflight_unsent == SHMW_NIL ? h->inflight_head : h->inflight_unsent);
+    STORE(h->flags, h->flags & ~SHMW_F_DAMAGED);
+    STORE(h->recoveries, h->recoveries + 1);
     return SHMW_OK;
 }
 
@@ -1489,8 +1658,10 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
 
     for (i = 0; i < w->capacity; i++) {
         struct shmw_entry *e = entry_at(w, i);
-        if (e->generation == 0 || e->generation > w->max_generation)
-            FAIL("slab: entry %u has generation %llu out of range", i,
+        if (e->generation > w->max_generation
+            || (e->state == SHMW_FREE && e->generation == w->max_generation)
+            || ((e->state == SHMW_PENDING || e->state == SHMW_INFLIGHT) && e->generation == 0))
+            FAIL("slab: entry %u in state %u has generation %llu out of range", i, e->state,
                  (unsigned long long)e->generation);
         if (e->state == SHMW_PENDING) {
             pending_seen++;

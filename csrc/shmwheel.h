@@ -147,6 +147,9 @@
 #define SHMW_EDRIVER    -15  /* a driver is registered (poll), or another took over */
 #define SHMW_EIO        -16  /* the driver's pipe failed (errno is kept) */
 
+/* The exit status of a process stopped by shmw_test_crash_after. */
+#define SHMW_CRASH_EXIT 86
+
 /* Header flags. */
 #define SHMW_F_DAMAGED  1   /* a lock holder died and left the segment inconsistent:
                              * every operation fails with SHMW_ECORRUPT */
@@ -218,6 +221,7 @@ struct shmw_header {
     uint64_t acked;
     uint64_t redelivered;
     uint64_t handler_errors;
+    uint64_t recoveries;        /* repairs after a lock holder died */
 
     /* Futex words.  Changed with atomics under the mutex and waited on
      * outside it; the waker calls FUTEX_WAKE after unlocking, so no system
@@ -298,6 +302,7 @@ struct shmw_stats {
     uint64_t handler_errors;
     int64_t  advanced_ns;       /* when the clock last advanced */
     int64_t  clock_ns;          /* the wheel clock, elapsed * tick_ns */
+    uint64_t recoveries;
 };
 
 /* What create is asked for. */
@@ -352,6 +357,10 @@ int     shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state);
 int     shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch);
 int     shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap);
 void    shmw_wake(shmw_t *w);
+
+/* Tests only: _exit(SHMW_CRASH_EXIT) before this process's n-th store to
+ * any segment from now on (0: never). */
+void    shmw_test_crash_after(long n);
 int     shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors);
 int     shmw_stats(shmw_t *w, struct shmw_stats *out);
 int     shmw_check(shmw_t *w, char *reason, uint32_t reason_len);

@@ -195,6 +195,7 @@ class WheelStats:
     acked: int
     redelivered: int
     handler_errors: int
+    recoveries: int  #: times a lock holder died and the next locker repaired the segment
     #: How long the earliest due bucket has been waiting for the clock, in
     #: seconds: 0 while whoever drives the wheel keeps up.  (Not part of
     #: equality: it grows while you look at it.)
@@ -526,6 +527,7 @@ class Wheel:
             acked=st.acked,
             redelivered=st.redelivered,
             handler_errors=st.handler_errors,
+            recoveries=st.recoveries,
             lag=0.0 if st.next_expiry_ns < 0 else max(0.0, (lib.shmw_now_ns() - st.next_expiry_ns) / 1e9),
         )
 

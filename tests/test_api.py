@@ -571,7 +571,7 @@ def test_retired_slot_is_never_handed_out_again(make_wheel) -> None:
     """A slot whose generation would wrap is retired instead of reused."""
     w = make_wheel(capacity=2)
     max_gen = (1 << (63 - 1)) - 1  # capacity 2: one slot bit
-    entry(w, 0).generation = max_gen
+    entry(w, 0).generation = max_gen - 1  # handed out once more, at max_gen
     h = w.add(60)
     assert h == (max_gen << 1) | 0
     assert w.cancel(h)
