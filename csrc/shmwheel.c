@@ -1619,6 +1619,13 @@ static int repair_locked(shmw_t *w)
         inflight_append(w, i);
     }
     STORE(h->inflight_unsent, h->inflight_unsent == SHMW_NIL ? h->inflight_head : h->inflight_unsent);
+    /* The registration is written in three stores; make them agree. */
+    if (h->driver_pid == 0) {
+        STORE(h->driver_state, SHMW_DRIVER_NONE);
+        STORE(h->driver_start, 0);
+    } else if (h->driver_state == SHMW_DRIVER_NONE || h->driver_state > SHMW_DRIVER_STOPPING) {
+        STORE(h->driver_state, SHMW_DRIVER_RUNNING);
+    }
     STORE(h->flags, h->flags & ~SHMW_F_DAMAGED);
     STORE(h->recoveries, h->recoveries + 1);
     return SHMW_OK;

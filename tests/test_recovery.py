@@ -1,0 +1,258 @@
+"""A process killed at every store of an operation: the next locker repairs.
+
+Each sweep forks a child that runs one operation with the C core's crash
+point set to its n-th store to the segment (it _exits there, holding the
+lock), for n = 1, 2, ... until the operation completes.  After each crash
+the parent's next lock gets EOWNERDEAD and repairs; then check() must pass,
+no slot may leak, and the timers must match a reference model: a timer
+whose add returned is never lost, one whose add did not return exists whole
+or not at all, and nothing fires twice unless marked redelivered.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from conftest import fresh_name
+
+import shmwheel
+from shmwheel._binding import ffi, lib
+from shmwheel._process import start_time
+
+FAR = 1e6  # a poll at now + FAR fires everything
+
+
+@dataclass
+class Case:
+    wheel: shmwheel.Wheel
+    timers: dict[int, tuple[int, bytes]]  # handle -> (deadline_ns, payload), as set up
+    target: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def make_case(due: int = 3, later: int = 12) -> Case:
+    """A wheel with timers in several levels, `due` of them already due."""
+    w = shmwheel.create(fresh_name(), capacity=64, payload_size=8, wheel_size=16)
+    now = w.stats().clock
+    timers = {}
+    delays = [-0.5] * due + [0.003 * (k + 1) ** 3 for k in range(later)]
+    for k, d in enumerate(delays):
+        h = w.add_at(max(0.0, now + d), b"t%d" % k)
+        timers[h] = (round(max(0.0, now + d) * 1e9), b"t%d" % k)
+    return Case(w, timers)
+
+
+def sweep(op: Callable[[Case], None], verify: Callable[[Case, bool], None], setup=make_case) -> int:
+    """Run op in a child crashing at store 1, 2, ...; verify after each; return the stores covered."""
+    for n in range(1, 2000):
+        case = setup()
+        try:
+            pid = os.fork()
+            if pid == 0:  # the child: never returns
+                code = 0
+                try:
+                    lib.shmw_test_crash_after(n)
+                    op(case)
+                except BaseException:
+                    code = 3
+                finally:
+                    os._exit(code)
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            assert code in (0, lib.SHMW_CRASH_EXIT), f"child failed with {code} at store {n}"
+            crashed = code == lib.SHMW_CRASH_EXIT
+            case.wheel.check()  # the first lock after a crash repairs
+            st = case.wheel.stats()
+            assert st.recoveries == int(crashed)
+            assert st.pending + st.free + st.in_flight + st.retired == st.capacity, "a slot leaked"
+            verify(case, crashed)
+        finally:
+            case.wheel.close()
+            shmwheel.unlink(case.wheel.name)
+        if not crashed:
+            return n
+    raise AssertionError("the operation never completed")
+
+
+def everything(w: shmwheel.Wheel) -> dict[int, shmwheel.Fire]:
+    """Fire every timer (after releasing a dead driver) and return them by handle."""
+    fires = w.poll(w.stats().clock + FAR)
+    handles = [f.handle for f in fires]
+    assert len(handles) == len(set(handles)), "a timer fired twice"
+    return {f.handle: f for f in fires}
+
+
+def same(fire: shmwheel.Fire, timer: tuple[int, bytes]) -> bool:
+    return (fire.deadline_ns, fire.payload) == timer
+
+
+# -- producers ------------------------------------------------------------------------
+
+
+def test_add_killed_at_every_store() -> None:
+    def op(case: Case) -> None:
+        case.wheel.add(30, b"NEW")
+
+    def verify(case: Case, crashed: bool) -> None:
+        got = everything(case.wheel)
+        for h, timer in case.timers.items():
+            assert h in got and same(got[h], timer), "an added timer was lost or changed"
+        new = [f for h, f in got.items() if h not in case.timers]
+        assert len(new) == (len(new) if crashed else 1) and len(new) <= 1
+        if new:
+            assert new[0].payload == b"NEW", "a half-made timer"
+
+    assert sweep(op, verify) > 10
+
+
+def test_cancel_killed_at_every_store() -> None:
+    def setup() -> Case:
+        case = make_case()
+        case.target = sorted(case.timers)[-1]
+        return case
+
+    def op(case: Case) -> None:
+        assert case.wheel.cancel(case.target)
+
+    def verify(case: Case, crashed: bool) -> None:
+        got = everything(case.wheel)
+        for h, timer in case.timers.items():
+            if h == case.target:
+                assert not crashed and h not in got or crashed and (h not in got or same(got[h], timer))
+            else:
+                assert h in got and same(got[h], timer)
+
+    assert sweep(op, verify, setup) > 5
+
+
+def test_reset_killed_at_every_store() -> None:
+    def setup() -> Case:
+        case = make_case()
+        case.target = sorted(case.timers)[-1]
+        case.extra["new"] = case.wheel.stats().clock + 0.0005
+        return case
+
+    def op(case: Case) -> None:
+        assert case.wheel.reset_at(case.target, case.extra["new"])
+
+    def verify(case: Case, crashed: bool) -> None:
+        got = everything(case.wheel)
+        assert set(got) == set(case.timers)
+        old_deadline = case.timers[case.target][0]
+        new_deadline = round(case.extra["new"] * 1e9)
+        assert got[case.target].deadline_ns == new_deadline or crashed and got[case.target].deadline_ns == old_deadline
+        for h, timer in case.timers.items():
+            if h != case.target:
+                assert same(got[h], timer)
+
+    assert sweep(op, verify, setup) > 5
+
+
+# -- the driver -------------------------------------------------------------------------
+
+
+def run_clock(w: shmwheel.Wheel, seconds: float) -> None:
+    """This process as the driver's clock for a while (it must be registered)."""
+    stop = ffi.new("int *")
+    result = []
+    t = threading.Thread(target=lambda: result.append(lib.shmw_drive_clock(w._w, stop, 4)))
+    t.start()
+    time.sleep(seconds)
+    stop[0] = 1
+    lib.shmw_wake(w._w)
+    t.join()
+    assert result == [0]
+
+
+def test_driver_fire_killed_at_every_store() -> None:
+    """The clock moving due timers in flight (several lock holds of 4)."""
+
+    def op(case: Case) -> None:
+        me = os.getpid()
+        assert lib.shmw_driver_register(case.wheel._w, me, start_time(me), 0, 0) == 0
+        run_clock(case.wheel, 0.05)
+
+    def verify(case: Case, crashed: bool) -> None:
+        # The child may have died registering, or registered and died
+        # firing: poll releases a dead driver's registration and hands
+        # out what it left in flight, marked redelivered.
+        got = everything(case.wheel)
+        assert set(got) == set(case.timers), "a timer was lost or duplicated"
+        for h, timer in case.timers.items():
+            assert same(got[h], timer)
+
+    assert sweep(op, verify, lambda: make_case(due=6)) > 10
+
+
+def in_flight(w: shmwheel.Wheel) -> list[int]:
+    """The handles of the entries in flight, read off the slab."""
+    b, h, s = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    assert lib.shmw_layout(w._w, b, h, s) == 0
+    stride = ffi.cast("struct shmw_header *", w._buf).stride
+    slot_bits = (w.capacity - 1).bit_length()
+    out = []
+    for i in range(w.capacity):
+        e = ffi.cast("struct shmw_entry *", w._buf + s[0] + i * stride)
+        if e.state == lib.SHMW_INFLIGHT:
+            out.append(e.generation << slot_bits | i)
+    return out
+
+
+def test_ack_killed_at_every_store() -> None:
+    def setup() -> Case:
+        case = make_case(due=5)
+        me = os.getpid()
+        assert lib.shmw_driver_register(case.wheel._w, me, start_time(me), 0, 0) == 0
+        run_clock(case.wheel, 0.02)
+        hd = ffi.cast("struct shmw_header *", case.wheel._buf)
+        case.extra["in_flight"] = in_flight(case.wheel)
+        assert len(case.extra["in_flight"]) == hd.inflight >= 5
+        # What the writer would have sent: all of it.
+        hd.inflight_unsent = lib.SHMW_NIL
+        return case
+
+    def op(case: Case) -> None:
+        handles = case.extra["in_flight"]
+        arr = ffi.new("int64_t[]", handles)
+        assert lib.shmw_ack_many(case.wheel._w, arr, len(handles), 0) == len(handles)
+
+    def verify(case: Case, crashed: bool) -> None:
+        w, me = case.wheel, os.getpid()
+        left = w.stats().in_flight
+        assert crashed or left == 0
+        assert lib.shmw_driver_register(w._w, 0, 0, me, start_time(me)) == 0
+        got = everything(w)
+        redelivered = {h for h, f in got.items() if f.redelivered}
+        assert len(redelivered) == left, "only what was still in flight comes again"
+        assert redelivered <= set(case.extra["in_flight"])
+        assert set(got) == set(case.timers) - (set(case.extra["in_flight"]) - redelivered)
+
+    assert sweep(op, verify, setup) > 10
+
+
+# -- repair at scale ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity", [1_000_000])
+def test_repair_of_a_million_slot_segment(make_wheel, capacity: int) -> None:
+    """A holder killed mid-add on a full-sized wheel: everything survives, and
+    the repair is counted (its time is measured in bench/, not here)."""
+    w = make_wheel(capacity=capacity, payload_size=0)
+    for _ in range(9):
+        w.add_many([3600.0 + i * 0.01 for i in range(100_000)])
+    pid = os.fork()
+    if pid == 0:
+        lib.shmw_test_crash_after(5)
+        try:
+            w.add(1)
+        finally:
+            os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == lib.SHMW_CRASH_EXIT
+    w.check()
+    st = w.stats()
+    assert st.recoveries == 1
+    assert st.pending in (900_000, 900_001)
