@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--fill", type=float, default=0.9, help="fraction of the capacity pending")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    print("| capacity | pending | repair (best of %d) |" % args.repeat)
+    print(f"| capacity | pending | repair (best of {args.repeat}) |")
     print("| ---: | ---: | ---: |")
     for capacity in args.capacity:
         best = min(one_repair(capacity, args.fill) for _ in range(args.repeat))
