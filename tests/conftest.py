@@ -20,6 +20,20 @@ import pytest
 import shmwheel
 
 PREFIX = f"shmwheel-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="run the torture tests at full length (10,000 kills) instead of the CI length",
+    )
+
+
+@pytest.fixture
+def long_run(request: pytest.FixtureRequest) -> bool:
+    """True under --long: torture tests scale themselves up."""
+    return bool(request.config.getoption("--long"))
 _counter = itertools.count()
 
 
