@@ -3,6 +3,8 @@ instead of crashing, the driver recovers instead of stalling."""
 
 from __future__ import annotations
 
+import errno
+import multiprocessing
 import os
 import signal
 import threading
@@ -204,3 +206,60 @@ def test_signal_handler_can_stop_a_driver(make_wheel) -> None:
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert w.stats().driver_pid is None
+
+
+# -- the environment ------------------------------------------------------------------
+
+
+def test_a_segment_too_big_for_dev_shm_fails_at_create_and_leaves_nothing(name: str) -> None:
+    """The memory is reserved with posix_fallocate, so a full /dev/shm fails now, not with SIGBUS later."""
+    free = os.statvfs("/dev/shm")
+    too_many = (free.f_blocks * free.f_frsize) // (40 + 64) + 1_000  # more slots than /dev/shm can hold
+    with pytest.raises(OSError, match="no room in /dev/shm") as info:
+        shmwheel.create(name, capacity=min(too_many, lib.SHMW_MAX_CAPACITY), payload_size=64)
+    assert info.value.errno == errno.ENOSPC
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another uid")
+def test_another_user_cannot_attach(make_wheel) -> None:
+    w = make_wheel(capacity=4)
+    pid = os.fork()
+    if pid == 0:  # the child: becomes nobody, then tries
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                shmwheel.attach(w.name)
+            except PermissionError:
+                code = 0
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "another user attached"
+
+
+def _race_create(name: str, barrier, results) -> None:
+    barrier.wait()
+    try:
+        w = shmwheel.create(name, capacity=16)
+        w.close()
+        results.put("created")
+    except shmwheel.SegmentExistsError:
+        results.put("exists")
+
+
+def test_racing_creates_of_one_name_have_one_winner(name: str) -> None:
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(10):
+        barrier, results = ctx.Barrier(6), ctx.Queue()
+        procs = [ctx.Process(target=_race_create, args=(name, barrier, results)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        outcomes = sorted(results.get(timeout=30) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+        assert outcomes == ["created"] + ["exists"] * 5
+        with shmwheel.attach(name) as w:
+            w.check()
+        shmwheel.unlink(name)
