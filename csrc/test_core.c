@@ -1,0 +1,194 @@
+/*
+ * test_core.c - the C core on its own, for a build with AddressSanitizer and
+ * UndefinedBehaviorSanitizer (.ci/run; tests/test_sanitizers.py):
+ *
+ *     gcc -std=gnu11 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all \
+ *         -Icsrc csrc/test_core.c csrc/shmwheel.c -lm -lpthread -o test_core
+ *
+ * Part one drives a wheel in private memory with random add_at / cancel /
+ * reset_at / poll against a small model (the pending timers and their
+ * deadlines) on a fake clock, with deadlines across every level, and runs
+ * the invariant checker after every step.  Part two scribbles random bytes
+ * over a populated segment (never the mutex) and runs every operation: the
+ * return codes do not matter, only that nothing reads or writes out of
+ * bounds, overflows or loops.  Exit status 0 on success; a sanitizer
+ * report and a non-zero status otherwise.
+ */
+#include "shmwheel.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CAPACITY 256
+#define STEPS    20000
+#define SCRIBBLES 3000
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
+
+static uint64_t rnd(void)                   /* xorshift64* */
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return rng_state * 0x2545f4914f6cdd1dULL;
+}
+
+static int failures;
+
+#define EXPECT(cond, ...) do {                                  \
+        if (!(cond)) {                                          \
+            fprintf(stderr, "test_core: " __VA_ARGS__);         \
+            fputc('\n', stderr);                                \
+            failures++;                                         \
+            return;                                             \
+        }                                                       \
+    } while (0)
+
+struct model {
+    int64_t handle[CAPACITY];
+    int64_t deadline_ns[CAPACITY];
+    int n;
+};
+
+static int64_t to_ns(double s)
+{
+    int64_t ns = -1;
+    shmw_seconds_to_ns(s, &ns);
+    return ns;
+}
+
+static void *make(struct shmw_params *p, uint64_t *size, shmw_t **w, int64_t start_ns)
+{
+    void *base;
+
+    if (shmw_segment_size(p, size) || !(base = calloc(1, *size)))
+        abort();
+    if (shmw_init(base, *size, p, start_ns) || shmw_open(base, *size, w))
+        abort();
+    return base;
+}
+
+static void model_run(void)
+{
+    struct shmw_params p = { CAPACITY, 8, 4, 1000000 };   /* W = 16, 1 ms tick */
+    struct model m = { .n = 0 };
+    uint64_t size;
+    shmw_t *w;
+    int64_t now_ns = 1000000000LL;                       /* the fake clock */
+    void *base = make(&p, &size, &w, now_ns);
+    size_t rec = (size_t)shmw_record_size(w);
+    char *records = malloc(rec * CAPACITY);
+    char reason[256];
+    int step;
+
+    for (step = 0; step < STEPS; step++) {
+        uint64_t r = rnd() % 100;
+        if (r < 40 && m.n < CAPACITY) {
+            /* A deadline around a level boundary, or anywhere in 2^40 ticks. */
+            int level = (int)(rnd() % 10);
+            int64_t ticks = (rnd() & 1) ? (int64_t)(rnd() % (1ULL << 40))
+                                        : (int64_t)(1LL << (4 * level)) + (int64_t)(rnd() % 5) - 2;
+            double at = (double)(now_ns + ticks * 1000000LL + (int64_t)(rnd() % 1000000)) / 1e9;
+            int64_t h = shmw_add_at(w, at, "payload", 7);
+            EXPECT(h > 0, "add_at failed: %lld", (long long)h);
+            m.handle[m.n] = h;
+            m.deadline_ns[m.n++] = to_ns(at);
+        } else if (r < 60 && m.n > 0) {
+            int k = (int)(rnd() % (uint64_t)m.n);
+            EXPECT(shmw_cancel(w, m.handle[k]) == 1, "cancel of a pending timer failed");
+            EXPECT(shmw_cancel(w, m.handle[k]) == 0, "a second cancel succeeded");
+            m.handle[k] = m.handle[--m.n];
+            m.deadline_ns[k] = m.deadline_ns[m.n];
+        } else if (r < 75 && m.n > 0) {
+            int k = (int)(rnd() % (uint64_t)m.n);
+            double at = (double)(now_ns + (int64_t)(rnd() % 100000000000ULL)) / 1e9;
+            EXPECT(shmw_reset_at(w, m.handle[k], at) == 1, "reset of a pending timer failed");
+            m.deadline_ns[k] = to_ns(at);
+        } else {
+            /* Advance by a little, or by a lot. */
+            int64_t step_ns = (rnd() & 3) ? (int64_t)(rnd() % 50000000ULL)
+                                          : (int64_t)(rnd() % (1ULL << 50));
+            int more, got, k, i, due = 0;
+            now_ns += step_ns;
+            now_ns = to_ns((double)now_ns / 1e9);
+            for (k = 0; k < m.n; k++)
+                due += m.deadline_ns[k] <= now_ns - now_ns % 1000000;   /* its tick is <= now's */
+            got = 0;
+            do {
+                int n = shmw_poll(w, (double)now_ns / 1e9, 0, CAPACITY, records, &more);
+                EXPECT(n >= 0, "poll failed: %d", n);
+                for (i = 0; i < n; i++) {
+                    const struct shmw_fire *f = (const struct shmw_fire *)(records + (size_t)i * rec);
+                    EXPECT(f->deadline_ns <= f->fired_at_ns, "a timer fired before its deadline");
+                    for (k = 0; k < m.n && m.handle[k] != f->handle; k++)
+                        ;
+                    EXPECT(k < m.n, "an unknown or cancelled timer fired");
+                    EXPECT(m.deadline_ns[k] == f->deadline_ns, "a fire with the wrong deadline");
+                    m.handle[k] = m.handle[--m.n];
+                    m.deadline_ns[k] = m.deadline_ns[m.n];
+                }
+                got += n;
+            } while (more);
+            EXPECT(got == due, "poll fired %d of %d due timers", got, due);
+        }
+        EXPECT(shmw_pending(w) == m.n, "pending %d, model %d", shmw_pending(w), m.n);
+        EXPECT(shmw_check(w, reason, sizeof(reason)) == 0, "check: %s", reason);
+    }
+    shmw_close(w);
+    free(records);
+    free(base);
+}
+
+static void scribble_run(void)
+{
+    struct shmw_params p = { 64, 8, 4, 1000000 };
+    uint64_t size, mutex_lo, mutex_hi;
+    char reason[256], records[64 * 64];
+    int round;
+
+    /* The mutex and its padding: the header's last 64 bytes. */
+    mutex_hi = sizeof(struct shmw_header);
+    mutex_lo = mutex_hi - 64;
+    for (round = 0; round < SCRIBBLES; round++) {
+        int64_t now_ns = 1000000000LL;
+        shmw_t *w;
+        char *base = make(&p, &size, &w, now_ns);
+        int k, more;
+        int64_t handles[8];
+        for (k = 0; k < 8; k++)
+            handles[k] = shmw_add_at(w, (double)(now_ns + (1LL << (3 * k)) * 1000000LL) / 1e9, "x", 1);
+        for (k = 0; k < 1 + (int)(rnd() % 6); k++) {
+            uint64_t off = rnd() % size;
+            if (off >= mutex_lo && off < mutex_hi)
+                continue;
+            base[off] = (char)rnd();
+        }
+        /* Every operation; any result is fine, a sanitizer report is not. */
+        (void)shmw_add(w, 0.01, "y", 1);
+        (void)shmw_cancel(w, handles[rnd() % 8]);
+        (void)shmw_reset(w, handles[rnd() % 8], 2.0);
+        (void)shmw_cancel_many(w, handles, 8);
+        (void)shmw_poll(w, (double)(now_ns + (int64_t)(rnd() % (1ULL << 45))) / 1e9, 0, 64, records, &more);
+        (void)shmw_pending(w);
+        {
+            struct shmw_stats st;
+            (void)shmw_stats(w, &st);
+        }
+        (void)shmw_check(w, reason, sizeof(reason));
+        shmw_close(w);
+        free(base);
+    }
+}
+
+int main(void)
+{
+    model_run();
+    scribble_run();
+    if (failures) {
+        fprintf(stderr, "test_core: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_core: %d model steps and %d scribbled segments, no failures\n", STEPS, SCRIBBLES);
+    return 0;
+}
