@@ -70,8 +70,9 @@ struct shmw_entry {
     uint32_t next;
     uint32_t prev;
     uint32_t bucket;
-    uint16_t state;
-    uint16_t flags;
+    uint8_t  state;
+    uint8_t  flags;
+    uint16_t producer;
     int32_t  owner_pid;
     uint32_t payload_len;
 };

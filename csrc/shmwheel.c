@@ -41,6 +41,8 @@ struct shmw {
     uint32_t             slot_bits;
     uint32_t             stride;
     uint64_t             max_generation;
+    uint32_t             producer;      /* this process's producer slot, or SHMW_NO_PRODUCER */
+    pid_t                producer_pid;  /* the pid that slot was taken for (fork changes it) */
 };
 
 /* ---- crash points (tests only) --------------------------------------------
@@ -289,6 +291,7 @@ int shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t no
         struct shmw_entry *e = (struct shmw_entry *)(slab + (uint64_t)i * l.stride);
         memset(e, 0, sizeof(*e));
         e->generation = 0;      /* the first handle of a slot has generation 1 */
+        e->producer = SHMW_NO_PRODUCER;
         e->state = SHMW_FREE;
         e->next = (i + 1 < p->capacity) ? i + 1 : SHMW_NIL;
         e->prev = e->bucket = SHMW_NIL;
@@ -323,10 +326,14 @@ int shmw_open(void *base, uint64_t size, shmw_t **out)
 
     if (size < sizeof(uint64_t) || __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHMW_MAGIC)
         return SHMW_EMAGIC;
-    if (size < sizeof(struct shmw_header))
+    /* The version first (it sits right after the magic): another version
+     * may have another header size. */
+    if (size < offsetof(struct shmw_header, version) + sizeof(h->version))
         return SHMW_ESIZE;
     if (h->version != SHMW_LAYOUT_VERSION)
         return SHMW_EVERSION;
+    if (size < sizeof(struct shmw_header))
+        return SHMW_ESIZE;
     if (h->header_size != sizeof(struct shmw_header)
         || h->entry_size != sizeof(struct shmw_entry)
         || h->bucket_size != sizeof(struct shmw_bucket)
@@ -365,6 +372,7 @@ int shmw_open(void *base, uint64_t size, shmw_t **out)
     w->slot_bits = shmw_slot_bits(p.capacity);
     w->stride = l.stride;
     w->max_generation = (1ULL << (63 - w->slot_bits)) - 1;
+    w->producer = SHMW_NO_PRODUCER;
     pthread_once(&pid_once, pid_init);
     *out = w;
     return SHMW_OK;
@@ -729,8 +737,8 @@ static void wake_clock(shmw_t *w)
 
 /* Takes a free slot, fills it and puts it in its bucket.  On failure the
  * slot goes back to the free list untouched. */
-static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, int64_t *handle,
-                      int *wake)
+static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags,
+                      int64_t *handle, int *wake)
 {
     struct shmw_header *h = w->hdr;
     struct shmw_entry *e;
@@ -749,7 +757,8 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
     STORE(e->deadline_ns, deadline_ns);
     STORE(e->owner_pid, cached_pid);
     STORE(e->payload_len, len);
-    STORE(e->flags, 0);
+    STORE(e->flags, (uint8_t)(flags & SHMW_CANCEL_ON_EXIT));
+    STORE(e->producer, (uint16_t)(w->producer_pid == cached_pid ? w->producer : SHMW_NO_PRODUCER));
     if (len) {
         crash_point();
         memcpy((char *)(e + 1), payload, len);
@@ -792,7 +801,7 @@ static int deadline_at(double deadline_s, int64_t now_ns, int64_t *deadline_ns)
     return SHMW_OK;
 }
 
-static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len)
+static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags)
 {
     int64_t handle = 0;
     int rc, wake = 0;
@@ -801,29 +810,35 @@ static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, 
         return SHMW_ECLOSED;
     if (len > w->payload_size)
         return SHMW_EPAYLOAD;
+    if (flags & ~(uint32_t)SHMW_CANCEL_ON_EXIT)
+        return SHMW_EINVAL;
+    /* Cancel-on-exit needs this process's own producer slot; after a fork
+     * the slot is the parent's, so the caller must attach again. */
+    if ((flags & SHMW_CANCEL_ON_EXIT) && (w->producer == SHMW_NO_PRODUCER || w->producer_pid != cached_pid))
+        return SHMW_EPRODUCER;
     if ((rc = lock(w)))
         return rc;
-    rc = insert_new(w, deadline_ns, payload, len, &handle, &wake);
+    rc = insert_new(w, deadline_ns, payload, len, flags, &handle, &wake);
     unlock(w);
     if (wake)
         wake_clock(w);
     return rc ? rc : handle;
 }
 
-int64_t shmw_add(shmw_t *w, double delay_s, const char *payload, uint32_t len)
+int64_t shmw_add(shmw_t *w, double delay_s, const char *payload, uint32_t len, uint32_t flags)
 {
     int64_t deadline_ns;
     int rc = deadline_after(delay_s, shmw_now_ns(), &deadline_ns);
 
-    return rc ? rc : add_checked(w, deadline_ns, payload, len);
+    return rc ? rc : add_checked(w, deadline_ns, payload, len, flags);
 }
 
-int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t len)
+int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t len, uint32_t flags)
 {
     int64_t deadline_ns;
     int rc = deadline_at(deadline_s, shmw_now_ns(), &deadline_ns);
 
-    return rc ? rc : add_checked(w, deadline_ns, payload, len);
+    return rc ? rc : add_checked(w, deadline_ns, payload, len, flags);
 }
 
 int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
@@ -853,7 +868,7 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
     }
     for (k = 0; k < n; k++) {
         uint32_t len = lens ? lens[k] : 0;
-        rc = insert_new(w, handles[k], len ? payloads + off : NULL, len, &handles[k], &wake);
+        rc = insert_new(w, handles[k], len ? payloads + off : NULL, len, 0, &handles[k], &wake);
         if (rc)
             break;              /* only ECORRUPT gets here */
         off += len;
@@ -1495,6 +1510,117 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     return SHMW_OK;
 }
 
+/* ---- producers ------------------------------------------------------------ */
+
+int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start)
+{
+    struct shmw_header *h;
+    uint32_t k, slot = SHMW_NO_PRODUCER;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (pid <= 0)
+        return SHMW_EINVAL;
+    if ((rc = lock(w)))
+        return rc;
+    h = w->hdr;
+    for (k = 0; k < SHMW_MAX_PRODUCERS; k++) {
+        if (h->producers[k].pid == pid && h->producers[k].start == start) {
+            slot = k;           /* this process attached before */
+            break;
+        }
+        if (h->producers[k].pid == 0 && slot == SHMW_NO_PRODUCER)
+            slot = k;
+    }
+    if (slot != SHMW_NO_PRODUCER && h->producers[slot].pid != pid) {
+        STORE(h->producers[slot].start, start);
+        STORE(h->producers[slot].pid, pid);      /* commits the slot */
+    }
+    unlock(w);
+    if (slot == SHMW_NO_PRODUCER)
+        return SHMW_EPRODUCER;
+    w->producer = slot;
+    w->producer_pid = pid;
+    return (int)slot;
+}
+
+int shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t max)
+{
+    /* The whole table, slot by slot (pid 0: free); returns the slots in use. */
+    uint32_t k, n = 0;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (max < SHMW_MAX_PRODUCERS)
+        return SHMW_EINVAL;
+    if ((rc = lock(w)))
+        return rc;
+    for (k = 0; k < SHMW_MAX_PRODUCERS; k++) {
+        pids[k] = w->hdr->producers[k].pid;
+        starts[k] = w->hdr->producers[k].start;
+        n += pids[k] != 0;
+    }
+    unlock(w);
+    return (int)n;
+}
+
+static int producer_is(const shmw_t *w, uint32_t slot, int32_t pid, int64_t start)
+{
+    return slot < SHMW_MAX_PRODUCERS && pid > 0 && w->hdr->producers[slot].pid == pid
+        && w->hdr->producers[slot].start == start;
+}
+
+int shmw_producer_reap(shmw_t *w, uint32_t slot, int32_t pid, int64_t start, uint32_t from, uint32_t count)
+{
+    /* O(count) under the lock: the caller sweeps the slab in ranges so
+     * that no hold is long. */
+    uint32_t i, end, done = 0;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if ((rc = lock(w)))
+        return rc;
+    if (!producer_is(w, slot, pid, start)) {
+        unlock(w);
+        return SHMW_EPRODUCER;
+    }
+    end = from < w->capacity && count < w->capacity - from ? from + count : w->capacity;
+    for (i = from; i < end && rc == SHMW_OK; i++) {
+        struct shmw_entry *e = entry_at(w, i);
+        if (e->state != SHMW_PENDING || e->producer != slot || !(e->flags & SHMW_CANCEL_ON_EXIT))
+            continue;
+        if ((rc = bucket_unlink(w, i)))
+            break;
+        slot_free(w, i);
+        STORE(w->hdr->pending, w->hdr->pending - 1);
+        STORE(w->hdr->cancelled, w->hdr->cancelled + 1);
+        done++;
+    }
+    unlock(w);
+    return rc ? rc : (int)done;
+}
+
+int shmw_producer_release(shmw_t *w, uint32_t slot, int32_t pid, int64_t start)
+{
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if ((rc = lock(w)))
+        return rc;
+    if (producer_is(w, slot, pid, start)) {
+        STORE(w->hdr->producers[slot].pid, 0);
+        STORE(w->hdr->producers[slot].start, 0);
+    } else {
+        rc = SHMW_EPRODUCER;
+    }
+    unlock(w);
+    return rc;
+}
+
 /* ---- recovery -------------------------------------------------------------
  * A lock holder that dies leaves its change half-made.  What each entry
  * says about itself (state, generation, deadline, payload) is written before
@@ -1676,6 +1802,8 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
                 FAIL("slab: entry %u has payload_len %u > %u", i, e->payload_len, w->payload_size);
             if (e->deadline_ns < 0)
                 FAIL("slab: entry %u has negative deadline", i);
+            if (e->producer != SHMW_NO_PRODUCER && e->producer >= SHMW_MAX_PRODUCERS)
+                FAIL("slab: entry %u names producer slot %u", i, e->producer);
         } else if (e->state == SHMW_FREE) {
             free_seen++;
         } else if (e->state == SHMW_RETIRED) {

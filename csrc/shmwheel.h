@@ -112,7 +112,7 @@
 #include <stdint.h>
 
 #define SHMW_MAGIC          0x6c656568776d6873ULL  /* "shmwheel", little-endian */
-#define SHMW_LAYOUT_VERSION 2
+#define SHMW_LAYOUT_VERSION 3
 
 /* Geometry. */
 #define SHMW_MIN_WHEEL_BITS 4                 /* 16 buckets a level */
@@ -126,6 +126,8 @@
 #define SHMW_NIL            0xffffffffU
 #define SHMW_LOCK_WORK      4096U             /* entries moved or fired per lock hold */
 #define SHMW_MAX_SLEEP_NS   100000000LL       /* the driver's clock wakes at least this often */
+#define SHMW_MAX_PRODUCERS  1024U             /* attached processes the segment records */
+#define SHMW_NO_PRODUCER    0xffffU
 
 /* Return codes.  0 is success; everything else is negative and is turned
  * into a Python exception in exactly one place (shmwheel/_binding.py). */
@@ -146,6 +148,7 @@
 #define SHMW_ECLOSED    -14  /* called with a closed (NULL) handle */
 #define SHMW_EDRIVER    -15  /* a driver is registered (poll), or another took over */
 #define SHMW_EIO        -16  /* the driver's pipe failed (errno is kept) */
+#define SHMW_EPRODUCER  -17  /* this process has no producer slot (full table, or forked since) */
 
 /* The exit status of a process stopped by shmw_test_crash_after. */
 #define SHMW_CRASH_EXIT 86
@@ -160,6 +163,7 @@
 #define SHMW_RETIRED  2   /* generations used up: never handed out again */
 #define SHMW_INFLIGHT 3   /* fired by the driver, not yet acknowledged */
 #define SHMW_REDELIVERED 1 /* entry and fire flag: sent again after a driver died */
+#define SHMW_CANCEL_ON_EXIT 2 /* entry and add flag: cancelled when its producer exits */
 
 /* Driver states. */
 #define SHMW_DRIVER_NONE     0
@@ -223,6 +227,15 @@ struct shmw_header {
     uint64_t handler_errors;
     uint64_t recoveries;        /* repairs after a lock holder died */
 
+    /* Attached processes, (pid, start time) - start time as for the
+     * driver - so that stat can list them and the driver can cancel the
+     * SHMW_CANCEL_ON_EXIT timers of one that is gone.  pid 0: a free slot. */
+    struct {
+        int32_t  pid;
+        uint32_t _pad;
+        int64_t  start;
+    } producers[SHMW_MAX_PRODUCERS];
+
     /* Futex words.  Changed with atomics under the mutex and waited on
      * outside it; the waker calls FUTEX_WAKE after unlocking, so no system
      * call runs under the lock, and no wake-up is lost because the waiter
@@ -250,8 +263,9 @@ struct shmw_entry {
     uint32_t next;              /* bucket, free or in-flight list; NIL ends */
     uint32_t prev;              /* bucket or in-flight list */
     uint32_t bucket;            /* bucket index while pending, else NIL */
-    uint16_t state;             /* SHMW_FREE, _PENDING, _RETIRED or _INFLIGHT */
-    uint16_t flags;             /* SHMW_REDELIVERED */
+    uint8_t  state;             /* SHMW_FREE, _PENDING, _RETIRED or _INFLIGHT */
+    uint8_t  flags;             /* SHMW_REDELIVERED, SHMW_CANCEL_ON_EXIT */
+    uint16_t producer;          /* the adder's slot in the producer table, or SHMW_NO_PRODUCER */
     int32_t  owner_pid;         /* process that added the timer */
     uint32_t payload_len;       /* bytes of payload in use */
     /* payload_size bytes of payload follow */
@@ -335,8 +349,8 @@ int  shmw_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t 
 
 /* Operations.  Add returns a handle (> 0) or a negative code; cancel and
  * reset return 1 (done), 0 (not pending) or a negative code. */
-int64_t shmw_add(shmw_t *w, double delay_s, const char *payload, uint32_t len);
-int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t len);
+int64_t shmw_add(shmw_t *w, double delay_s, const char *payload, uint32_t len, uint32_t flags);
+int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t len, uint32_t flags);
 int     shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
                       const char *payloads, const uint32_t *lens, int64_t *handles);
 int     shmw_cancel(shmw_t *w, int64_t handle);
@@ -357,6 +371,17 @@ int     shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state);
 int     shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch);
 int     shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap);
 void    shmw_wake(shmw_t *w);
+
+/* The producer table.  attach takes (or finds) this process's slot; the
+ * table lists them; reap cancels, in slots [from, from + count), the
+ * SHMW_CANCEL_ON_EXIT timers of a producer the caller found dead, and
+ * release frees its slot - both only if the slot still holds that pid and
+ * start, so a stale caller changes nothing.  Reap returns the number
+ * cancelled. */
+int     shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start);
+int     shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t max);
+int     shmw_producer_reap(shmw_t *w, uint32_t slot, int32_t pid, int64_t start, uint32_t from, uint32_t count);
+int     shmw_producer_release(shmw_t *w, uint32_t slot, int32_t pid, int64_t start);
 
 /* Tests only: _exit(SHMW_CRASH_EXIT) before this process's n-th store to
  * any segment from now on (0: never). */

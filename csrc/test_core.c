@@ -90,7 +90,7 @@ static void model_run(void)
             int64_t ticks = (rnd() & 1) ? (int64_t)(rnd() % (1ULL << 40))
                                         : (int64_t)(1LL << (4 * level)) + (int64_t)(rnd() % 5) - 2;
             double at = (double)(now_ns + ticks * 1000000LL + (int64_t)(rnd() % 1000000)) / 1e9;
-            int64_t h = shmw_add_at(w, at, "payload", 7);
+            int64_t h = shmw_add_at(w, at, "payload", 7, 0);
             EXPECT(h > 0, "add_at failed: %lld", (long long)h);
             m.handle[m.n] = h;
             m.deadline_ns[m.n++] = to_ns(at);
@@ -157,7 +157,7 @@ static void scribble_run(void)
         int k, more;
         int64_t handles[8];
         for (k = 0; k < 8; k++)
-            handles[k] = shmw_add_at(w, (double)(now_ns + (1LL << (3 * k)) * 1000000LL) / 1e9, "x", 1);
+            handles[k] = shmw_add_at(w, (double)(now_ns + (1LL << (3 * k)) * 1000000LL) / 1e9, "x", 1, 0);
         for (k = 0; k < 1 + (int)(rnd() % 6); k++) {
             uint64_t off = rnd() % size;
             if (off >= mutex_lo && off < mutex_hi)
@@ -165,7 +165,7 @@ static void scribble_run(void)
             base[off] = (char)rnd();
         }
         /* Every operation; any result is fine, a sanitizer report is not. */
-        (void)shmw_add(w, 0.01, "y", 1);
+        (void)shmw_add(w, 0.01, "y", 1, 0);
         (void)shmw_cancel(w, handles[rnd() % 8]);
         (void)shmw_reset(w, handles[rnd() % 8], 2.0);
         (void)shmw_cancel_many(w, handles, 8);

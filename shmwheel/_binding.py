@@ -49,6 +49,11 @@ _MESSAGES: dict[int, tuple[type[BaseException], str]] = {
     lib.SHMW_ECLOSED: (ValueError, "operation on a closed Wheel"),
     lib.SHMW_EDRIVER: (DriverRunningError, "a driver is registered on segment {name!r}"),
     lib.SHMW_EIO: (OSError, "writing fires to the driver's pipe failed"),
+    lib.SHMW_EPRODUCER: (
+        WheelFullError,
+        f"segment {{name!r}} records {lib.SHMW_MAX_PRODUCERS} attached processes, all alive: "
+        "none is left for cancel_on_exit",
+    ),
 }
 
 

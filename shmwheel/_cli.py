@@ -29,7 +29,7 @@ from typing import Any
 from ._binding import lib
 from ._errors import IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError
 from ._process import alive
-from ._wheel import Fire, Wheel, WheelStats, _bare, attach, create, unlink
+from ._wheel import Fire, Wheel, WheelStats, _attach, _bare, create, unlink
 
 __all__ = ["main"]
 
@@ -231,7 +231,7 @@ def _segments() -> list[dict[str, Any]]:
             "error": None,
         }
         try:
-            with attach(entry.name) as wheel:
+            with _attach(entry.name, producer=False) as wheel:
                 s = wheel.stats()
             seg.update(capacity=s.capacity, pending=s.pending, driver_pid=s.driver_pid)
         except SegmentNotFoundError:
@@ -269,7 +269,9 @@ def _driver(args: argparse.Namespace) -> int:
     return driver_main(args.name, args.handler, args.jsonl)
 
 
-def _report(name: str, before: WheelStats, after: WheelStats, seconds: float) -> dict[str, Any]:
+def _report(
+    name: str, before: WheelStats, after: WheelStats, seconds: float, producers: list[tuple[int, int, bool]]
+) -> dict[str, Any]:
     """What ``stat`` shows: every WheelStats field of the second sample under
     its own name, plus the rates between the two samples."""
     return {
@@ -283,6 +285,9 @@ def _report(name: str, before: WheelStats, after: WheelStats, seconds: float) ->
         "fired_per_s": (after.fired - before.fired) / seconds,
         # A registration can outlive its driver (SIGKILL); say which it is.
         "driver_alive": after.driver_pid is not None and alive(after.driver_pid, after.driver_start or 0),
+        "producers_alive": sum(1 for p in producers if p[2]),
+        "producers_gone": sum(1 for p in producers if not p[2]),
+        "producer_pids": [p[0] for p in producers if p[2]],
     }
 
 
@@ -304,6 +309,7 @@ def _stat_table(r: dict[str, Any]) -> list[str]:
         ("totals", f"{r['added']} added, {r['cancelled']} cancelled, {r['fired']} fired, {r['resets']} resets"),
         ("handlers", f"{r['acked']} acked, {r['redelivered']} redelivered, {r['handler_errors']} failed"),
         ("driver", driver),
+        ("producers", f"{r['producers_alive']} attached, {r['producers_gone']} gone (not reaped yet)"),
         ("lag", _duration(r["lag"])),
         ("tick", _duration(r["tick"])),
         ("levels", f"{r['levels']} of {r['wheel_size']} buckets"),
@@ -316,7 +322,7 @@ def _stat_table(r: dict[str, Any]) -> list[str]:
 
 
 def _stat(args: argparse.Namespace) -> int:
-    with attach(args.name) as wheel:
+    with _attach(args.name, producer=False) as wheel:
         if args.watch:
             signal.signal(signal.SIGTERM, signal.default_int_handler)  # ends the watch as Ctrl-C does
         before, t0 = wheel.stats(), time.monotonic()
@@ -324,7 +330,7 @@ def _stat(args: argparse.Namespace) -> int:
             while True:
                 time.sleep(max(0.0, t0 + args.interval - time.monotonic()))
                 after, t1 = wheel.stats(), time.monotonic()
-                report = _report(wheel.name, before, after, t1 - t0)
+                report = _report(wheel.name, before, after, t1 - t0, wheel.producers())
                 if args.json:
                     _print_json(report)
                 else:
@@ -354,7 +360,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    with attach(args.name) as wheel:
+    with _attach(args.name, producer=False) as wheel:
         wheel.check()
         print(f"{wheel.name}: ok")
     return 0

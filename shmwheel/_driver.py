@@ -53,6 +53,7 @@ _PIPE_SIZE = 1 << 20  # fewer wake-ups of the writer in a burst
 _CLOCK_BATCH = 1024  # fires per lock hold
 _WRITE_BATCH = 512  # records per write(2)
 _READ_SIZE = 1 << 18
+_REAP_INTERVAL = 1.0  # seconds between looks for producers that have exited
 
 
 def _log_fire(fire: Fire) -> None:
@@ -192,7 +193,12 @@ class Driver:
             _log.info("driver %d: running on wheel %r", me, self.name)
             if on_ready is not None:
                 on_ready()
-            self._stop.wait()
+            # Meanwhile, cancel the cancel-on-exit timers of producers that
+            # have gone: the one periodic job, once a second, in Python.
+            while not self._stop.wait(_REAP_INTERVAL):
+                n = wheel.reap_dead_producers()
+                if n:
+                    _log.info("driver %d: cancelled %d timers of producers that exited", me, n)
         finally:
             # Graceful stop, and on any way out: no new fires; send what
             # has fired; let the handlers finish and acknowledge.  The C

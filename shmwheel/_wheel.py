@@ -10,6 +10,7 @@ work out what to say about them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -28,7 +29,7 @@ import posix_ipc
 
 from ._binding import MAX_DELAY, ffi, lib, raise_for
 from ._errors import IncompatibleSegmentError, SegmentExistsError, SegmentNotFoundError
-from ._process import alive
+from ._process import alive, start_time
 
 __all__ = ["Fire", "Wheel", "WheelStats", "attach", "create", "unlink"]
 
@@ -57,6 +58,15 @@ _cancel = lib.shmw_cancel
 _reset = lib.shmw_reset
 _reset_at = lib.shmw_reset_at
 _pending = lib.shmw_pending
+_CANCEL_ON_EXIT = lib.SHMW_CANCEL_ON_EXIT
+_EPRODUCER = lib.SHMW_EPRODUCER
+_REAP_CHUNK = 65536  # slots a reap looks at per lock hold
+
+# This process's producer slot in a segment stays taken while any Wheel on
+# that segment is open here, and after that while timers it added with
+# cancel_on_exit may be pending (the driver frees it once we are gone).
+_open_here: collections.Counter[str] = collections.Counter()
+_owners_here: set[str] = set()
 
 
 def _segment_name(name: object) -> str:
@@ -225,6 +235,7 @@ class Wheel:
         "_wheel_size",
         "_poll_buffers",
         "_record",
+        "_producer",
     )
 
     _name: str
@@ -238,12 +249,13 @@ class Wheel:
     _wheel_size: int
     _poll_buffers: list[Any]  # record buffers reused by poll(); pop/append are atomic under the GIL
     _record: struct.Struct
+    _producer: int  # this process's slot in the producer table, or -1
 
     def __init__(self) -> None:
         raise TypeError("use shmwheel.create() or shmwheel.attach() to get a Wheel")
 
     @classmethod
-    def _open(cls, name: str, mm: mmap.mmap) -> Wheel:
+    def _open(cls, name: str, mm: mmap.mmap, producer: bool = True) -> Wheel:
         buf = ffi.from_buffer(mm)
         out = ffi.new("shmw_t **")
         rc = lib.shmw_open(buf, len(mm), out)
@@ -264,6 +276,10 @@ class Wheel:
         self._wheel_size = st.wheel_size
         self._poll_buffers = []
         self._record = record_struct(lib.shmw_record_size(self._w))
+        self._producer = -1
+        _open_here[name] += 1
+        if producer:
+            self._attach_producer()
         return self
 
     # -- lifetime -----------------------------------------------------------
@@ -281,6 +297,13 @@ class Wheel:
         w = self._w
         if w == ffi.NULL:
             return
+        _open_here[self._name] -= 1
+        if self._producer >= 0 and not _open_here[self._name] and self._name not in _owners_here:
+            # Nothing of ours needs the slot: free it now rather than leave
+            # the driver a dead producer to sweep for.  (In a forked child
+            # the slot is the parent's, and release refuses: pid differs.)
+            me = os.getpid()
+            lib.shmw_producer_release(w, self._producer, me, start_time(me) or 0)
         self._w = ffi.NULL
         ffi.release(w)
         ffi.release(self._buf)
@@ -329,25 +352,87 @@ class Wheel:
 
     # -- timers ---------------------------------------------------------------
 
-    def add(self, delay: float, payload: bytes = b"") -> int:
-        """Add a timer due ``delay`` seconds from now; return its handle."""
+    def add(self, delay: float, payload: bytes = b"", *, cancel_on_exit: bool = False) -> int:
+        """Add a timer due ``delay`` seconds from now; return its handle.
+
+        With ``cancel_on_exit``, the driver cancels the timer if this
+        process exits first (a request timeout whose worker is gone).
+        """
         try:
-            h: int = _add(self._w, delay, payload, len(payload))
+            if cancel_on_exit:
+                _owners_here.add(self._name)
+            h: int = _add(self._w, delay, payload, len(payload), cancel_on_exit and _CANCEL_ON_EXIT)
         except TypeError:
-            return self.add(_check_seconds(delay, "delay"), _check_payload(payload))
+            return self.add(_check_seconds(delay, "delay"), _check_payload(payload), cancel_on_exit=cancel_on_exit)
         if h < 0:
-            self._raise(h, "delay", delay)
+            if h == _EPRODUCER and self._attach_producer():  # first use, or forked since
+                h = _add(self._w, delay, payload, len(payload), _CANCEL_ON_EXIT)
+            if h < 0:
+                self._raise(h, "delay", delay)
         return h
 
-    def add_at(self, deadline: float, payload: bytes = b"") -> int:
-        """Add a timer due at ``deadline`` on the :func:`time.monotonic` clock."""
+    def add_at(self, deadline: float, payload: bytes = b"", *, cancel_on_exit: bool = False) -> int:
+        """Add a timer due at ``deadline`` on the :func:`time.monotonic` clock (see :meth:`add`)."""
         try:
-            h: int = _add_at(self._w, deadline, payload, len(payload))
+            if cancel_on_exit:
+                _owners_here.add(self._name)
+            h: int = _add_at(self._w, deadline, payload, len(payload), cancel_on_exit and _CANCEL_ON_EXIT)
         except TypeError:
-            return self.add_at(_check_seconds(deadline, "deadline"), _check_payload(payload))
+            return self.add_at(
+                _check_seconds(deadline, "deadline"), _check_payload(payload), cancel_on_exit=cancel_on_exit
+            )
         if h < 0:
-            self._raise(h, "deadline", deadline)
+            if h == _EPRODUCER and self._attach_producer():  # first use, or forked since
+                h = _add_at(self._w, deadline, payload, len(payload), _CANCEL_ON_EXIT)
+            if h < 0:
+                self._raise(h, "deadline", deadline)
         return h
+
+    def producers(self) -> list[tuple[int, int, bool]]:
+        """The processes attached to the wheel: (pid, start time, alive)."""
+        return [(pid, start, alive(pid, start)) for _, pid, start in self._producer_table()]
+
+    def reap_dead_producers(self) -> int:
+        """Cancel the cancel-on-exit timers of attached processes that are gone
+        and free their slots; return how many timers were cancelled.  A
+        running driver does this about once a second."""
+        cancelled = 0
+        for slot, pid, start in self._producer_table():
+            if alive(pid, start):
+                continue
+            for first in range(0, self._capacity, _REAP_CHUNK):  # short lock holds
+                n = lib.shmw_producer_reap(self._w, slot, pid, start, first, _REAP_CHUNK)
+                if n == _EPRODUCER:
+                    break  # reaped by someone else meanwhile
+                if n < 0:
+                    self._raise(n)
+                cancelled += n
+            else:
+                rc = lib.shmw_producer_release(self._w, slot, pid, start)
+                if rc not in (0, _EPRODUCER):
+                    self._raise(rc)
+        return cancelled
+
+    def _producer_table(self) -> list[tuple[int, int, int]]:
+        pids = ffi.new("int32_t[]", lib.SHMW_MAX_PRODUCERS)
+        starts = ffi.new("int64_t[]", lib.SHMW_MAX_PRODUCERS)
+        rc = lib.shmw_producers(self._w, pids, starts, lib.SHMW_MAX_PRODUCERS)
+        if rc < 0:
+            self._raise(rc)
+        return [(k, pids[k], starts[k]) for k in range(lib.SHMW_MAX_PRODUCERS) if pids[k]]
+
+    def _attach_producer(self) -> bool:
+        """Take this process's slot in the producer table; False if it is full."""
+        me = os.getpid()
+        start = start_time(me) or 0
+        rc: int = lib.shmw_producer_attach(self._w, me, start)
+        if rc == _EPRODUCER:  # full: free the slots of processes that are gone
+            self.reap_dead_producers()
+            rc = lib.shmw_producer_attach(self._w, me, start)
+        if rc < 0 and rc != _EPRODUCER:
+            self._raise(rc)
+        self._producer = rc
+        return rc >= 0
 
     def cancel(self, handle: int) -> bool:
         """Cancel a pending timer.  True exactly when it will now never fire."""
@@ -664,7 +749,17 @@ def create(
 
 
 def attach(name: str) -> Wheel:
-    """Open an existing wheel by name."""
+    """Open an existing wheel by name.
+
+    The process is recorded in the segment's producer table (pid and start
+    time), which stat lists and through which the driver cancels its
+    cancel-on-exit timers once it has gone.
+    """
+    return _attach(name, producer=True)
+
+
+def _attach(name: str, producer: bool) -> Wheel:
+    """attach(), or with producer=False an observer's attach that is not recorded."""
     shm_name = _segment_name(name)
     deadline = time.monotonic() + _ATTACH_WAIT
     while True:
@@ -681,7 +776,7 @@ def attach(name: str) -> Wheel:
             shm.close_fd()
         # A segment being created has no size or no magic yet; wait a little.
         if mm is not None and (size < 8 or any(mm[:8])):
-            return Wheel._open(shm_name[1:], mm)
+            return Wheel._open(shm_name[1:], mm, producer)
         if mm is not None:
             mm.close()
         if time.monotonic() >= deadline:

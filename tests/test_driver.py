@@ -298,3 +298,51 @@ def test_external_consumer_reads_a_fifo_and_acknowledges(make_wheel, tmp_path: P
         driver.stop()
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def _add_and_die(name: str, ready, cancel_on_exit: bool) -> None:
+    w = shmwheel.attach(name)
+    w.add(1.5, b"owned", cancel_on_exit=cancel_on_exit)
+    ready.set()
+    time.sleep(3600)  # SIGKILLed here
+
+
+def test_cancel_on_exit_timers_of_a_dead_producer_are_cancelled(make_wheel, start, tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    wheel = make_wheel(capacity=10)
+    out = tmp_path / "fires.jsonl"
+    start(wheel.name, functools.partial(record, str(out)))
+    ctx = mp.get_context("fork")
+    procs = []
+    for owned in (True, False):
+        ready = ctx.Event()
+        p = ctx.Process(target=_add_and_die, args=(wheel.name, ready, owned))
+        p.start()
+        assert ready.wait(10)
+        procs.append(p)
+    assert {pid for pid, _, alive in wheel.producers() if alive} >= {p.pid for p in procs}
+    for p in procs:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    # The driver looks once a second; the timers are due in 1.5 s.
+    wait_for(lambda: wheel.stats().cancelled == 1, timeout=5)
+    wait_for(lambda: len(read_records(out)) == 1, timeout=5)
+    (fire,) = read_records(out)
+    assert fire["owner_pid"] == procs[1].pid, "only the timer that did not ask to be cancelled fires"
+    assert not {p.pid for p in procs} & {pid for pid, _, _ in wheel.producers()}, "dead producers stay listed"
+
+
+def test_cancel_on_exit_after_fork_belongs_to_the_child(make_wheel) -> None:
+    wheel = make_wheel(capacity=10)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            wheel.add(60, b"child", cancel_on_exit=True)
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert wheel.reap_dead_producers() == 1, "the child's timer was filed under the parent"
+    assert len(wheel) == 0
