@@ -35,9 +35,13 @@ class Case:
     extra: dict = field(default_factory=dict)
 
 
+_made: list[shmwheel.Wheel] = []  # every wheel a sweep made, for its cleanup
+
+
 def make_case(due: int = 3, later: int = 12) -> Case:
     """A wheel with timers in several levels, `due` of them already due."""
     w = shmwheel.create(fresh_name(), capacity=64, payload_size=8, wheel_size=16)
+    _made.append(w)
     now = w.stats().clock
     timers = {}
     delays = [-0.5] * due + [0.003 * (k + 1) ** 3 for k in range(later)]
@@ -50,8 +54,8 @@ def make_case(due: int = 3, later: int = 12) -> Case:
 def sweep(op: Callable[[Case], None], verify: Callable[[Case, bool], None], setup=make_case) -> int:
     """Run op in a child crashing at store 1, 2, ...; verify after each; return the stores covered."""
     for n in range(1, 2000):
-        case = setup()
         try:
+            case = setup()
             pid = os.fork()
             if pid == 0:  # the child: never returns
                 code = 0
@@ -71,8 +75,11 @@ def sweep(op: Callable[[Case], None], verify: Callable[[Case, bool], None], setu
             assert st.pending + st.free + st.in_flight + st.retired == st.capacity, "a slot leaked"
             verify(case, crashed)
         finally:
-            case.wheel.close()
-            shmwheel.unlink(case.wheel.name)
+            # Whatever setup made, even if it failed half-way.
+            while _made:
+                w = _made.pop()
+                w.close()
+                shmwheel.unlink(w.name)
         if not crashed:
             return n
     raise AssertionError("the operation never completed")
