@@ -401,7 +401,18 @@ static int repair_locked(shmw_t *w);
 
 static int lock(shmw_t *w)
 {
-    int rc = pthread_mutex_lock(&w->hdr->mutex);
+    /* Uncontended, trylock is the whole cost.  Contended, wait at most
+     * SHMW_LOCK_TIMEOUT_NS: no holder keeps the lock that long (every hold
+     * is bounded), so a lock not taken by then is jammed - its word
+     * scribbled to name a thread that never existed, say - and waiting on
+     * would hang every process. */
+    int rc = pthread_mutex_trylock(&w->hdr->mutex);
+
+    if (rc == EBUSY) {
+        int64_t until = shmw_now_ns() + SHMW_LOCK_TIMEOUT_NS;
+        struct timespec ts = { until / 1000000000LL, until % 1000000000LL };
+        rc = pthread_mutex_clocklock(&w->hdr->mutex, CLOCK_MONOTONIC, &ts);
+    }
 
     if (rc == EOWNERDEAD) {
         /* The previous holder died inside a critical section: rebuild what

@@ -44,7 +44,11 @@ _MESSAGES: dict[int, tuple[type[BaseException], str]] = {
         "segment {name!r} was made by a build with other struct sizes",
     ),
     lib.SHMW_ESIZE: (IncompatibleSegmentError, "segment {name!r} is smaller than its header says"),
-    lib.SHMW_ELOCK: (CorruptSegmentError, "the lock of segment {name!r} cannot be taken"),
+    lib.SHMW_ELOCK: (
+        CorruptSegmentError,
+        f"the lock of segment {{name!r}} cannot be taken (not released in {lib.SHMW_LOCK_TIMEOUT_NS // 10**9} s: "
+        "a holder is stuck, or the lock word is scribbled)",
+    ),
     lib.SHMW_ENOMEM: (MemoryError, "out of memory"),
     lib.SHMW_ECLOSED: (ValueError, "operation on a closed Wheel"),
     lib.SHMW_EDRIVER: (DriverRunningError, "a driver is registered on segment {name!r}"),

@@ -8,9 +8,10 @@ process, read or write out of bounds or loop forever.  Each example runs in
 a forked child, so a crash or a hang shows up as a failed example instead
 of taking the test run down.
 
-The one thing left out is the bytes of the mutex itself: a lock word that
-names a thread that never existed is a lock nobody will ever release, and
-no code that takes the lock can tell that from a slow holder.
+The bytes of the mutex itself are left out here: a lock word scribbled to
+name a thread that never existed jams the lock, which every operation then
+reports only after waiting SHMW_LOCK_TIMEOUT_NS (10 s) for it - too slow to
+fuzz; test_hostile.py has that case.
 """
 
 from __future__ import annotations

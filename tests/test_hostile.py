@@ -263,3 +263,19 @@ def test_racing_creates_of_one_name_have_one_winner(name: str) -> None:
         with shmwheel.attach(name) as w:
             w.check()
         shmwheel.unlink(name)
+
+
+def test_a_jammed_lock_word_is_reported_not_waited_on_forever(make_wheel) -> None:
+    """A lock word naming a thread that never existed: no release will come."""
+    w = make_wheel(capacity=4)
+    word = ffi.cast("int32_t *", w._buf + ffi.sizeof("struct shmw_header") - 64)  # the mutex's lock word
+    assert word[0] == 0
+    word[0] = 0x3FFFFFF0  # "held by" a tid above pid_max, so never cleaned up by the kernel
+    try:
+        started = time.monotonic()
+        with pytest.raises(shmwheel.CorruptSegmentError, match="cannot be taken"):
+            w.add(1)
+        assert time.monotonic() - started < lib.SHMW_LOCK_TIMEOUT_NS / 1e9 + 5
+    finally:
+        word[0] = 0
+    w.check()
