@@ -1755,7 +1755,6 @@ static int repair_locked(shmw_t *w)
         }
         inflight_append(w, i);
     }
-    STORE(h->inflight_unsent, h->inflight_unsent == SHMW_NIL ? h->inflight_head : h->inflight_unsent);
     /* The registration is written in three stores; make them agree. */
     if (h->driver_pid == 0) {
         STORE(h->driver_state, SHMW_DRIVER_NONE);

@@ -263,3 +263,31 @@ def test_repair_of_a_million_slot_segment(make_wheel, capacity: int) -> None:
     st = w.stats()
     assert st.recoveries == 1
     assert st.pending in (900_000, 900_001)
+
+
+def test_a_producer_crash_leaves_what_the_driver_has_sent_alone() -> None:
+    """Repair after a producer died must not make a live driver send its
+    in-flight fires again (the unsent cursor stays where it was)."""
+
+    def setup() -> Case:
+        case = make_case(due=5)
+        me = os.getpid()
+        assert lib.shmw_driver_register(case.wheel._w, me, start_time(me), 0, 0) == 0
+        run_clock(case.wheel, 0.02)
+        hd = ffi.cast("struct shmw_header *", case.wheel._buf)
+        hd.inflight_unsent = lib.SHMW_NIL  # the writer has sent all of it
+        case.extra["in_flight"] = sorted(in_flight(case.wheel))
+        return case
+
+    def op(case: Case) -> None:
+        case.wheel.add(30, b"NEW")
+
+    def verify(case: Case, crashed: bool) -> None:
+        hd = ffi.cast("struct shmw_header *", case.wheel._buf)
+        assert hd.inflight_unsent == lib.SHMW_NIL, "the driver would send its fires again"
+        assert sorted(in_flight(case.wheel)) == case.extra["in_flight"]
+        assert case.wheel.stats().redelivered == 0
+        me = os.getpid()
+        assert lib.shmw_driver_register(case.wheel._w, 0, 0, me, start_time(me)) == 0
+
+    assert sweep(op, verify, setup) > 10

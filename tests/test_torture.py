@@ -285,13 +285,17 @@ def test_kill_9_producers_and_driver(make_wheel, long_run: bool, tmp_path: Path)
         code = driver.stop(timeout=WAIT)
         assert code == 0, f"the last driver's graceful stop exited with {code}"
     finally:
+        # Whatever went wrong, nothing is left running: a live driver would
+        # also keep pytest from exiting (multiprocessing joins it at exit).
         stop.value = 1
-        for p in slots:
-            if p.exitcode is None:
-                p.process.kill()
-                p.reap()
-        if driver is not None and driver.is_alive():
-            driver.stop(timeout=5)  # SIGTERM; SIGKILL after 5 s
+        try:
+            for p in slots:
+                if p.exitcode is None:
+                    p.process.kill()
+                    p.reap()
+        finally:
+            if driver is not None and driver.is_alive():
+                driver.stop(timeout=5)  # SIGTERM; SIGKILL after 5 s
     elapsed = time.monotonic() - started
 
     # -- read the logs back -----------------------------------------------------------------
