@@ -68,7 +68,6 @@ import math
 import multiprocessing as mp
 import os
 import pickle
-import platform
 import queue
 import random
 import shutil
@@ -81,8 +80,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
-import cffi
 import psutil
+from _machine import machine_info
 
 import shmwheel
 
@@ -904,31 +903,6 @@ def format_target(r: Row) -> tuple[str, str]:
     return bound, "yes" if r.meets else "**no**"
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, else whatever platform knows."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def machine_info() -> dict[str, str | int | None]:
-    return {
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
-        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "cffi": cffi.__version__,
-        "psutil": psutil.__version__,
-        "shmwheel": shmwheel.__version__,
-    }
-
-
 def markdown(title: str, machine: dict[str, str | int | None], sections: list[tuple[str, list[Row]]]) -> str:
     lines = [
         f"## shmwheel driver benchmark ({title})",
@@ -1026,7 +1000,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     progress(f"done in {time.monotonic() - started:.0f} s")
 
-    machine = machine_info()
+    machine = machine_info(psutil=psutil.__version__)
     steady_rows, steady_delivery = steady_report(steady_run)
     reference = [
         Row(

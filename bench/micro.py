@@ -44,7 +44,6 @@ import gc
 import itertools
 import json
 import os
-import platform
 import random
 import signal
 import sys
@@ -52,7 +51,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
-import cffi
+from _machine import machine_info
 
 import shmwheel
 
@@ -619,30 +618,6 @@ def bench_memory(segs: Segments) -> list[Result]:
 
 
 # -- report ---------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, else whatever platform knows."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def machine_info() -> dict[str, str | int | None]:
-    return {
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
-        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "cffi": cffi.__version__,
-        "shmwheel": shmwheel.__version__,
-    }
 
 
 def format_value(r: Result) -> str:
