@@ -46,13 +46,17 @@ struct shmw {
 };
 
 /* ---- crash points (tests only) --------------------------------------------
- * Every store to the segment goes through STORE.  shmw_test_crash_after(n)
- * makes this process _exit(SHMW_CRASH_EXIT) just before its n-th store from
- * then on, so that a test can stop an operation at every step and check
- * what the next locker makes of it.  Off (0) by default: one predictable
- * branch a store.  The compiler barrier keeps the stores in program order,
- * which is what makes a half-made change repairable: an entry's own fields
- * are written before the store of its state that commits them. */
+ * Every store to the segment goes through STORE, or COMMIT for the store
+ * that commits an entry or a slot (its state, a producer's pid).
+ * shmw_test_crash_after(n) makes this process _exit(SHMW_CRASH_EXIT) just
+ * before its n-th store from then on, so that a test can stop an operation
+ * at every step and check what the next locker makes of it; off (0) by
+ * default, it costs one predictable branch a store.  COMMIT is a release
+ * store: everything written before it - the entry's own fields - reaches
+ * memory first, which is what makes a half-made change repairable after a
+ * real SIGKILL.  The other stores are links and counters that the repair
+ * rebuilds, so their order does not matter and the compiler may keep them
+ * in registers. */
 
 static long crash_countdown;
 
@@ -64,8 +68,12 @@ static inline void crash_point(void)
 
 #define STORE(lhs, rhs) do {                    \
         crash_point();                          \
-        __asm__ __volatile__("" ::: "memory");  \
         (lhs) = (rhs);                          \
+    } while (0)
+
+#define COMMIT(lhs, rhs) do {                                   \
+        crash_point();                                          \
+        __atomic_store_n(&(lhs), (rhs), __ATOMIC_RELEASE);      \
     } while (0)
 
 void shmw_test_crash_after(long n)
@@ -694,12 +702,12 @@ static void slot_free(shmw_t *w, uint32_t i)
     STORE(e->flags, 0);
     if (e->generation >= w->max_generation) {
         STORE(e->next, SHMW_NIL);
-        STORE(e->state, SHMW_RETIRED);
+        COMMIT(e->state, SHMW_RETIRED);
         STORE(h->retired, h->retired + 1);
         return;
     }
     STORE(e->next, h->free_head);
-    STORE(e->state, SHMW_FREE);
+    COMMIT(e->state, SHMW_FREE);
     STORE(h->free_head, i);
     STORE(h->free_count, h->free_count + 1);
 }
@@ -774,7 +782,7 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
         crash_point();
         memcpy((char *)(e + 1), payload, len);
     }
-    STORE(e->state, SHMW_PENDING);          /* commits the entry */
+    COMMIT(e->state, SHMW_PENDING);          /* commits the entry */
     rc = bucket_append(w, b, expires, i);
     if (rc)
         return rc;
@@ -1054,7 +1062,7 @@ static void inflight_append(shmw_t *w, uint32_t i)
     struct shmw_header *h = w->hdr;
     struct shmw_entry *e = entry_at(w, i);
 
-    STORE(e->state, SHMW_INFLIGHT);
+    COMMIT(e->state, SHMW_INFLIGHT);
     STORE(e->bucket, SHMW_NIL);
     STORE(e->next, SHMW_NIL);
     STORE(e->prev, h->inflight_tail);
@@ -1546,7 +1554,7 @@ int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start)
     }
     if (slot != SHMW_NO_PRODUCER && h->producers[slot].pid != pid) {
         STORE(h->producers[slot].start, start);
-        STORE(h->producers[slot].pid, pid);      /* commits the slot */
+        COMMIT(h->producers[slot].pid, pid);      /* commits the slot */
     }
     unlock(w);
     if (slot == SHMW_NO_PRODUCER)
@@ -1723,7 +1731,7 @@ static int repair_locked(shmw_t *w)
         switch (e->state) {
         case SHMW_FREE:
             if (e->generation >= w->max_generation) {
-                STORE(e->state, SHMW_RETIRED);   /* died between alloc and commit */
+                COMMIT(e->state, SHMW_RETIRED);   /* died between alloc and commit */
                 STORE(h->retired, h->retired + 1);
                 break;
             }
