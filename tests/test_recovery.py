@@ -209,18 +209,21 @@ def in_flight(w: shmwheel.Wheel) -> list[int]:
     return out
 
 
+def case_with_fires_sent() -> Case:
+    """This process registered as the driver, with fires in flight that its
+    writer has (as far as the segment knows) sent."""
+    case = make_case(due=5)
+    me = os.getpid()
+    assert lib.shmw_driver_register(case.wheel._w, me, start_time(me), 0, 0) == 0
+    run_clock(case.wheel, 0.02)
+    hd = ffi.cast("struct shmw_header *", case.wheel._buf)
+    case.extra["in_flight"] = sorted(in_flight(case.wheel))
+    assert len(case.extra["in_flight"]) == hd.inflight >= 5
+    hd.inflight_unsent = lib.SHMW_NIL
+    return case
+
+
 def test_ack_killed_at_every_store() -> None:
-    def setup() -> Case:
-        case = make_case(due=5)
-        me = os.getpid()
-        assert lib.shmw_driver_register(case.wheel._w, me, start_time(me), 0, 0) == 0
-        run_clock(case.wheel, 0.02)
-        hd = ffi.cast("struct shmw_header *", case.wheel._buf)
-        case.extra["in_flight"] = in_flight(case.wheel)
-        assert len(case.extra["in_flight"]) == hd.inflight >= 5
-        # What the writer would have sent: all of it.
-        hd.inflight_unsent = lib.SHMW_NIL
-        return case
 
     def op(case: Case) -> None:
         handles = case.extra["in_flight"]
@@ -238,7 +241,7 @@ def test_ack_killed_at_every_store() -> None:
         assert redelivered <= set(case.extra["in_flight"])
         assert set(got) == set(case.timers) - (set(case.extra["in_flight"]) - redelivered)
 
-    assert sweep(op, verify, setup) > 10
+    assert sweep(op, verify, case_with_fires_sent) > 10
 
 
 # -- repair at scale ------------------------------------------------------------------------
@@ -269,15 +272,6 @@ def test_a_producer_crash_leaves_what_the_driver_has_sent_alone() -> None:
     """Repair after a producer died must not make a live driver send its
     in-flight fires again (the unsent cursor stays where it was)."""
 
-    def setup() -> Case:
-        case = make_case(due=5)
-        me = os.getpid()
-        assert lib.shmw_driver_register(case.wheel._w, me, start_time(me), 0, 0) == 0
-        run_clock(case.wheel, 0.02)
-        hd = ffi.cast("struct shmw_header *", case.wheel._buf)
-        hd.inflight_unsent = lib.SHMW_NIL  # the writer has sent all of it
-        case.extra["in_flight"] = sorted(in_flight(case.wheel))
-        return case
 
     def op(case: Case) -> None:
         case.wheel.add(30, b"NEW")
@@ -290,4 +284,4 @@ def test_a_producer_crash_leaves_what_the_driver_has_sent_alone() -> None:
         me = os.getpid()
         assert lib.shmw_driver_register(case.wheel._w, 0, 0, me, start_time(me)) == 0
 
-    assert sweep(op, verify, setup) > 10
+    assert sweep(op, verify, case_with_fires_sent) > 10
