@@ -30,6 +30,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import select
 import signal
 import sys
 import threading
@@ -100,7 +101,13 @@ class Driver:
         self._fifo = fifo
         self._after_batch = after_batch
         self._ack_timeout = ack_timeout
-        self._stop = threading.Event()
+        # stop() sets the flag and writes a byte to the pipe, which the
+        # main loop waits on.  Not a threading.Event: stop() is called from
+        # signal handlers, which run on the main thread, and the main thread
+        # may be inside Event.wait() holding the Event's lock, so Event.set()
+        # there deadlocks.  A write(2) takes no lock.
+        self._stopping = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._clock_stop = ffi.new("int *")
         self._writer_stop = ffi.new("int *")
         self._wheel: Wheel | None = None
@@ -109,7 +116,23 @@ class Driver:
 
     def stop(self) -> None:
         """Ask ``run()`` to finish: safe from a signal handler or another thread."""
-        self._stop.set()
+        self._stopping = True
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # full (a stop is pending anyway), or closed by __del__
+            pass
+
+    def _wait_stop(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for stop(); whether it was called."""
+        if not self._stopping:
+            select.select([self._wake_r], [], [], timeout)
+        return self._stopping
+
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_wake_r", -1), getattr(self, "_wake_w", -1)):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
 
     def run(self, on_ready: Callable[[], object] | None = None) -> None:
         """Register, drive until stopped, then finish the fires in flight and deregister."""
@@ -159,7 +182,7 @@ class Driver:
             rc = lib.shmw_drive_clock(wheel._w, self._clock_stop, _CLOCK_BATCH)
             if rc:
                 errors.append(ShmwheelError(f"clock stopped with code {rc}"))
-                self._stop.set()
+                self.stop()
 
         def writer() -> None:
             buf = ffi.new("char[]", _WRITE_BATCH * rec_size)
@@ -167,7 +190,7 @@ class Driver:
                 rc = lib.shmw_drive_writer(wheel._w, out_fd, self._writer_stop, buf, _WRITE_BATCH)
                 if rc:
                     errors.append(OSError(ffi.errno, f"writing fires failed (code {rc})"))
-                    self._stop.set()
+                    self.stop()
             finally:
                 os.close(out_fd)  # the reader sees EOF once everything is sent
 
@@ -179,7 +202,7 @@ class Driver:
             except BaseException as exc:
                 _log.exception("driver %d: the dispatcher failed", me)
                 errors.append(exc)
-                self._stop.set()
+                self.stop()
 
         threads = [threading.Thread(target=clock, name="shmwheel-clock", daemon=True)]
         threads.append(threading.Thread(target=writer, name="shmwheel-writer", daemon=True))
@@ -195,7 +218,7 @@ class Driver:
                 on_ready()
             # Meanwhile, cancel the cancel-on-exit timers of producers that
             # have gone: the one periodic job, once a second, in Python.
-            while not self._stop.wait(_REAP_INTERVAL):
+            while not self._wait_stop(_REAP_INTERVAL):
                 n = wheel.reap_dead_producers()
                 if n:
                     _log.info("driver %d: cancelled %d timers of producers that exited", me, n)
@@ -256,7 +279,7 @@ class Driver:
             except OSError as exc:
                 if exc.errno != errno.ENXIO:  # ENXIO: no reader yet
                     raise
-                if self._stop.wait(0.05):
+                if self._wait_stop(0.05):
                     return None  # asked to stop before anyone read
                 continue
             os.set_blocking(fd, True)

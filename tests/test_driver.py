@@ -346,3 +346,26 @@ def test_cancel_on_exit_after_fork_belongs_to_the_child(make_wheel) -> None:
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert wheel.reap_dead_producers() == 1, "the child's timer was filed under the parent"
     assert len(wheel) == 0
+
+
+def test_stop_from_a_signal_handler_wakes_the_main_loop_at_once(make_wheel, monkeypatch) -> None:
+    """stop() in the handler of a signal that lands while run() waits ends the wait."""
+    monkeypatch.setattr("shmwheel._driver._REAP_INTERVAL", 60.0)  # what run() would otherwise wait
+    wheel = make_wheel()
+    driver = shmwheel.Driver(wheel.name, lambda fire: None)
+    old = signal.signal(signal.SIGUSR1, lambda *_: driver.stop())
+    main = threading.get_ident()
+    stopped_at: list[float] = []
+
+    def kick() -> None:
+        time.sleep(0.3)  # well inside the main loop's first 1 s wait
+        stopped_at.append(time.monotonic())
+        signal.pthread_kill(main, signal.SIGUSR1)
+
+    try:
+        threading.Thread(target=kick).start()
+        driver.run()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    # Woken by the stop, not by the end of the 60 s wait it interrupted.
+    assert time.monotonic() - stopped_at[0] < 30
