@@ -1,0 +1,218 @@
+"""Per-request timeouts for Gunicorn, from its config file.
+
+Last in ``gunicorn.conf.py``::
+
+    from shmwheel.contrib import gunicorn as shmwheel_gunicorn
+    shmwheel_gunicorn.install(globals(), timeout=30.0, kill=True)
+
+:func:`install` defines five server hooks in the config's namespace (and
+calls any that were defined above it, so it must come after them):
+
+* ``on_starting`` (master): creates the wheel ``gunicorn-<master pid>``
+  and starts the driver in a process of its own, which the master's
+  supervisor thread restarts if it dies;
+* ``post_worker_init`` (each worker): attaches to the wheel and registers
+  :mod:`faulthandler` on the traceback signal;
+* ``pre_request`` / ``post_request`` (each worker, in the thread that runs
+  the request, so sync and gthread workers alike): add the request's timer
+  and cancel it;
+* ``on_exit`` (master): stops the driver and removes the wheel.
+
+When a timer fires the driver logs the request, has the worker dump its
+tracebacks, and, with ``kill=True``, sends it ``kill_signal`` (SIGABRT by
+default: the worker runs ``worker_abort`` and exits, as on Gunicorn's own
+timeout), then SIGKILL ``kill_after`` seconds later if it is still there.
+The master then starts a new worker, as for any worker that dies.
+
+A reload (SIGHUP) runs the config again: new workers get the new
+``timeout``, and the driver is restarted with the new actions.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from .timeouts import (
+    DEFAULT_CAPACITY,
+    DEFAULT_KILL_AFTER,
+    DEFAULT_TRACEBACK_SIGNAL,
+    DriverSupervisor,
+    RequestTimer,
+    TimeoutActions,
+    _seconds,
+)
+
+__all__ = ["install"]
+
+_HOOKS = ("on_starting", "post_worker_init", "pre_request", "post_request", "on_exit")
+_REQUEST_ID_HEADER = "X-REQUEST-ID"  # Gunicorn upper-cases header names
+
+
+@dataclass
+class _Settings:
+    name: str | None
+    timeout: float
+    actions: TimeoutActions
+    capacity: int
+
+
+class _State:
+    """The master's supervisor and the workers' timer: one per process,
+    kept across a reload, which calls install() again."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.settings: _Settings | None = None
+        self.supervisor: DriverSupervisor | None = None
+        self.timer: RequestTimer | None = None
+
+
+_state = _State()
+
+
+def install(
+    config: MutableMapping[str, Any],
+    timeout: float,
+    *,
+    name: str | None = None,
+    tracebacks: bool = True,
+    traceback_signal: int | str = DEFAULT_TRACEBACK_SIGNAL,
+    kill: bool = False,
+    kill_signal: int | str = signal.SIGABRT,
+    kill_after: float = DEFAULT_KILL_AFTER,
+    log: bool = True,
+    capacity: int = DEFAULT_CAPACITY,
+) -> None:
+    """Give every request a ``timeout`` (seconds): call it with ``globals()``
+    last in a Gunicorn config file.  ``name`` is the wheel's name (default
+    ``gunicorn-<master pid>``); the rest are :class:`TimeoutActions`."""
+    if not isinstance(config, MutableMapping):
+        raise TypeError(f"install() takes the config's namespace, globals(), not {type(config).__name__}")
+    settings = _Settings(
+        name=name,
+        timeout=_seconds(timeout, "timeout"),
+        actions=TimeoutActions(
+            log=log,
+            tracebacks=tracebacks,
+            traceback_signal=traceback_signal,  # type: ignore[arg-type]  # a name is converted
+            kill=kill,
+            kill_signal=kill_signal,  # type: ignore[arg-type]
+            kill_after=kill_after,
+        ),
+        capacity=capacity,
+    )
+    if name is not None:
+        RequestTimer(name, settings.timeout)  # a bad name fails now
+    with _state.lock:
+        reload = _state.supervisor is not None
+        _state.settings = settings
+    if reload:
+        _reconfigure(settings)
+
+    earlier = {hook: config.get(hook) for hook in _HOOKS}
+
+    def on_starting(server: Any) -> None:
+        _start(server, settings)
+        _call(earlier["on_starting"], server)
+
+    def post_worker_init(worker: Any) -> None:
+        if _state.timer is not None:
+            _state.timer.prepare()
+        _call(earlier["post_worker_init"], worker)
+
+    def pre_request(worker: Any, req: Any) -> None:
+        timer = _state.timer
+        if timer is not None:
+            req.shmwheel_timer = timer.start(req.method, req.path, _header(req, _REQUEST_ID_HEADER))
+        _call(earlier["pre_request"], worker, req)
+
+    def post_request(worker: Any, req: Any, environ: Any, resp: Any) -> None:
+        try:
+            _call(earlier["post_request"], worker, req, environ, resp)
+        finally:
+            timer = _state.timer
+            if timer is not None:
+                timer.finish(getattr(req, "shmwheel_timer", None))
+
+    def on_exit(server: Any) -> None:
+        try:
+            _call(earlier["on_exit"], server)
+        finally:
+            _stop(server)
+
+    config.update(
+        on_starting=on_starting,
+        post_worker_init=post_worker_init,
+        pre_request=pre_request,
+        post_request=post_request,
+        on_exit=on_exit,
+    )
+
+
+def _call(hook: Any, *args: Any) -> None:
+    if callable(hook):
+        hook(*args)
+
+
+def _header(req: Any, name: str) -> str | None:
+    for key, value in req.headers:
+        if key == name:
+            return str(value)
+    return None
+
+
+def _timer(name: str, settings: _Settings) -> RequestTimer:
+    signum = settings.actions.traceback_signal if settings.actions.tracebacks else None
+    return RequestTimer(name, settings.timeout, traceback_signal=signum)
+
+
+def _use_server_log(server: Any) -> None:
+    """Send shmwheel's log lines (the supervisor's in the master, a worker's
+    "running without a timeout") to Gunicorn's error log, in its format."""
+    error_log = server.log.error_log
+    ours = logging.getLogger("shmwheel")
+    for handler in error_log.handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+    ours.setLevel(error_log.level)
+    ours.propagate = False
+
+
+def _start(server: Any, settings: _Settings) -> None:
+    _use_server_log(server)
+    name = settings.name or f"gunicorn-{server.pid}"
+    supervisor = DriverSupervisor(name, settings.actions, capacity=settings.capacity)
+    supervisor.start()
+    with _state.lock:
+        _state.supervisor = supervisor
+        _state.timer = _timer(name, settings)
+    server.log.info(
+        "shmwheel: request timeout %g s on wheel %r, driver pid %s%s",
+        settings.timeout,
+        name,
+        supervisor.pid,
+        ", workers are killed on timeout" if settings.actions.kill else "",
+    )
+
+
+def _reconfigure(settings: _Settings) -> None:
+    supervisor = _state.supervisor
+    assert supervisor is not None
+    with _state.lock:
+        _state.timer = _timer(supervisor.name, settings)
+    if settings.actions != supervisor.actions:
+        supervisor.restart(settings.actions)
+
+
+def _stop(server: Any) -> None:
+    with _state.lock:
+        supervisor, _state.supervisor = _state.supervisor, None
+        _state.timer = None
+    if supervisor is not None:
+        supervisor.stop()
+        server.log.info("shmwheel: driver stopped, wheel %r removed", supervisor.name)

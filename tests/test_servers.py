@@ -1,0 +1,297 @@
+"""End to end: request timeouts in real Gunicorn and uWSGI servers on loopback.
+
+Each test starts the server as a user would, with the configurations in
+``examples/`` (or a variant written next to them), sends it real HTTP
+requests, reads what the server and the driver write to its log, and stops
+it with a real signal.  The demo application's ``/sleep`` and ``/stuck``
+routes stand for requests that hang: ``/stuck`` survives the graceful
+signal, so only the SIGKILL that follows ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import shmwheel
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+BIN = Path(sys.executable).parent
+WAIT = 30.0  # s: for things that take a second or two when all is well
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def get(port: int, path: str, timeout: float = 10.0) -> tuple[int, str]:
+    """GET a path: (status, body); (0, error) if the connection broke."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    except (OSError, http.client.HTTPException) as exc:
+        return 0, repr(exc)
+    finally:
+        conn.close()
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    wheel: str = ""
+    seen: int = field(default=0)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float = WAIT) -> re.Match[str]:
+        """The first match of ``pattern`` in the log, waiting for it to appear."""
+        give_up = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.log(), re.MULTILINE)
+            if m:
+                return m
+            if time.monotonic() > give_up or self.proc.poll() is not None:
+                pytest.fail(f"no {pattern!r} in the server's log:\n{self.log()[-6000:]}")
+            time.sleep(0.05)
+
+    def wait_ready(self) -> None:
+        give_up = time.monotonic() + WAIT
+        while get(self.port, "/", timeout=2.0)[0] != 200:
+            if time.monotonic() > give_up or self.proc.poll() is not None:
+                pytest.fail(f"the server did not come up:\n{self.log()[-6000:]}")
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(WAIT)
+
+
+@contextlib.contextmanager
+def serve(cmd: list[str], port: int, tmp_path: Path, prefix: str) -> Iterator[Server]:
+    """Run a server; on the way out make sure it, and its wheel, are gone."""
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=EXAMPLES, start_new_session=True)
+    server = Server(proc, port, log_path, wheel=f"{prefix}-{proc.pid}")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        if proc.poll() is None:  # the test failed half-way
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers: workers, the driver
+        with contextlib.suppress(shmwheel.SegmentNotFoundError):
+            shmwheel.unlink(server.wheel)
+
+
+def no_segment(name: str) -> bool:
+    return not Path("/dev/shm", name).exists()
+
+
+def assert_nothing_left(server: Server) -> None:
+    """Once the server has stopped: its wheel is gone, and every process of its group."""
+    assert server.proc.poll() is not None
+    assert no_segment(server.wheel), f"{server.wheel} is still in /dev/shm"
+    give_up = time.monotonic() + WAIT
+    while True:
+        try:
+            os.killpg(server.proc.pid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < give_up, "processes of the server outlived it"
+        time.sleep(0.05)
+
+
+def timed_out_line(path: str) -> str:
+    return rf"request timed out: GET {re.escape(path)} \(request \S+, worker pid (\d+)\), running for ([\d.]+) s"
+
+
+# -- Gunicorn -----------------------------------------------------------------
+
+
+def gunicorn(config: Path, port: int, worker_class: str) -> list[str]:
+    env_free = ["--bind", f"127.0.0.1:{port}", "--worker-class", worker_class]
+    if worker_class == "gthread":
+        env_free += ["--threads", "4"]
+    return [str(BIN / "gunicorn"), "-c", str(config), *env_free, "--no-control-socket", "app:application"]
+
+
+@pytest.mark.parametrize("worker_class", ["sync", "gthread"])
+def test_gunicorn_kills_and_replaces_a_stuck_worker(worker_class: str, tmp_path: Path) -> None:
+    """The example config: fast requests never fire; a stuck one is logged, dumped, killed, replaced."""
+    port = free_port()
+    cmd = gunicorn(EXAMPLES / "gunicorn.conf.py", port, worker_class)
+    with serve(cmd, port, tmp_path, "gunicorn") as server:
+        server.wait_for(r"shmwheel: request timeout 2 s on wheel 'gunicorn-\d+', driver pid \d+, workers are killed")
+        for _ in range(20):
+            assert get(server.port, "/")[0] == 200
+
+        status, _ = get(server.port, "/stuck?s=60", timeout=WAIT)
+        assert status == 0  # the worker died under the request
+
+        timed_out = server.wait_for(timed_out_line("/stuck") + r"; dumping its tracebacks, sending it SIGABRT")
+        pid = int(timed_out.group(1))
+        assert 2.0 <= float(timed_out.group(2)) < 2.0 + WAIT
+        # The worker's own dump: the app's frame that hangs, and the handler's SIGKILL.
+        server.wait_for(r'File ".*/examples/app.py", line \d+ in _stuck')
+        server.wait_for(rf"killed worker pid {pid} with SIGKILL: GET /stuck .* it ignored SIGABRT")
+        server.wait_for(rf"Worker \(pid:{pid}\) was sent SIGKILL")
+        # Gunicorn replaced it: the worker that answers now is another one.
+        give_up = time.monotonic() + WAIT
+        while True:
+            booted = re.findall(r"Booting worker with pid: (\d+)", server.log())
+            if len(booted) >= 3:
+                break
+            assert time.monotonic() < give_up, server.log()
+            time.sleep(0.05)
+        answers = {get(server.port, "/")[1] for _ in range(10)}
+        assert f"done by pid {pid}\n" not in answers
+        assert all(a.startswith("done by pid ") for a in answers)
+
+        # The fast requests never timed out.
+        assert len(re.findall("request timed out", server.log())) == 1
+        assert server.stop(signal.SIGTERM) == 0
+        assert "driver stopped, wheel" in server.log()
+        assert_nothing_left(server)
+
+
+def test_gunicorn_graceful_signal_ends_a_sleeping_sync_worker(tmp_path: Path) -> None:
+    """SIGABRT makes a sync worker leave its request (Gunicorn's worker_abort); no SIGKILL needed."""
+    port = free_port()
+    cmd = gunicorn(EXAMPLES / "gunicorn.conf.py", port, "sync")
+    with serve(cmd, port, tmp_path, "gunicorn") as server:
+        # The SystemExit that SIGABRT raises unwinds the request: Gunicorn
+        # answers 500 on its way out.
+        assert get(server.port, "/sleep?s=60", timeout=WAIT)[0] == 500
+        pid = int(server.wait_for(timed_out_line("/sleep")).group(1))
+        server.wait_for(rf"Worker exiting \(pid: {pid}\)")
+        server.wait_for(r"Booting worker with pid: \d+[\s\S]*Booting worker with pid: \d+[\s\S]*Booting worker")
+        time.sleep(3.5)  # past kill_after: the SIGKILL timer fires and finds the worker gone
+        assert f"killed worker pid {pid}" not in server.log()
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left(server)
+
+
+def test_gunicorn_without_kill_logs_and_dumps_and_lets_the_request_finish(tmp_path: Path) -> None:
+    """Logging and tracebacks only: the slow request completes; the driver restarts if it dies."""
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text(
+        "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\n"
+        "shmwheel_gunicorn.install(globals(), timeout=0.5)\n"
+    )
+    port = free_port()
+    with serve(gunicorn(config, port, "gthread"), port, tmp_path, "gunicorn") as server:
+        driver_pid = int(server.wait_for(r"wheel 'gunicorn-\d+', driver pid (\d+)").group(1))
+        status, body = get(server.port, "/sleep?s=1.5")
+        assert status == 200 and body.startswith("done by pid ")
+        pid = int(server.wait_for(timed_out_line("/sleep") + "; dumping its tracebacks$").group(1))
+        assert body == f"done by pid {pid}\n"
+        server.wait_for(r'File ".*/examples/app.py", line \d+ in _sleep')
+        assert "SIGKILL" not in server.log()
+
+        # A driver that dies is replaced by the master, and the wheel keeps working.
+        os.kill(driver_pid, signal.SIGKILL)
+        server.wait_for(rf"the driver \(pid {driver_pid}\) died")
+        server.wait_for(r"driver \d+: took over wheel")
+        assert get(server.port, "/sleep?s=1.5")[0] == 200
+        server.wait_for(timed_out_line("/sleep") + r"[\s\S]*" + timed_out_line("/sleep"))
+        assert server.stop(signal.SIGTERM) == 0
+        assert_nothing_left(server)
+
+
+def test_gunicorn_master_killed_outright_leaves_no_wheel(tmp_path: Path) -> None:
+    """SIGKILL to the master: no on_exit hook runs, so the driver removes the wheel itself."""
+    port = free_port()
+    cmd = gunicorn(EXAMPLES / "gunicorn.conf.py", port, "sync")
+    with serve(cmd, port, tmp_path, "gunicorn") as server:
+        driver_pid = int(server.wait_for(r"driver pid (\d+)").group(1))
+        assert not no_segment(server.wheel)
+        server.proc.kill()
+        server.proc.wait()
+        give_up = time.monotonic() + WAIT
+        while not (no_segment(server.wheel) and not os.path.exists(f"/proc/{driver_pid}")):
+            assert time.monotonic() < give_up, "the wheel or its driver outlived the master"
+            time.sleep(0.05)
+
+
+# -- uWSGI ----------------------------------------------------------------------
+
+
+def uwsgi_ini(tmp_path: Path, port: int, **options: str) -> Path:
+    """examples/uwsgi.ini with another port (and other shmwheel options)."""
+    lines = []
+    for line in (EXAMPLES / "uwsgi.ini").read_text().splitlines():
+        key = line.split("=", 1)[0].strip()
+        if key == "http-socket":
+            line = f"http-socket = 127.0.0.1:{port}"
+        elif key == "chdir":
+            line = f"chdir = {EXAMPLES}"
+        elif key in options:
+            line = f"{key} = {options.pop(key)}"
+        lines.append(line)
+    lines += [f"{k} = {v}" for k, v in options.items()]
+    ini = tmp_path / "uwsgi.ini"
+    ini.write_text("\n".join(lines) + "\n")
+    return ini
+
+
+def test_uwsgi_kills_and_replaces_a_stuck_worker(tmp_path: Path) -> None:
+    """The example config: fast requests never fire; a stuck one is logged, dumped, killed, replaced."""
+    port = free_port()
+    ini = uwsgi_ini(tmp_path, port)
+    with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
+        server.wait_for(r"driver \d+: running on wheel 'uwsgi-\d+'")
+        for _ in range(20):
+            assert get(server.port, "/")[0] == 200
+
+        assert get(server.port, "/stuck?s=60", timeout=WAIT)[0] in (0, 502)
+        timed_out = server.wait_for(timed_out_line("/stuck") + r"; dumping its tracebacks, sending it SIGTERM")
+        pid = int(timed_out.group(1))
+        server.wait_for(r'File ".*/examples/app.py", line \d+ in _stuck')
+        server.wait_for(rf"worker \d+ \(pid: {pid}\) died")
+        server.wait_for(r"Respawned uWSGI worker \d+ \(new pid: \d+\)")
+        answers = {get(server.port, "/")[1] for _ in range(10)}
+        assert f"done by pid {pid}\n" not in answers
+        assert all(a.startswith("done by pid ") for a in answers)
+        assert len(re.findall("request timed out", server.log())) == 1
+        assert server.stop(signal.SIGINT) == 0
+        server.wait_for(r"driver \d+: stopped on wheel")
+        assert_nothing_left(server)
+
+
+def test_uwsgi_mule_that_dies_is_respawned_and_takes_over(tmp_path: Path) -> None:
+    """kill -9 the driver mule: uWSGI starts another, which drives the same wheel."""
+    port = free_port()
+    ini = uwsgi_ini(tmp_path, port, **{"shmwheel-kill": "false", "shmwheel-timeout": "0.5"})
+    with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
+        mule = int(server.wait_for(r"driver (\d+): running on wheel").group(1))
+        os.kill(mule, signal.SIGKILL)
+        server.wait_for(rf"driver \d+: took over wheel 'uwsgi-\d+' from driver {mule}")
+        status, body = get(server.port, "/sleep?s=1.5")
+        assert status == 200
+        pid = int(server.wait_for(timed_out_line("/sleep") + "; dumping its tracebacks$").group(1))
+        assert body == f"done by pid {pid}\n"
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left(server)
