@@ -1,0 +1,455 @@
+"""shmwheel.contrib piece by piece: the request record, the handler's actions
+on real processes, the worker's timer, the middleware, the supervisor, and
+the Gunicorn and uWSGI settings.  (test_servers.py runs the real servers.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import shmwheel
+from shmwheel._process import start_time
+from shmwheel.contrib import gunicorn as contrib_gunicorn
+from shmwheel.contrib import timeouts
+from shmwheel.contrib.timeouts import (
+    KIND_REQUEST,
+    PAYLOAD_SIZE,
+    DriverSupervisor,
+    RequestTimer,
+    TimeoutActions,
+    TimeoutHandler,
+    decode_request,
+    encode_request,
+    signal_process,
+)
+from shmwheel.contrib.uwsgi import settings as uwsgi_settings
+from shmwheel.contrib.wsgi import TimeoutMiddleware
+
+WAIT = 30.0
+
+# -- the request record -----------------------------------------------------------
+
+
+def test_request_record_round_trips() -> None:
+    payload = encode_request(KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é")
+    record = decode_request(payload)
+    assert record is not None
+    assert record == (KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é", False)
+    assert record.describe() == "GET /a/b?c=d é (request abc.7, worker pid 1234)"
+
+
+def test_a_long_path_is_cut_to_fit_and_marked() -> None:
+    payload = encode_request(KIND_REQUEST, 1, 2, 3, "POST", "id", "/" + "x" * 1000, size=100)
+    assert len(payload) == 100
+    record = decode_request(payload)
+    assert record is not None and record.truncated
+    assert record.path == "/" + "x" * (100 - 24 - len("POST") - len("id") - 1)
+    assert record.describe().startswith("POST /xxx") and "x... (request id" in record.describe()
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x01" * 23, b"\x09" + bytes(30), b"\x01\xff\xff" + bytes(30)])
+def test_a_payload_that_is_no_record_decodes_to_none(payload: bytes) -> None:
+    assert decode_request(payload) is None
+
+
+def test_a_payload_too_small_for_any_record_is_refused() -> None:
+    with pytest.raises(ValueError, match="no room"):
+        encode_request(KIND_REQUEST, 1, 2, 3, "GET", "x" * 64, "/", size=40)
+
+
+# -- the actions and their checks ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"kill": 1}, TypeError, "kill must be True or False"),
+        ({"kill_signal": "NOPE"}, ValueError, "no signal named 'NOPE'"),
+        ({"kill_signal": 999}, ValueError, "999 is not a signal"),
+        ({"kill_signal": 1.5}, TypeError, "signal number or name"),
+        ({"traceback_signal": signal.SIGKILL}, ValueError, "cannot be SIGKILL"),
+        ({"kill_after": 0}, ValueError, "positive"),
+        ({"kill_after": float("nan")}, ValueError, "positive"),
+        ({"kill_after": "5"}, TypeError, "number of seconds"),
+    ],
+)
+def test_actions_refuse_bad_settings(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        TimeoutActions(**kwargs)  # type: ignore[arg-type]
+
+
+def test_actions_take_signal_names_and_round_trip_through_the_command_line() -> None:
+    actions = TimeoutActions(kill=True, kill_signal="abrt", traceback_signal="SIGUSR2", kill_after=2.5, log=False)
+    assert actions.kill_signal == signal.SIGABRT and actions.traceback_signal == signal.SIGUSR2
+    args = timeouts._parser().parse_args(["w", *actions.as_args()])
+    again = TimeoutActions(
+        log=args.log,
+        tracebacks=args.tracebacks,
+        traceback_signal=args.traceback_signal,
+        kill=args.kill,
+        kill_signal=args.kill_signal,
+        kill_after=args.kill_after,
+    )
+    assert again == actions
+
+
+# A stand-in for a worker: it registers faulthandler as RequestTimer does, says
+# it is ready, then sits in a function with a name to find in its dump.  With
+# "stubborn" it also ignores SIGTERM, so only SIGKILL ends it.
+WORKER = textwrap.dedent(
+    """
+    import faulthandler, signal, sys, time
+    faulthandler.register(signal.SIGURG, file=sys.stderr, all_threads=True)
+    if sys.argv[1] == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    def serving_a_slow_request():
+        print("ready", flush=True)
+        time.sleep(60)
+    serving_a_slow_request()
+    """
+)
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[object]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(mode: str = "polite") -> subprocess.Popen[str]:
+        err = open(tmp_path / f"worker{len(procs)}.err", "w+")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen([sys.executable, "-c", WORKER, mode], stdout=subprocess.PIPE, stderr=err, text=True)
+        proc.err = err  # type: ignore[attr-defined]
+        procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.err.close()  # type: ignore[attr-defined]
+
+
+def test_signal_process_checks_the_start_time(worker) -> None:
+    proc = worker()
+    start = start_time(proc.pid)
+    assert start is not None
+    assert not signal_process(proc.pid, start + 1, signal.SIGKILL)  # another process with that pid
+    time.sleep(0.2)
+    assert proc.poll() is None
+    assert signal_process(proc.pid, start, signal.SIGKILL)
+    assert proc.wait(WAIT) == -signal.SIGKILL
+    assert not signal_process(proc.pid, start, signal.SIGKILL)  # reaped: gone
+
+
+def fire_all(wheel: shmwheel.Wheel, handler: TimeoutHandler, until: float) -> int:
+    """Poll until ``until`` (monotonic), handing every fire to the handler."""
+    n = 0
+    while time.monotonic() < until:
+        for fire in wheel.poll():
+            handler(fire)
+            n += 1
+        time.sleep(0.01)
+    return n
+
+
+def record_for(proc: subprocess.Popen[str], path: str = "/slow") -> bytes:
+    start = start_time(proc.pid)
+    assert start is not None
+    return encode_request(KIND_REQUEST, proc.pid, start, time.monotonic_ns(), "GET", "r1", path)
+
+
+def test_handler_logs_and_has_the_worker_dump_its_stacks(make_wheel, worker, caplog) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker()
+    wheel.add(0.05, record_for(proc))
+    handler = TimeoutHandler(wheel.name, TimeoutActions())
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        assert fire_all(wheel, handler, time.monotonic() + 0.5) == 1
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"request timed out: GET /slow (request r1, worker pid {proc.pid}), running for 0.")
+    assert line.endswith("; dumping its tracebacks")
+    give_up = time.monotonic() + WAIT
+    while "in serving_a_slow_request" not in Path(proc.err.name).read_text():
+        assert time.monotonic() < give_up, "no traceback from the worker"
+        time.sleep(0.02)
+    assert proc.poll() is None  # asked for a dump, not killed
+
+
+def test_handler_kills_a_worker_that_ignores_the_graceful_signal(make_wheel, worker, caplog) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    stubborn, polite = worker("stubborn"), worker("polite")
+    wheel.add(0.05, record_for(stubborn))
+    wheel.add(0.05, record_for(polite))
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, kill_after=0.5))
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        # The two requests, their two SIGTERMs, and one SIGKILL (the polite one is gone by then).
+        assert fire_all(wheel, handler, time.monotonic() + 2.0) == 6
+    assert polite.wait(WAIT) == -signal.SIGTERM
+    assert stubborn.wait(WAIT) == -signal.SIGKILL
+    [killed] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert killed.startswith(f"killed worker pid {stubborn.pid} with SIGKILL: GET /slow (request r1, worker pid {stubborn.pid})")
+    assert killed.endswith("it ignored SIGTERM")
+    assert "in serving_a_slow_request" in Path(stubborn.err.name).read_text()  # dumped before the kill
+
+
+def test_handler_leaves_a_worker_that_has_exited_alone(make_wheel, worker, caplog) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker()
+    payload = record_for(proc)
+    proc.kill()
+    proc.wait()
+    wheel.add(0.01, payload)
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        fire_all(wheel, TimeoutHandler(wheel.name, TimeoutActions(kill=True)), time.monotonic() + 0.3)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.endswith("; the worker has exited")
+    assert len(wheel) == 0  # no kill timer was scheduled
+
+
+def test_handler_reports_a_timer_that_is_not_a_request(make_wheel, caplog) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    wheel.add(0.01, b"something else")
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        fire_all(wheel, TimeoutHandler(wheel.name), time.monotonic() + 0.2)
+    assert "carries no request record" in caplog.text
+
+
+# -- the worker's timer and the middleware ------------------------------------------------
+
+
+def test_request_timer_adds_and_cancels_owned_by_the_worker(make_wheel) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    timer = RequestTimer(wheel.name, 30.0, traceback_signal=None)
+    handle = timer.start("GET", "/x")
+    assert handle is not None and len(wheel) == 1
+    assert [pid for pid, _, _ in wheel.producers()] == [os.getpid()]
+    timer.finish(handle)
+    assert len(wheel) == 0
+    timer.finish(None)  # a request that had no timer
+
+
+def test_request_timer_without_a_wheel_lets_requests_run(name: str, caplog) -> None:
+    timer = RequestTimer(name, 1.0, traceback_signal=None)
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        assert timer.start("GET", "/") is None
+        assert timer.start("GET", "/") is None
+    assert caplog.text.count("requests run without a timeout") == 1  # not once per request
+
+
+def test_request_timer_with_a_full_wheel_lets_requests_run(make_wheel, caplog) -> None:
+    wheel = make_wheel(capacity=1, payload_size=PAYLOAD_SIZE)
+    timer = RequestTimer(wheel.name, 30.0, traceback_signal=None)
+    assert timer.start("GET", "/1") is not None
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        assert timer.start("GET", "/2") is None
+    assert "a request runs without a timeout" in caplog.text
+
+
+def test_request_timer_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="invalid wheel name"):
+        RequestTimer("a b", 1.0)
+    with pytest.raises(ValueError, match="positive"):
+        RequestTimer("ok", 0)
+    with pytest.raises(ValueError, match="no signal"):
+        RequestTimer("ok", 1.0, traceback_signal="SIGNOPE")
+
+
+def test_request_timer_in_a_forked_child_is_the_childs(make_wheel) -> None:
+    """A worker forked after the timer was used adds timers of its own (cancelled if it dies)."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    timer = RequestTimer(wheel.name, 30.0, traceback_signal=None)
+    timer.finish(timer.start("GET", "/in-the-parent"))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: add a timer and die without cancelling it
+        try:
+            handle = timer.start("GET", "/in-the-child")
+            os.write(w, b"1" if handle is not None else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert len(wheel) == 1
+    assert wheel.reap_dead_producers() == 1  # it was the child's, so it went with the child
+    assert len(wheel) == 0
+
+
+def test_middleware_times_the_whole_response_and_cancels_on_close(make_wheel) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    seen: list[object] = []
+
+    def app(environ, start_response):
+        seen.append(environ["shmwheel.timer"])
+        start_response("200 OK", [])
+        yield b"a"
+        yield b"b"
+
+    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+    body = mw({"REQUEST_METHOD": "GET", "PATH_INFO": "/caf\xc3\xa9"}, lambda *a: None)
+    assert len(wheel) == 1  # the app has returned, the body is not sent yet
+    assert b"".join(body) == b"ab"
+    assert len(wheel) == 1
+    [fire_payload] = [decode_request(f.payload) for f in wheel.poll(time.monotonic() + 3600)]
+    assert fire_payload is not None and fire_payload.path == "/café"  # PEP 3333's latin-1, read back as UTF-8
+
+
+def test_middleware_cancels_when_the_body_is_closed_or_the_app_raises(make_wheel) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    closed: list[bool] = []
+
+    class Body(list):  # type: ignore[type-arg]
+        def close(self) -> None:
+            closed.append(True)
+
+    mw = TimeoutMiddleware(lambda e, s: Body([b"x"]), wheel.name, 30.0, traceback_signal=None)
+    body = mw({"REQUEST_METHOD": "GET", "PATH_INFO": "/"}, lambda *a: None)
+    assert len(wheel) == 1
+    body.close()  # type: ignore[attr-defined]
+    assert closed == [True] and len(wheel) == 0
+
+    def broken(environ, start_response):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        TimeoutMiddleware(broken, wheel.name, 30.0, traceback_signal=None)({}, lambda *a: None)
+    assert len(wheel) == 0
+    with pytest.raises(TypeError, match="WSGI application"):
+        TimeoutMiddleware("app", wheel.name, 1.0)  # type: ignore[arg-type]
+
+
+# -- the supervisor ---------------------------------------------------------------------
+
+
+def driver_pid(name: str) -> int | None:
+    with shmwheel._wheel._attach(name, producer=False) as w:
+        return w.stats().driver_pid
+
+
+def wait_until(condition, what: str) -> None:  # type: ignore[no-untyped-def]
+    give_up = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < give_up, what
+        time.sleep(0.02)
+
+
+def test_supervisor_restarts_a_dead_driver_and_cleans_up(name: str) -> None:
+    sup = DriverSupervisor(name, TimeoutActions(tracebacks=False))
+    sup.start()
+    try:
+        first = sup.pid
+        assert first is not None and driver_pid(name) == first
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: sup.restarts == 1, "the driver was not restarted")
+        assert driver_pid(name) == sup.pid != first
+        second = sup.pid
+        sup.restart(TimeoutActions(kill=True))
+        assert sup.pid != second and driver_pid(name) == sup.pid
+        assert "--kill" in " ".join(open(f"/proc/{sup.pid}/cmdline").read().split("\0"))
+    finally:
+        last = sup.pid
+        sup.stop()
+    assert not Path("/dev/shm", name).exists()
+    assert last is not None and not os.path.exists(f"/proc/{last}")
+
+
+def test_supervisor_refuses_a_wheel_with_a_live_driver_and_replaces_a_stale_one(name: str, caplog) -> None:
+    stale = shmwheel.create(name, capacity=10)
+    stale.close()
+    first = DriverSupervisor(name)
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        first.start()
+    try:
+        assert "replacing a segment left over" in caplog.text
+        with pytest.raises(shmwheel.DriverRunningError, match="is in use"):
+            DriverSupervisor(name).start()
+    finally:
+        first.stop()
+
+
+def test_a_driver_whose_parent_is_killed_removes_the_wheel(name: str, tmp_path: Path) -> None:
+    """SIGKILL the process that runs the supervisor: its driver stops and takes the wheel with it."""
+    code = (
+        "from shmwheel.contrib.timeouts import DriverSupervisor as S\n"
+        f"s = S({name!r})\ns.start()\nprint(s.pid, flush=True)\ninput()"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert Path("/dev/shm", name).exists()
+    finally:
+        parent.kill()
+        parent.wait()
+    wait_until(lambda: not Path("/dev/shm", name).exists(), "the wheel outlived its server")
+    wait_until(lambda: start_time(child) is None, "the driver outlived its server")
+
+
+# -- the servers' settings ------------------------------------------------------------------
+
+
+def test_gunicorn_install_defines_hooks_gunicorn_accepts_and_keeps_earlier_ones() -> None:
+    from gunicorn.config import Config
+
+    calls: list[str] = []
+    namespace: dict[str, object] = {"post_request": lambda worker, req, environ, resp: calls.append("theirs")}
+    contrib_gunicorn.install(namespace, timeout=5, kill=True, kill_signal="TERM")
+    cfg = Config()
+    for hook in contrib_gunicorn._HOOKS:
+        cfg.set(hook, namespace[hook])  # gunicorn checks each hook's arity here
+
+    class Req:
+        headers = [("X-REQUEST-ID", "abc")]
+
+    namespace["post_request"](None, Req(), {}, None)  # type: ignore[operator]
+    assert calls == ["theirs"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [({"timeout": 0}, ValueError), ({"timeout": "5"}, TypeError), ({"timeout": 5, "kill_signal": "X"}, ValueError)],
+)
+def test_gunicorn_install_checks_its_arguments(kwargs: dict[str, object], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        contrib_gunicorn.install({}, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="globals"):
+        contrib_gunicorn.install([], timeout=5)  # type: ignore[arg-type]
+
+
+def test_uwsgi_settings_read_the_ini_options() -> None:
+    opts = {
+        "shmwheel-timeout": b"2.5",
+        "shmwheel-kill": [b"false", b"yes"],  # given twice: the last one counts
+        "shmwheel-kill-signal": b"QUIT",
+        "shmwheel-tracebacks": True,  # a bare flag
+        "shmwheel-capacity": b"100",
+    }
+    s = uwsgi_settings(opts, 4321)
+    assert s.name == "uwsgi-4321" and s.timeout == 2.5 and s.capacity == 100
+    assert s.actions == TimeoutActions(kill=True, kill_signal=signal.SIGQUIT, tracebacks=True)
+
+
+@pytest.mark.parametrize(
+    ("opts", "match"),
+    [
+        ({}, "no shmwheel-timeout option"),
+        ({"shmwheel-timeout": b"soon"}, "shmwheel-timeout must be a number"),
+        ({"shmwheel-timeout": b"-1"}, "positive"),
+        ({"shmwheel-timeout": b"1", "shmwheel-kill": b"maybe"}, "shmwheel-kill must be true or false"),
+        ({"shmwheel-timeout": b"1", "shmwheel-kill-signal": b"NOPE"}, "no signal named"),
+    ],
+)
+def test_uwsgi_settings_name_the_bad_option(opts: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        uwsgi_settings(opts, 1)
