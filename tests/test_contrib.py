@@ -197,7 +197,8 @@ def test_handler_kills_a_worker_that_ignores_the_graceful_signal(make_wheel, wor
     assert polite.wait(WAIT) == -signal.SIGTERM
     assert stubborn.wait(WAIT) == -signal.SIGKILL
     [killed] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert killed.startswith(f"killed worker pid {stubborn.pid} with SIGKILL: GET /slow (request r1, worker pid {stubborn.pid})")
+    pid = stubborn.pid
+    assert killed.startswith(f"killed worker pid {pid} with SIGKILL: GET /slow (request r1, worker pid {pid})")
     assert killed.endswith("it ignored SIGTERM")
     assert "in serving_a_slow_request" in Path(stubborn.err.name).read_text()  # dumped before the kill
 
