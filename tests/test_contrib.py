@@ -90,15 +90,7 @@ def test_actions_refuse_bad_settings(kwargs: dict[str, object], error: type[Exce
 def test_actions_take_signal_names_and_round_trip_through_the_command_line() -> None:
     actions = TimeoutActions(kill=True, kill_signal="abrt", traceback_signal="SIGUSR2", kill_after=2.5, log=False)
     assert actions.kill_signal == signal.SIGABRT and actions.traceback_signal == signal.SIGUSR2
-    args = timeouts._parser().parse_args(["w", *actions.as_args()])
-    again = TimeoutActions(
-        log=args.log,
-        tracebacks=args.tracebacks,
-        traceback_signal=args.traceback_signal,
-        kill=args.kill,
-        kill_signal=args.kill_signal,
-        kill_after=args.kill_after,
-    )
+    again = TimeoutActions.from_args(timeouts._parser().parse_args(["w", *actions.as_args()]))
     assert again == actions
 
 

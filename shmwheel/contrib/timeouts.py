@@ -256,6 +256,18 @@ class TimeoutActions:
         if self.tracebacks and self.traceback_signal in (signal.SIGKILL, signal.SIGSTOP):
             raise ValueError("traceback_signal cannot be SIGKILL or SIGSTOP: no handler can catch it")
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TimeoutActions:
+        """The settings parsed from the arguments :meth:`as_args` makes."""
+        return cls(
+            log=args.log,
+            tracebacks=args.tracebacks,
+            traceback_signal=args.traceback_signal,
+            kill=args.kill,
+            kill_signal=args.kill_signal,
+            kill_after=args.kill_after,
+        )
+
     def as_args(self) -> list[str]:
         """The same settings as command-line arguments of ``python -m shmwheel.contrib.timeouts``."""
         args = [
@@ -650,14 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=_LOG_FORMAT)
     try:
-        actions = TimeoutActions(
-            log=args.log,
-            tracebacks=args.tracebacks,
-            traceback_signal=args.traceback_signal,
-            kill=args.kill,
-            kill_signal=args.kill_signal,
-            kill_after=args.kill_after,
-        )
+        actions = TimeoutActions.from_args(args)
     except (TypeError, ValueError) as exc:
         _parser().error(str(exc))
     driver = Driver(args.name, TimeoutHandler(args.name, actions))
