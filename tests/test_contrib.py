@@ -446,3 +446,19 @@ def test_uwsgi_settings_read_the_ini_options() -> None:
 def test_uwsgi_settings_name_the_bad_option(opts: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         uwsgi_settings(opts, 1)
+
+
+def test_the_driver_command_creates_and_removes_its_wheel(name: str) -> None:
+    """``python -m shmwheel.contrib.timeouts NAME --create``, for servers without a master to run it."""
+    cmd = [sys.executable, "-m", "shmwheel.contrib.timeouts", name, "--create", "--kill", "--kill-signal=INT"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: Path("/dev/shm", name).exists() and driver_pid(name) == proc.pid, "no driver")
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=WAIT)
+    assert proc.returncode == 0, err
+    assert not Path("/dev/shm", name).exists()
+    bad = subprocess.run([*cmd[:4], "--kill-signal=NOPE"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no signal named 'NOPE'" in bad.stderr
+    assert not Path("/dev/shm", name).exists()
