@@ -55,6 +55,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,7 +86,7 @@ CDF_POINTS = 200  # quantiles of lateness kept for the plot and the JSON
 
 
 @dataclass
-class Target:
+class Goal:
     """One of the issue's targets, measured."""
 
     key: str
@@ -180,7 +181,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def targets(results: Results) -> list[Target]:
+def targets(results: Results) -> list[Goal]:
     one = find(results, "shmwheel", 1)
     two = find(results, "shmwheel", 2)
 
@@ -198,27 +199,27 @@ def targets(results: Results) -> list[Target]:
     mine = None if one is None else one.per_producer_per_s
     bad = [r for r in results.runs if not r.delivery.ok]
     return [
-        Target(
+        Goal(
             "vs_redis",
             "requests/s a producer, 1 producer: shmwheel / Redis sorted set",
             ratio(mine, per_producer("redis")),
             TARGET_VS_REDIS,
             skipped("redis") or pair_note("redis"),
         ),
-        Target(
+        Goal(
             "vs_asyncio",
             "requests/s a producer, 1 producer: shmwheel / in-process asyncio (a lower bound)",
             ratio(mine, per_producer("asyncio")),
             TARGET_VS_ASYNCIO,
             pair_note("asyncio"),
         ),
-        Target(
+        Goal(
             "scaling_2",
             f"shmwheel requests/s in all, 2 producers / 1 producer ({os.cpu_count()} CPUs)",
             ratio(None if two is None else two.total_per_s, None if one is None else one.total_per_s),
             TARGET_SCALING,
         ),
-        Target(
+        Goal(
             "delivery",
             "runs without a lost, duplicated, unexpected or early fire",
             float(len(results.runs) - len(bad)),
@@ -286,7 +287,7 @@ def pair_table(results: Results) -> list[str]:
     return lines
 
 
-def target_table(ts: list[Target]) -> list[str]:
+def target_table(ts: list[Goal]) -> list[str]:
     lines = ["| target | measured | wanted | met | note |", "|:---|---:|---:|:---:|:---|"]
     for t in ts:
         if t.key == "delivery":
@@ -299,7 +300,7 @@ def target_table(ts: list[Target]) -> list[str]:
     return lines
 
 
-def markdown(results: Results, ts: list[Target], machine: dict[str, Any], duration: float, quick: bool) -> str:
+def markdown(results: Results, ts: list[Goal], machine: dict[str, Any], duration: float, quick: bool) -> str:
     one = find(results, "shmwheel", 1)
     lines = [
         f"## shmwheel and the timers users pick today ({'quick' if quick else 'full'} run)",
@@ -375,7 +376,7 @@ def plot(results: Results, path: str) -> None:
     plt.close(fig)
 
 
-def document(results: Results, ts: list[Target], machine: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def document(results: Results, ts: list[Goal], machine: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     duration = args.duration or (QUICK_DURATION if args.quick else DURATION)
     runs = []
     for r in results.runs:
@@ -465,8 +466,6 @@ def redis_versions() -> dict[str, str]:
     exe = shutil.which("redis-server")
     server = "no redis-server"
     if exe is not None:
-        import subprocess
-
         out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False).stdout.split()
         server = "redis-server " + next((w[2:] for w in out if w.startswith("v=")), "?")
     return {"redis-py": client, "redis-server": server}

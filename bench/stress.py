@@ -2,9 +2,9 @@
 
 The workload.  Each producer process runs flat out for ``duration`` seconds
 of one loop, the life of a web worker's requests: every request adds a timer
-(its timeout) and, ``SERVICE_TIME`` later, when it completes, cancels it;
+(its timeout) and, ``SERVICE_TIME_NS`` later, when it completes, cancels it;
 every ``FIRE_EVERY``-th request hangs instead, and its timer, due
-``HANG_TIMEOUT`` after the add, is left to fire.  Requests overlap, as in a
+``HANG_TIMEOUT_NS`` after the add, is left to fire.  Requests overlap, as in a
 worker that serves several at once: the loop starts a new one on every turn
 and completes those whose service time is over first.  Throughput is the
 number of requests started in the window, each an add and (nearly always) a
@@ -14,7 +14,7 @@ complete at once (their timers are cancelled) and no new ones start.
 
 The backends.  Each is an adapter with the same three calls, ``add(key,
 deadline_ns) -> token``, ``cancel(token) -> bool`` (True: it will never
-fire) and ``service(now_ns)``, called about every ``POLL_INTERVAL`` from the
+fire) and ``service(now_ns)``, called about every ``POLL_INTERVAL_NS`` from the
 loop (a no-op except in-process), and a consumer that collects the fires,
 each stamped on CLOCK_MONOTONIC when it reaches Python code that could act on
 it (``time.monotonic()`` is system-wide on Linux, so stamps from different
@@ -24,7 +24,7 @@ processes compare):
   records each fire.
 - ``redis``: a sorted set on a ``redis-server`` started here on loopback
   (ZADD, ZREM), and a poller process that claims the due members every
-  ``POLL_INTERVAL`` with one Lua script (ZRANGEBYSCORE ... LIMIT, then ZREM),
+  ``POLL_INTERVAL_NS`` with one Lua script (ZRANGEBYSCORE ... LIMIT, then ZREM),
   so that no member is claimed twice.
 - ``manager``: a heap served by a ``multiprocessing`` manager over a Unix
   socket, with the same poller.
@@ -32,7 +32,7 @@ processes compare):
   with a fixed-size binary protocol, with the same poller.
 - ``asyncio`` and ``heapq``: in one process, as lower bounds (they cannot
   cross processes): ``loop.call_at`` / ``TimerHandle.cancel`` with the loop
-  given a turn every ``POLL_INTERVAL``, and a heap popped as often.  One
+  given a turn every ``POLL_INTERVAL_NS``, and a heap popped as often.  One
   producer only.
 
 Every heap here is :class:`TimerHeap`: lazy cancellation, compacted when
@@ -238,7 +238,7 @@ def connect(target: Target) -> Client:
 
 
 def _no_service(now_ns: int) -> None:
-    """What the loop calls every POLL_INTERVAL for a backend that has its own consumer."""
+    """What the loop calls every POLL_INTERVAL_NS for a backend that has its own consumer."""
 
 
 class ShmwheelClient:
@@ -558,7 +558,7 @@ def produce(target: Target, index: int, duration: float, channel: Any, go: Any, 
 
 
 def poll_consumer(target: Target, path: str, ready: Any, stop: Any) -> None:
-    """A poller process: claim what is due every POLL_INTERVAL until told to stop; write the fires to ``path``."""
+    """A poller process: claim what is due every POLL_INTERVAL_NS until told to stop; write the fires to ``path``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     client = connect(target)
     fires = Fires()
