@@ -43,7 +43,6 @@ import contextlib
 import gc
 import itertools
 import json
-import os
 import random
 import signal
 import sys
@@ -51,11 +50,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
+from _common import Segments, progress, segment_size, terminate
 from _machine import machine_info
 
 import shmwheel
-
-SHM_DIR = "/dev/shm"
 
 # Delay ranges, in seconds.  NEAR is what request timeouts look like (at the
 # default 1 ms tick it spreads timers over wheel levels 1 and 2); FAR is for
@@ -150,60 +148,6 @@ class Result:
         return None if self.target is None else self.value <= self.target
 
 
-# -- segments ------------------------------------------------------------------
-
-
-class Segments:
-    """Hands out benchmark wheels and makes sure every one of them is removed.
-
-    A name is recorded *before* its segment is created, so that ``cleanup``
-    also catches a segment whose creation was interrupted half-way.
-    """
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-        self._names: list[str] = []
-
-    def _next_name(self) -> str:
-        return f"shmwheel-bench-{os.getpid()}-{next(self._counter)}"
-
-    @contextlib.contextmanager
-    def wheel(self, **params: int | float) -> Iterator[shmwheel.Wheel]:
-        """Create a wheel for the block; close and unlink it when the block ends."""
-        name = self._next_name()
-        self._names.append(name)
-        try:
-            wheel = shmwheel.create(name, **params)
-        except shmwheel.SegmentExistsError:
-            self._names.remove(name)  # somebody else's: leave it alone
-            raise
-        try:
-            yield wheel
-        finally:
-            wheel.close()
-            _unlink_quietly(name)
-
-    def cleanup(self) -> None:
-        """Unlink every segment this process made that still exists."""
-        for name in self._names:
-            if os.path.exists(os.path.join(SHM_DIR, name)):
-                _unlink_quietly(name)
-
-
-def _unlink_quietly(name: str) -> None:
-    with contextlib.suppress(shmwheel.SegmentNotFoundError):
-        shmwheel.unlink(name)
-
-
-def segment_size(name: str) -> int:
-    """The size in bytes of the segment behind a wheel name."""
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
-    try:
-        return os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-
-
 # -- timing --------------------------------------------------------------------
 
 
@@ -232,11 +176,6 @@ def spread(rng: random.Random, n: int, bounds: tuple[float, float]) -> list[floa
     """``n`` delays drawn uniformly from ``bounds``."""
     lo, hi = bounds
     return [rng.uniform(lo, hi) for _ in range(n)]
-
-
-def progress(message: str) -> None:
-    """Progress goes to stderr, so that stdout holds only the report."""
-    print(f"  {message}", file=sys.stderr, flush=True)
 
 
 def count_label(n: int) -> str:
@@ -617,6 +556,20 @@ def bench_memory(segs: Segments) -> list[Result]:
     return results
 
 
+def run(cfg: Config, seed: int, segs: Segments) -> list[tuple[str, list[Result]]]:
+    """Every measurement of a run, as (section title, rows) in the order of the report."""
+    rng = random.Random(seed)
+    operations = bench_operations(segs, cfg, rng)
+    pending, pending_sizes = bench_pending(segs, cfg, rng)
+    progress("segment sizes")
+    memory = bench_memory(segs) + pending_sizes
+    return [
+        ("Operations", operations),
+        ("With timers pending (payload_size 0)", pending),
+        ("Memory", memory),
+    ]
+
+
 # -- report ---------------------------------------------------------------------------
 
 
@@ -681,27 +634,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum: int, frame: object) -> None:
-    # SIGTERM becomes SystemExit, so that the finally blocks unlink our segments.
-    sys.exit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.repeat is not None:
         cfg = Config(**{**asdict(cfg), "repeat": args.repeat})
-    rng = random.Random(args.seed)
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, terminate)
 
     segs = Segments()
     started = time.monotonic()
     print(f"shmwheel micro-benchmark, {cfg.name} run:", file=sys.stderr)
     try:
-        operations = bench_operations(segs, cfg, rng)
-        pending, pending_sizes = bench_pending(segs, cfg, rng)
-        progress("segment sizes")
-        memory = bench_memory(segs) + pending_sizes
+        sections = run(cfg, args.seed, segs)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -710,11 +654,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress(f"done in {time.monotonic() - started:.0f} s")
 
     machine = machine_info()
-    sections = [
-        ("Operations", operations),
-        ("With timers pending (payload_size 0)", pending),
-        ("Memory", memory),
-    ]
     print(markdown(cfg, machine, sections))
 
     if args.json:
