@@ -304,6 +304,15 @@ def collect(channel: Any, producers: list[Any], kind: str) -> list[Any]:
 # -- reports ------------------------------------------------------------------------
 
 
+def start_producers(ctx: Any, target: Any, arglists: Sequence[tuple[Any, ...]], name: str, channel: Any) -> list[Any]:
+    """Start one daemon process per argument tuple and wait until each has said "ready" on ``channel``."""
+    procs = [ctx.Process(target=target, args=args, name=f"{name}-{i}", daemon=True) for i, args in enumerate(arglists)]
+    for p in procs:
+        p.start()
+    collect(channel, procs, "ready")
+    return procs
+
+
 def strict_json(obj: Any) -> Any:
     """``obj`` with NaN and infinities (a figure that could not be measured) as None."""
     if isinstance(obj, float) and not math.isfinite(obj):

@@ -91,6 +91,7 @@ from _common import (
     distribution_ms,
     progress,
     read_fire_log,
+    start_producers,
     stop_driver,
     strict_json,
     terminate,
@@ -340,18 +341,8 @@ def run_steady(segs: Segments, load: Load, seed: int, tmp: str) -> SteadyRun:
             channel = ctx.Queue()
             go = ctx.Event()
             start_at = ctx.RawValue("d", 0.0)
-            producers = [
-                ctx.Process(
-                    target=produce,
-                    args=(wheel.name, i, load, seed * 1000 + i, channel, go, start_at),
-                    name=f"shmwheel-bench-producer-{i}",
-                    daemon=True,
-                )
-                for i in range(PRODUCERS)
-            ]
-            for p in producers:
-                p.start()
-            collect(channel, producers, "ready")
+            arglists = [(wheel.name, i, load, seed * 1000 + i, channel, go, start_at) for i in range(PRODUCERS)]
+            producers = start_producers(ctx, produce, arglists, "shmwheel-bench-producer", channel)
             segs.release(wheel.name)  # the driver and the producers have it mapped
 
             meter = CpuMeter(

@@ -90,6 +90,7 @@ from _common import (
     collect,
     read_fire_log,
     segment_size,
+    start_producers,
     stop_driver,
 )
 
@@ -880,18 +881,8 @@ def run_stress(backend: Backend, producers: int, duration: float, run: int, tmp:
         channel = ctx.Queue()
         go = ctx.Event()
         start_at = ctx.RawValue("q", 0)
-        procs = [
-            ctx.Process(
-                target=produce,
-                args=(target, i, duration, channel, go, start_at),
-                name=f"bench-producer-{i}",
-                daemon=True,
-            )
-            for i in range(producers)
-        ]
-        for p in procs:
-            p.start()
-        collect(channel, procs, "ready")
+        arglists = [(target, i, duration, channel, go, start_at) for i in range(producers)]
+        procs = start_producers(ctx, produce, arglists, "bench-producer", channel)
         backend.attached(target)
         meter = CpuMeter(
             consumers
