@@ -407,19 +407,57 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len);
 
 static int repair_locked(shmw_t *w);
 
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#else
+    __asm__ __volatile__("" ::: "memory");
+#endif
+}
+
+/* Whether a busy mutex is worth another trylock.  glibc keeps the owner's
+ * thread ID in the first word of a robust mutex (0 when free; only the
+ * OWNER_DIED bit once its owner is gone); a plain load of it leaves the
+ * cache line shared with the holder, where a trylock would take it away
+ * and slow the very hold we are waiting out. */
+static inline int mutex_may_be_free(pthread_mutex_t *m)
+{
+#ifdef __GLIBC__
+    return (__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & FUTEX_TID_MASK) == 0;
+#else
+    (void)m;
+    return 1;
+#endif
+}
+
 static int lock(shmw_t *w)
 {
-    /* Uncontended, trylock is the whole cost.  Contended, wait at most
-     * SHMW_LOCK_TIMEOUT_NS: no holder keeps the lock that long (every hold
-     * is bounded), so a lock not taken by then is jammed - its word
-     * scribbled to name a thread that never existed, say - and waiting on
-     * would hang every process. */
-    int rc = pthread_mutex_trylock(&w->hdr->mutex);
+    /* Uncontended, trylock is the whole cost.  Contended, spin briefly
+     * first: a producer's hold is a few dozen nanoseconds, and sleeping on
+     * the futex costs a system call and a context switch on each side -
+     * worse, every sleeper turns the next unlock into a FUTEX_WAKE, so
+     * busy producers end up queueing behind each other (a lock convoy;
+     * two processes adding flat out get fewer adds done than one).  Only
+     * then wait, at most SHMW_LOCK_TIMEOUT_NS: no holder keeps the lock
+     * that long (every hold is bounded), so a lock not taken by then is
+     * jammed - its word scribbled to name a thread that never existed,
+     * say - and waiting on would hang every process. */
+    pthread_mutex_t *m = &w->hdr->mutex;
+    int rc = pthread_mutex_trylock(m);
+    uint32_t spins;
 
+    for (spins = 0; rc == EBUSY && spins < SHMW_LOCK_SPINS; spins++) {
+        cpu_relax();
+        if (mutex_may_be_free(m))
+            rc = pthread_mutex_trylock(m);
+    }
     if (rc == EBUSY) {
         int64_t until = shmw_now_ns() + SHMW_LOCK_TIMEOUT_NS;
         struct timespec ts = { until / 1000000000LL, until % 1000000000LL };
-        rc = pthread_mutex_clocklock(&w->hdr->mutex, CLOCK_MONOTONIC, &ts);
+        rc = pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &ts);
     }
 
     if (rc == EOWNERDEAD) {

@@ -128,6 +128,7 @@
 #define SHMW_MAX_SLEEP_NS   100000000LL       /* the driver's clock wakes at least this often */
 #define SHMW_MAX_PRODUCERS  1024U             /* attached processes the segment records */
 #define SHMW_LOCK_TIMEOUT_NS 10000000000LL    /* a lock not taken in this long is jammed */
+#define SHMW_LOCK_SPINS     200U              /* looks at a busy lock before sleeping on it */
 #define SHMW_NO_PRODUCER    0xffffU
 
 /* Return codes.  0 is success; everything else is negative and is turned
