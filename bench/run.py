@@ -18,6 +18,16 @@
    time of the consumer and of the server, and the memory that holds the
    timers.  ``stress.py``'s docstring says exactly what is done and counted.
 
+4. Rounds for the ratios the targets are about: shmwheel with 1 producer,
+   with 2, asyncio with 1, and ``heapq`` with 1 and with 2 producers, each
+   with a heap of its own, back to back, ``ROUNDS`` times; each target is
+   the median of its ratio over the rounds.  On a shared machine one pair of
+   runs half a minute apart can differ by a third whatever is measured (the
+   host takes CPU time when it likes: the report gives how much it stole);
+   runs seconds apart, taken several times, are what compares.  The two
+   heapq runs share nothing, so their ratio is what this machine gives a
+   second process running the same loop: the ceiling for shmwheel's.
+
 Every comparison is a ratio within this run: the machine is shared, and
 only figures taken minutes apart on it compare.  Throughput ratios are
 shmwheel's over the peer's; cost ratios are the peer's over shmwheel's.  The
@@ -60,7 +70,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import micro
@@ -73,6 +83,8 @@ from tqdm import tqdm
 DURATION = 5.0  # s of load a run
 QUICK_DURATION = 1.0
 PRODUCERS = (1, 2, 4)
+ROUNDS = 3  # back-to-back rounds behind each target's ratio
+QUICK_ROUNDS = 1
 PAIR_SECONDS = 1.0  # the tight pair loop of each backend
 QUICK_PAIR_SECONDS = 0.3
 QUICK_MICRO_REPEAT = 5
@@ -82,7 +94,7 @@ TARGET_VS_REDIS = 100.0  # shmwheel pairs a producer / a Redis sorted set's
 TARGET_VS_ASYNCIO = 2.0  # shmwheel pairs a producer / in-process asyncio's
 TARGET_SCALING = 1.6  # shmwheel with 2 producers / with 1, in all
 
-CDF_POINTS = 200  # quantiles of lateness kept for the plot and the JSON
+CDF_POINTS = 100  # quantiles of lateness kept for the plot and the JSON
 
 
 @dataclass
@@ -104,6 +116,42 @@ class Goal:
 
 
 @dataclass
+class Round:
+    """The runs behind the targets' ratios, back to back."""
+
+    one: stress.StressRun  # shmwheel, 1 producer
+    two: stress.StressRun  # shmwheel, 2 producers
+    asyncio: stress.StressRun | None  # 1 producer; None if asyncio was not run
+    private_one: stress.StressRun | None  # heapq, 1 producer
+    private_two: stress.StressRun | None  # heapq, 2 producers, each with its own heap
+
+    def runs(self) -> list[stress.StressRun]:
+        every = (self.one, self.two, self.asyncio, self.private_one, self.private_two)
+        return [r for r in every if r is not None]
+
+    @property
+    def scaling(self) -> float | None:
+        return ratio(self.two.total_per_s, self.one.total_per_s)
+
+    @property
+    def vs_asyncio(self) -> float | None:
+        return ratio(self.one.per_producer_per_s, self.asyncio.per_producer_per_s if self.asyncio else None)
+
+    @property
+    def machine_scaling(self) -> float | None:
+        """2 producers / 1 with nothing shared: what the machine allows."""
+        if self.private_one is None or self.private_two is None:
+            return None
+        return ratio(self.private_two.total_per_s, self.private_one.total_per_s)
+
+    @property
+    def steal(self) -> float:
+        """Share of the machine's CPU time the hypervisor took during the round's runs."""
+        runs = self.runs()
+        return sum(r.cpu.steal for r in runs) / max(1e-9, sum(r.cpu.capacity for r in runs))
+
+
+@dataclass
 class Results:
     micro: list[tuple[str, list[micro.Result]]]
     micro_cfg: micro.Config
@@ -112,14 +160,21 @@ class Results:
     runs: list[stress.StressRun]
     skipped: dict[str, str]  # backend -> why
     labels: dict[str, str]  # backend -> what it is
+    rounds: list[Round] = field(default_factory=list)
+
+    def every_run(self) -> list[stress.StressRun]:
+        """The table's runs and the rounds': all of them are checked for exactly-once delivery."""
+        extra = [r for x in self.rounds for r in x.runs()]
+        return self.runs + extra
 
 
 def run_all(args: argparse.Namespace, segs: Segments, tmp: str) -> Results:
     duration = args.duration or (QUICK_DURATION if args.quick else DURATION)
     pair_seconds = QUICK_PAIR_SECONDS if args.quick else PAIR_SECONDS
+    rounds = QUICK_ROUNDS if args.quick else ROUNDS
     backends = stress.all_backends(segs)
     remote = [b for b in backends if not b.in_process]
-    steps = (0 if args.skip_micro else 1) + 1 + len(backends) + len(remote) * len(args.producers) + 2
+    steps = (0 if args.skip_micro else 1) + 1 + len(backends) + len(remote) * len(args.producers) + 2 + rounds
     cfg = micro.QUICK if args.quick else micro.FULL
     if args.quick:
         cfg = micro.Config(**{**asdict(cfg), "repeat": QUICK_MICRO_REPEAT})
@@ -158,6 +213,21 @@ def run_all(args: argparse.Namespace, segs: Segments, tmp: str) -> Results:
                     results.runs.append(stress.run_stress(b, n, duration, run, tmp))
                     run += 1
                     bar.update()
+            by_name = {b.name: b for b in started}
+
+            def once(name: str, producers: int) -> stress.StressRun | None:
+                nonlocal run
+                if name not in by_name:
+                    return None
+                run += 1
+                return stress.run_stress(by_name[name], producers, duration, run, tmp)
+
+            for i in range(rounds):
+                bar.set_description(f"round {i + 1} of {rounds}: shmwheel x1, x2, asyncio, heapq x1, x2")
+                one, two = once("shmwheel", 1), once("shmwheel", 2)
+                assert one is not None and two is not None  # shmwheel is never skipped
+                results.rounds.append(Round(one, two, once("asyncio", 1), once("heapq", 1), once("heapq", 2)))
+                bar.update()
             bar.update(bar.total - bar.n)
         finally:
             for b in started:
@@ -181,9 +251,27 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def median(xs: Sequence[float]) -> float | None:
+    ordered = sorted(xs)
+    n = len(ordered)
+    if not n:
+        return None
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def over_rounds(results: Results, what: str) -> tuple[float | None, str]:
+    """The median of a Round property over the rounds, and a note with every value and the steal."""
+    values = [v for x in results.rounds if (v := getattr(x, what)) is not None]
+    if not values:
+        return None, ""
+    each = ", ".join(f"{v:.2f}x" for v in values)
+    steal = ", ".join(f"{100 * x.steal:.0f} %" for x in results.rounds)
+    n = len(values)
+    return median(values), f"median of {n} back-to-back round{'s' if n > 1 else ''}: {each}; CPU time stolen: {steal}"
+
+
 def targets(results: Results) -> list[Goal]:
     one = find(results, "shmwheel", 1)
-    two = find(results, "shmwheel", 2)
 
     def per_producer(backend: str) -> float | None:
         r = find(results, backend, 1)
@@ -197,7 +285,14 @@ def targets(results: Results) -> list[Goal]:
         return f"skipped: {results.skipped[peer]}" if peer in results.skipped else ""
 
     mine = None if one is None else one.per_producer_per_s
-    bad = [r for r in results.runs if not r.delivery.ok]
+    every = results.every_run()
+    bad = [r for r in every if not r.delivery.ok]
+    vs_asyncio, vs_asyncio_note = over_rounds(results, "vs_asyncio")
+    scaling, scaling_note = over_rounds(results, "scaling")
+    ceiling, _ = over_rounds(results, "machine_scaling")
+    if ceiling is not None:
+        scaling_note += f"; the same loop with nothing shared (heapq): {ceiling:.2f}x"
+
     return [
         Goal(
             "vs_redis",
@@ -209,21 +304,22 @@ def targets(results: Results) -> list[Goal]:
         Goal(
             "vs_asyncio",
             "requests/s a producer, 1 producer: shmwheel / in-process asyncio (a lower bound)",
-            ratio(mine, per_producer("asyncio")),
+            vs_asyncio,
             TARGET_VS_ASYNCIO,
-            pair_note("asyncio"),
+            "; ".join(filter(None, [vs_asyncio_note, pair_note("asyncio")])),
         ),
         Goal(
             "scaling_2",
             f"shmwheel requests/s in all, 2 producers / 1 producer ({os.cpu_count()} CPUs)",
-            ratio(None if two is None else two.total_per_s, None if one is None else one.total_per_s),
+            scaling,
             TARGET_SCALING,
+            scaling_note,
         ),
         Goal(
             "delivery",
             "runs without a lost, duplicated, unexpected or early fire",
-            float(len(results.runs) - len(bad)),
-            float(len(results.runs)),
+            float(len(every) - len(bad)),
+            float(len(every)),
             "failed: " + ", ".join(f"{r.backend} x{r.producers}" for r in bad) if bad else "every backend",
         ),
     ]
@@ -237,7 +333,7 @@ def cdf_ms(ordered_ns: Sequence[int]) -> list[list[float]]:
     """(quantile %, lateness ms) at CDF_POINTS points, for the plot."""
     if not ordered_ns:
         return []
-    qs = [100 * (i + 1) / CDF_POINTS for i in range(CDF_POINTS)]
+    qs = [100 * (i + 1) / CDF_POINTS for i in range(CDF_POINTS)]  # as in the JSON's config.lateness_cdf_pct
     return [[q, percentile(ordered_ns, q) / 1e6] for q in qs]
 
 
@@ -287,6 +383,27 @@ def pair_table(results: Results) -> list[str]:
     return lines
 
 
+def round_table(results: Results) -> list[str]:
+    lines = [
+        "| round | shmwheel x1, requests/s | shmwheel x2, in all | x2 / x1 | asyncio x1 | shmwheel / asyncio "
+        "| heapq x1 | heapq x2, nothing shared | x2 / x1 | CPU time stolen |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def rate(r: stress.StressRun | None) -> str:
+        return "skipped" if r is None else f"{r.total_per_s:,.0f}"
+
+    def times(x: float | None) -> str:
+        return "" if x is None else f"{x:.2f}x"
+
+    for i, x in enumerate(results.rounds, 1):
+        lines.append(
+            f"| {i} | {rate(x.one)} | {rate(x.two)} | {times(x.scaling)} | {rate(x.asyncio)} | {times(x.vs_asyncio)} "
+            f"| {rate(x.private_one)} | {rate(x.private_two)} | {times(x.machine_scaling)} | {100 * x.steal:.0f} % |"
+        )
+    return lines
+
+
 def target_table(ts: list[Goal]) -> list[str]:
     lines = ["| target | measured | wanted | met | note |", "|:---|---:|---:|:---:|:---|"]
     for t in ts:
@@ -322,6 +439,13 @@ def markdown(results: Results, ts: list[Goal], machine: dict[str, Any], duration
         "### Targets",
         "",
         *target_table(ts),
+        "",
+        f"The ratios to asyncio and of 2 producers to 1 are medians over rounds of runs back to back "
+        f"({duration:g} s each); the table below has the rounds. heapq x2 is two producers with a heap each, "
+        "nothing shared: what this machine gives a second process running the same loop. CPU time stolen is "
+        "the share of the machine's CPU time the hypervisor gave to other guests during the round.",
+        "",
+        *round_table(results),
         "",
         "### The request-timeout workload",
         "",
@@ -378,28 +502,39 @@ def plot(results: Results, path: str) -> None:
 
 def document(results: Results, ts: list[Goal], machine: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     duration = args.duration or (QUICK_DURATION if args.quick else DURATION)
-    runs = []
-    for r in results.runs:
-        runs.append(
-            {
-                "backend": r.backend,
-                "producers": r.producers,
-                "duration_s": r.duration,
-                "requests": r.requests,
-                "requests_per_s_total": r.total_per_s,
-                "requests_per_s_per_producer": r.per_producer_per_s,
-                "lateness_ms": lateness_ms(r),
-                "lateness_cdf_ms": cdf_ms(r.lateness_ns),
-                "fired_at_lateness_ms": distribution_ms(r.fired_at_lateness_ns) if r.fired_at_lateness_ns else None,
-                "delivery": asdict(r.delivery),
-                "cpu_s": r.cpu.processes,
-                "machine_busy_s": r.cpu.busy,
-                "machine_steal_s": r.cpu.steal,
-                "memory_bytes": r.memory_bytes,
-                "memory_note": r.memory_note,
-                "pending_at_end": r.pending_at_end,
-            }
-        )
+
+    def run_doc(r: stress.StressRun, cdf: bool = True) -> dict[str, Any]:
+        return {
+            "backend": r.backend,
+            "producers": r.producers,
+            "duration_s": r.duration,
+            "requests": r.requests,
+            "requests_per_s_total": r.total_per_s,
+            "requests_per_s_per_producer": r.per_producer_per_s,
+            "lateness_ms": lateness_ms(r),
+            # At the quantiles of config.lateness_cdf_pct, to the microsecond: a thousandth of a tick.
+            **({"lateness_cdf_ms": [round(v, 3) for _, v in cdf_ms(r.lateness_ns)]} if cdf else {}),
+            "fired_at_lateness_ms": distribution_ms(r.fired_at_lateness_ns) if r.fired_at_lateness_ns else None,
+            "delivery": asdict(r.delivery),
+            "cpu_s": r.cpu.processes,
+            "machine_busy_s": r.cpu.busy,
+            "machine_steal_s": r.cpu.steal,
+            "machine_cpu_s": r.cpu.capacity,
+            "memory_bytes": r.memory_bytes,
+            "memory_note": r.memory_note,
+            "pending_at_end": r.pending_at_end,
+        }
+
+    rounds = [
+        {
+            "scaling_2": x.scaling,
+            "vs_asyncio": x.vs_asyncio,
+            "steal_share": x.steal,
+            "machine_scaling_2": x.machine_scaling,
+            "runs": [run_doc(r, cdf=False) for r in x.runs()],
+        }
+        for x in results.rounds
+    ]
     return {
         "machine": machine,
         "config": {
@@ -412,15 +547,22 @@ def document(results: Results, ts: list[Goal], machine: dict[str, Any], args: ar
             "fire_every": stress.FIRE_EVERY,
             "poll_interval_ns": stress.POLL_INTERVAL_NS,
             "tick_s": stress.TICK,
+            "rounds": len(results.rounds),
+            "lateness_cdf_pct": [100 * (i + 1) / CDF_POINTS for i in range(CDF_POINTS)],
             "micro": asdict(results.micro_cfg) if results.micro else None,
         },
-        "ok": all(r.delivery.ok for r in results.runs),
+        "ok": all(r.delivery.ok for r in results.every_run()),
         "targets": [{**asdict(t), "met": t.met} for t in ts],
         "round_trip_ns": results.round_trip_ns,
         "pairs_ns": results.pairs,
-        "stress": runs,
+        "stress": [run_doc(r) for r in results.runs],
+        "rounds": rounds,
         "skipped": results.skipped,
-        "micro": [{"section": title, **asdict(x), "meets": x.meets} for title, rows in results.micro for x in rows],
+        "micro": [
+            {"section": title, **asdict(x), "samples": [round(v, 1) for v in x.samples], "meets": x.meets}
+            for title, rows in results.micro
+            for x in rows
+        ],
     }
 
 
@@ -501,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot_path = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     if plot_path:
         plot(results, plot_path)
-    if not all(r.delivery.ok for r in results.runs):
+    if not all(r.delivery.ok for r in results.every_run()):
         print("FAILED: a backend lost, duplicated or misfired timers (see the table)", file=sys.stderr)
         return 1
     return 0

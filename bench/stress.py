@@ -13,15 +13,20 @@ an add and a cancel.  When the window ends the requests still in service
 complete at once (their timers are cancelled) and no new ones start.
 
 The backends.  Each is an adapter with the same three calls, ``add(key,
-deadline_ns) -> token``, ``cancel(token) -> bool`` (True: it will never
-fire) and ``service(now_ns)``, called about every ``POLL_INTERVAL_NS`` from the
-loop (a no-op except in-process), and a consumer that collects the fires,
-each stamped on CLOCK_MONOTONIC when it reaches Python code that could act on
-it (``time.monotonic()`` is system-wide on Linux, so stamps from different
-processes compare):
+deadline_ns, delay_s) -> token``, ``cancel(token) -> bool`` (True: it will
+never fire) and ``service(now_ns)``, called about every ``POLL_INTERVAL_NS``
+from the loop (a no-op except in-process), and a consumer that collects the
+fires, each stamped on CLOCK_MONOTONIC when it reaches Python code that could
+act on it (``time.monotonic()`` is system-wide on Linux, so stamps from
+different processes compare).  ``add`` is given the timer both ways: as the
+deadline on the clock the loop last read, for the stores of absolute
+deadlines, and as the delay from now, for the two APIs a web worker calls
+with its timeout, shmwheel's ``add`` and asyncio's ``call_later``, which read
+the clock themselves:
 
-- ``shmwheel``: one segment, one driver (``start_driver``) whose handler
-  records each fire.
+- ``shmwheel``: ``Wheel.add`` and ``Wheel.cancel`` on one segment, one driver
+  (``start_driver``) whose handler records each fire, with the deadline the
+  wheel stored.
 - ``redis``: a sorted set on a ``redis-server`` started here on loopback
   (ZADD, ZREM), and a poller process that claims the due members every
   ``POLL_INTERVAL_NS`` with one Lua script (ZRANGEBYSCORE ... LIMIT, then ZREM),
@@ -31,9 +36,11 @@ processes compare):
 - ``socket``: a small single-threaded server around a heap, on a Unix socket
   with a fixed-size binary protocol, with the same poller.
 - ``asyncio`` and ``heapq``: in one process, as lower bounds (they cannot
-  cross processes): ``loop.call_at`` / ``TimerHandle.cancel`` with the loop
-  given a turn every ``POLL_INTERVAL_NS``, and a heap popped as often.  One
-  producer only.
+  cross processes): ``loop.call_later`` / ``TimerHandle.cancel`` with the
+  loop given a turn every ``POLL_INTERVAL_NS``, and a heap popped as often.
+  One producer only.  asyncio's own deadline is a fraction of a microsecond
+  later than the loop's reading, which its fires are checked against: an
+  early fire is still caught, and its lateness is overstated by as much.
 
 Every heap here is :class:`TimerHeap`: lazy cancellation, compacted when
 more than half of it is cancelled entries (what asyncio does too).
@@ -140,7 +147,8 @@ class TimerHeap:
         self._heap: list[tuple[int, int]] = []
         self._live: dict[int, int] = {}  # key -> deadline_ns
 
-    def add(self, key: int, deadline_ns: int) -> int:
+    def add(self, key: int, deadline_ns: int, delay_s: float = 0.0) -> int:
+        """``delay_s`` is ignored: the adapters' signature (see the module docstring)."""
         heapq.heappush(self._heap, (deadline_ns, key))
         self._live[key] = deadline_ns
         return key
@@ -195,6 +203,8 @@ class Fires:
     def __len__(self) -> int:
         return len(self.keys)
 
+    COLUMNS = ("keys", "deadlines", "stamps")
+
     def columns(self) -> dict[str, array[int]]:
         return {"keys": self.keys, "deadlines": self.deadlines, "stamps": self.stamps}
 
@@ -203,7 +213,7 @@ class Fires:
 
 
 class Client(Protocol):
-    def add(self, key: int, deadline_ns: int) -> Any: ...
+    def add(self, key: int, deadline_ns: int, delay_s: float) -> Any: ...
 
     def cancel(self, token: Any) -> bool: ...
 
@@ -245,8 +255,8 @@ def _no_service(now_ns: int) -> None:
 class ShmwheelClient:
     def __init__(self, target: Target) -> None:
         self.wheel = shmwheel.attach(target.address)
-        add_at = self.wheel.add_at
-        self.add = lambda key, deadline_ns: add_at(deadline_ns * 1e-9, key.to_bytes(8, "little"))
+        add = self.wheel.add
+        self.add = lambda key, deadline_ns, delay_s: add(delay_s, key.to_bytes(8, "little"))
         self.cancel = self.wheel.cancel
         self.service = _no_service
 
@@ -282,7 +292,7 @@ class RedisClient:
         self._claim = self.redis.register_script(CLAIM_SCRIPT)
         zadd, zrem, epoch = self.redis.zadd, self.redis.zrem, self.epoch
 
-        def add(key: int, deadline_ns: int) -> int:
+        def add(key: int, deadline_ns: int, delay_s: float) -> int:
             zadd(REDIS_KEY, {key: deadline_ns - epoch})
             return key
 
@@ -308,7 +318,7 @@ class LockedTimerHeap(TimerHeap):
         super().__init__()
         self._lock = threading.Lock()
 
-    def add(self, key: int, deadline_ns: int) -> int:
+    def add(self, key: int, deadline_ns: int, delay_s: float = 0.0) -> int:
         with self._lock:
             return super().add(key, deadline_ns)
 
@@ -366,7 +376,7 @@ class SocketClient:
         self.sock.connect(target.address)
         send, recv, pack = self.sock.sendall, self.sock.recv, REQUEST.pack
 
-        def add(key: int, deadline_ns: int) -> int:
+        def add(key: int, deadline_ns: int, delay_s: float) -> int:
             send(pack(OP_ADD, key, deadline_ns))
             recv(1)
             return key
@@ -466,8 +476,8 @@ class AsyncioClient:
     def __init__(self, target: Target) -> None:
         self.loop = asyncio.new_event_loop()
         self.fires = Fires()
-        call_at, fired = self.loop.call_at, self._fired
-        self.add = lambda key, deadline_ns: call_at(deadline_ns * 1e-9, fired, key, deadline_ns)
+        call_later, fired = self.loop.call_later, self._fired
+        self.add = lambda key, deadline_ns, delay_s: call_later(delay_s, fired, key, deadline_ns)
 
     def _fired(self, key: int, deadline_ns: int) -> None:
         self.fires.record(((key, deadline_ns),))
@@ -517,6 +527,7 @@ def produce(target: Target, index: int, duration: float, channel: Any, go: Any, 
     # Locals: the loop is the measurement, and a global costs a dict lookup.
     service_ns, timeout_ns, hang_ns, poll_ns = SERVICE_TIME_NS, REQUEST_TIMEOUT_NS, HANG_TIMEOUT_NS, POLL_INTERVAL_NS
     every, hangs = FIRE_EVERY, FIRE_EVERY - 1
+    timeout_s, hang_s = timeout_ns / 1e9, hang_ns / 1e9
 
     channel.put(("ready", index, None))
     if not go.wait(READY_TIMEOUT):
@@ -533,9 +544,9 @@ def produce(target: Target, index: int, duration: float, channel: Any, go: Any, 
                 too_late.append(key)
         key = base | seq
         if seq % every == hangs:
-            add(key, now + hang_ns)
+            add(key, now + hang_ns, hang_s)
         else:
-            push((now + service_ns, add(key, now + timeout_ns), key))
+            push((now + service_ns, add(key, now + timeout_ns, timeout_s), key))
         seq += 1
         if now >= next_service:
             service(now)
@@ -587,7 +598,7 @@ class Backend:
 
     name = ""
     label = ""
-    in_process = False  # a lower bound: one producer, no other process
+    in_process = False  # a lower bound: each producer its own timers, shared with no other process
 
     def start(self, tmp: str) -> None:
         """Start the server, if any; raise Skipped if it cannot run here."""
@@ -790,7 +801,7 @@ def all_backends(segs: Segments) -> list[Backend]:
         RedisBackend(),
         ManagerBackend(),
         SocketBackend(),
-        InProcessBackend("asyncio", "asyncio call_at / cancel (in-process)"),
+        InProcessBackend("asyncio", "asyncio call_later / cancel (in-process)"),
         InProcessBackend("heapq", "heapq with lazy cancel (in-process)"),
     ]
 
@@ -937,8 +948,8 @@ def run_stress(backend: Backend, producers: int, duration: float, run: int, tmp:
             with open(fire_path, "rb") as f:
                 fires = pickle.load(f)
         backend.end(target)
-    if backend.in_process:
-        fires = reports[0]["fires"]
+    if backend.in_process:  # each producer fired its own
+        fires = {col: list(itertools.chain.from_iterable(r["fires"][col] for r in reports)) for col in Fires.COLUMNS}
 
     expected = set(itertools.chain.from_iterable(_hung_keys(i, r["requests"]) for i, r in enumerate(reports)))
     expected.update(itertools.chain.from_iterable(r["too_late"] for r in reports))
@@ -980,6 +991,7 @@ def tight_pairs(backend: Backend, seconds: float) -> float:
     client: Any = connect(target)
     try:
         add, cancel, monotonic_ns = client.add, client.cancel, time.monotonic_ns
+        delay = REQUEST_TIMEOUT_NS / 1e9
         deadline = monotonic_ns() + REQUEST_TIMEOUT_NS
         pairs = 0
         start = monotonic_ns()
@@ -987,7 +999,7 @@ def tight_pairs(backend: Backend, seconds: float) -> float:
         now = start
         while now < end:
             for key in range(pairs, pairs + 100):
-                cancel(add(key, deadline))
+                cancel(add(key, deadline, delay))
             pairs += 100
             now = monotonic_ns()
         return (now - start) / pairs
