@@ -83,7 +83,7 @@ from tqdm import tqdm
 DURATION = 5.0  # s of load a run
 QUICK_DURATION = 1.0
 PRODUCERS = (1, 2, 4)
-ROUNDS = 3  # back-to-back rounds behind each target's ratio
+ROUNDS = 5  # back-to-back rounds behind each target's ratio
 QUICK_ROUNDS = 1
 PAIR_SECONDS = 1.0  # the tight pair loop of each backend
 QUICK_PAIR_SECONDS = 0.3

@@ -1,0 +1,174 @@
+/*
+ * contention.c - what an add or a cancel costs in C when other processes
+ * share the segment, with no Python around it.
+ *
+ *     gcc -O2 -std=gnu11 -Icsrc bench/contention.c csrc/shmwheel.c -lpthread -lm -o /tmp/contention
+ *     /tmp/contention [GAP_NS [SECONDS [MAX_PRODUCERS [ROUNDS]]]]
+ *
+ * Each of 1 .. MAX_PRODUCERS (default 2) processes, forked onto one wheel in
+ * anonymous shared memory, adds a timer due in 5 s, keeps it for a while (the
+ * last 600 of its timers are pending at any time) and cancels it; between
+ * two operations it spins for GAP_NS (default 1200 ns, about what the
+ * Python request loop of stress.py spends around each call).  It reports
+ * the time spent inside shmw_add and shmw_cancel, per operation, read with
+ * clock_gettime around each call (two clock reads, some 50 ns, included).
+ *
+ * Alone, that is the operation.  With a second process it adds what the
+ * two pay for sharing: the lock, and the cache lines of the segment both
+ * write (the lock word, the header's counters and free list, the bucket
+ * both append to, each other's neighbours in its list), which move from
+ * one CPU's cache to the other's on almost every operation.  What a move
+ * costs depends on where the CPUs sit; on a VM, on where the host has put
+ * its vCPUs at that moment, so ROUNDS (default 5) rounds are run and each
+ * is printed.  Nothing is left behind: the memory is anonymous.
+ */
+#include "shmwheel.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_PROCS  16
+#define HELD       600            /* timers each process keeps pending */
+#define RING       1024           /* > HELD */
+#define DELAY_S    5.0            /* far beyond the run: nothing fires */
+
+struct report {
+    uint64_t ops;
+    int64_t  op_ns;               /* inside shmw_add / shmw_cancel */
+    uint64_t failed;              /* operations that returned an error */
+};
+
+static int64_t now_ns(void)
+{
+    struct timespec t;
+
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Busy work the compiler cannot drop: a dependent chain of multiplies. */
+static volatile uint64_t sink;
+
+static void spin(uint32_t rounds)
+{
+    uint64_t x = sink;
+
+    for (uint32_t i = 0; i < rounds; i++)
+        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    sink = x;
+}
+
+static uint32_t rounds_for(int64_t gap_ns)
+{
+    int64_t t = now_ns();
+
+    spin(10000000);
+    t = now_ns() - t;
+    return (uint32_t)(gap_ns * 10000000 / (t > 0 ? t : 1));
+}
+
+static void produce(void *base, uint64_t size, double seconds, uint32_t gap, struct report *out)
+{
+    int64_t ring[RING];
+    uint32_t head = 0, held = 0;
+    int64_t end, t;
+    shmw_t *w;
+
+    if (shmw_open(base, size, &w) != SHMW_OK)
+        _exit(1);
+    end = now_ns() + (int64_t)(seconds * 1e9);
+    while (now_ns() < end) {
+        for (int k = 0; k < 100; k++) {
+            t = now_ns();
+            int64_t h = shmw_add(w, DELAY_S, "payload!", 8, 0);
+            out->op_ns += now_ns() - t;
+            out->ops++;
+            if (h < 0) {
+                out->failed++;
+                continue;
+            }
+            ring[(head + held++) % RING] = h;
+            spin(gap);
+            if (held > HELD) {
+                t = now_ns();
+                int rc = shmw_cancel(w, ring[head]);
+                out->op_ns += now_ns() - t;
+                out->ops++;
+                out->failed += rc != 1;
+                head = (head + 1) % RING;
+                held--;
+            }
+            spin(gap);
+        }
+    }
+    for (; held; held--, head = (head + 1) % RING)
+        shmw_cancel(w, ring[head]);
+    shmw_close(w);
+    _exit(0);
+}
+
+int main(int argc, char **argv)
+{
+    int64_t gap_ns = argc > 1 ? atoll(argv[1]) : 1200;
+    double seconds = argc > 2 ? atof(argv[2]) : 1.0;
+    int max_procs = argc > 3 ? atoi(argv[3]) : 2;
+    int rounds = argc > 4 ? atoi(argv[4]) : 5;
+    struct shmw_params p = { .capacity = MAX_PROCS * RING, .payload_size = 8, .wheel_bits = 8,
+                             .tick_ns = 1000000 };
+    struct report *reports;
+    uint64_t size;
+    uint32_t gap;
+    void *base;
+
+    if (gap_ns < 0 || seconds <= 0 || max_procs < 1 || max_procs > MAX_PROCS || rounds < 1) {
+        fprintf(stderr, "usage: %s [GAP_NS [SECONDS [MAX_PRODUCERS (1-%d) [ROUNDS]]]]\n", argv[0], MAX_PROCS);
+        return 2;
+    }
+    if (shmw_segment_size(&p, &size) != SHMW_OK)
+        return 1;
+    base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    reports = mmap(NULL, sizeof(*reports) * MAX_PROCS, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED || reports == MAP_FAILED || shmw_init(base, size, &p, now_ns()) != SHMW_OK) {
+        perror("contention");
+        return 1;
+    }
+    gap = rounds_for(gap_ns);
+    printf("ns per add or cancel, %lld ns of other work between operations, %g s a run\n",
+           (long long)gap_ns, seconds);
+    for (int r = 1; r <= rounds; r++) {
+        printf("round %d:", r);
+        for (int n = 1; n <= max_procs; n++) {
+            uint64_t ops = 0, failed = 0;
+            int64_t op_ns = 0;
+            int status, ok = 1;
+
+            for (int k = 0; k < n; k++) {
+                reports[k] = (struct report){ 0, 0, 0 };
+                if (fork() == 0)
+                    produce(base, size, seconds, gap, &reports[k]);
+            }
+            for (int k = 0; k < n; k++) {
+                wait(&status);
+                ok &= WIFEXITED(status) && WEXITSTATUS(status) == 0;
+            }
+            for (int k = 0; k < n; k++) {
+                ops += reports[k].ops;
+                op_ns += reports[k].op_ns;
+                failed += reports[k].failed;
+            }
+            if (!ok || failed) {
+                fprintf(stderr, "\ncontention: a process failed (%llu failed operations)\n",
+                        (unsigned long long)failed);
+                return 1;
+            }
+            printf("  %d process%s %.0f", n, n > 1 ? "es" : "", ops ? (double)op_ns / ops : 0.0);
+        }
+        printf("\n");
+        fflush(stdout);
+    }
+    return 0;
+}
