@@ -668,8 +668,33 @@ static int bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
     return SHMW_OK;
 }
 
-/* Checks the links around entry i before touching anything, so a
- * scribbled list is reported, not made worse. */
+/* Takes entry i out of the doubly linked list whose ends are *head and
+ * *tail (a bucket's, or the in-flight FIFO).  Checks the links around i
+ * before touching anything, so a scribbled list is reported, not made
+ * worse. */
+static int list_unlink(shmw_t *w, uint32_t *head, uint32_t *tail, uint32_t i)
+{
+    struct shmw_entry *e = entry_at(w, i);
+
+    if (e->prev == SHMW_NIL ? *head != i
+        : e->prev >= w->capacity || entry_at(w, e->prev)->next != i)
+        return SHMW_ECORRUPT;
+    if (e->next == SHMW_NIL ? *tail != i
+        : e->next >= w->capacity || entry_at(w, e->next)->prev != i)
+        return SHMW_ECORRUPT;
+
+    if (e->prev == SHMW_NIL)
+        STORE(*head, e->next);
+    else
+        STORE(entry_at(w, e->prev)->next, e->next);
+    if (e->next == SHMW_NIL)
+        STORE(*tail, e->prev);
+    else
+        STORE(entry_at(w, e->next)->prev, e->prev);
+    STORE(e->prev, SHMW_NIL); STORE(e->next, SHMW_NIL);
+    return SHMW_OK;
+}
+
 static int bucket_unlink(shmw_t *w, uint32_t i)
 {
     struct shmw_entry *e = entry_at(w, i);
@@ -681,22 +706,9 @@ static int bucket_unlink(shmw_t *w, uint32_t i)
     bk = &w->buckets[b];
     if (bk->count == 0)
         return SHMW_ECORRUPT;
-    if (e->prev == SHMW_NIL ? bk->head != i
-        : e->prev >= w->capacity || entry_at(w, e->prev)->next != i)
+    if (list_unlink(w, &bk->head, &bk->tail, i))
         return SHMW_ECORRUPT;
-    if (e->next == SHMW_NIL ? bk->tail != i
-        : e->next >= w->capacity || entry_at(w, e->next)->prev != i)
-        return SHMW_ECORRUPT;
-
-    if (e->prev == SHMW_NIL)
-        STORE(bk->head, e->next);
-    else
-        STORE(entry_at(w, e->prev)->next, e->next);
-    if (e->next == SHMW_NIL)
-        STORE(bk->tail, e->prev);
-    else
-        STORE(entry_at(w, e->next)->prev, e->prev);
-    STORE(e->prev, SHMW_NIL); STORE(e->next, SHMW_NIL); STORE(e->bucket, SHMW_NIL);
+    STORE(e->bucket, SHMW_NIL);
     STORE(w->hdr->level_pending[b >> w->wheel_bits], w->hdr->level_pending[b >> w->wheel_bits] - 1);
     STORE(bk->count, bk->count - 1);
     if (bk->count == 0) {
@@ -1119,25 +1131,14 @@ static int inflight_unlink(shmw_t *w, uint32_t i)
     struct shmw_header *h = w->hdr;
     struct shmw_entry *e = entry_at(w, i);
 
+    uint32_t next = e->next;
+
     if (h->inflight == 0)
         return SHMW_ECORRUPT;
-    if (e->prev == SHMW_NIL ? h->inflight_head != i
-        : e->prev >= w->capacity || entry_at(w, e->prev)->next != i)
-        return SHMW_ECORRUPT;
-    if (e->next == SHMW_NIL ? h->inflight_tail != i
-        : e->next >= w->capacity || entry_at(w, e->next)->prev != i)
+    if (list_unlink(w, &h->inflight_head, &h->inflight_tail, i))
         return SHMW_ECORRUPT;
     if (h->inflight_unsent == i)
-        STORE(h->inflight_unsent, e->next);
-    if (e->prev == SHMW_NIL)
-        STORE(h->inflight_head, e->next);
-    else
-        STORE(entry_at(w, e->prev)->next, e->next);
-    if (e->next == SHMW_NIL)
-        STORE(h->inflight_tail, e->prev);
-    else
-        STORE(entry_at(w, e->next)->prev, e->prev);
-    STORE(e->prev, SHMW_NIL); STORE(e->next, SHMW_NIL);
+        STORE(h->inflight_unsent, next);
     STORE(h->inflight, h->inflight - 1);
     return SHMW_OK;
 }
