@@ -326,6 +326,7 @@ def _read_batches(wheel: Wheel, fd: int) -> Iterator[list[Fire]]:
             have -= whole
             yield fires
 
+
 def _ack(wheel: Wheel, handles: list[int], errors: int) -> None:
     if not handles and not errors:
         return

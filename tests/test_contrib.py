@@ -389,6 +389,38 @@ def test_a_driver_whose_parent_is_killed_removes_the_wheel(name: str, tmp_path: 
     wait_until(lambda: start_time(child) is None, "the driver outlived its server")
 
 
+def test_a_driver_outlives_the_thread_that_started_it_and_not_its_process(name: str) -> None:
+    """The thread that spawned the driver exits: the driver runs on.  The
+    process is killed later: the driver goes, and the wheel with it."""
+    code = (
+        "import threading, time\n"
+        "from shmwheel.contrib.timeouts import DriverSupervisor as S\n"
+        f"s = S({name!r})\n"
+        "t = threading.Thread(target=s.start)\nt.start()\nt.join()\n"
+        "print(s.pid, flush=True)\n"
+        "input()\n"
+        "print(s.pid, s.restarts, flush=True)\n"
+        "input()"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdin is not None and parent.stdout is not None
+        child = int(parent.stdout.readline())
+        child_start = start_time(child)
+        time.sleep(1.0)  # a driver stopped by the thread's exit would be gone by now
+        assert start_time(child) == child_start, "the driver stopped when the thread that started it exited"
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline().split() == [str(child), "0"]
+        with shmwheel.attach(name) as wheel:
+            assert wheel.stats().driver_pid == child
+    finally:
+        parent.kill()
+        parent.wait()
+    wait_until(lambda: not Path("/dev/shm", name).exists(), "the wheel outlived its server")
+    wait_until(lambda: start_time(child) is None, "the driver outlived its server")
+
+
 # -- the servers' settings ------------------------------------------------------------------
 
 

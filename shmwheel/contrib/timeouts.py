@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import errno
 import faulthandler
 import itertools
@@ -49,13 +48,14 @@ import logging
 import math
 import os
 import re
+import select
 import signal
 import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -625,20 +625,46 @@ def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
 # -- the driver process ------------------------------------------------------------
 
 
-_PR_SET_PDEATHSIG = 1
 # Gunicorn's layout, so that the driver's lines sit well among the server's.
 _LOG_FORMAT = "[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s"
+_PARENT_POLL = 0.5  # s: how often to look for the parent without a pidfd
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGTERM this process when its parent dies (Linux's PR_SET_PDEATHSIG)."""
+def _watch_parent(parent: int, on_exit: Callable[[], object]) -> None:
+    """Call ``on_exit`` (from a daemon thread) once process ``parent`` has exited.
+
+    Not PR_SET_PDEATHSIG: that signal comes when the *thread* that forked
+    us exits, and a SIGKILLed master's threads die one by one, so it can
+    arrive while the master still counts as our parent (getppid(2) names a
+    thread of it that is still on its way out) and the driver could not
+    tell a dead master from a live one.  A pidfd turns readable only when
+    the whole thread group is gone.  Kernels without pidfds (before 5.3)
+    get getppid(2) polled instead: it changes only once the last thread
+    of the parent has exited.
+    """
+    if os.getppid() != parent:  # gone already
+        on_exit()
+        return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
-    if os.getppid() != parent:  # it died before the prctl
-        os.kill(os.getpid(), signal.SIGTERM)
+        fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        on_exit()
+        return
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+        fd = -1
+
+    def watch() -> None:
+        if fd >= 0:
+            select.select([fd], [], [])
+            os.close(fd)
+        else:
+            while os.getppid() == parent:
+                time.sleep(_PARENT_POLL)
+        on_exit()
+
+    threading.Thread(target=watch, name="shmwheel-parent", daemon=True).start()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -668,8 +694,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     driver = Driver(args.name, TimeoutHandler(args.name, actions))
     signal.signal(signal.SIGTERM, lambda *_: driver.stop())
     signal.signal(signal.SIGINT, lambda *_: driver.stop())
+    parent_gone = threading.Event()
     if args.parent is not None:
-        _die_with_parent(args.parent)
+
+        def orphaned() -> None:
+            parent_gone.set()
+            driver.stop()
+
+        _watch_parent(args.parent, orphaned)
     owns = False
     try:
         if args.create:
@@ -681,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shmwheel.contrib.timeouts: {exc}", file=sys.stderr)
         return 1
     finally:
-        if args.parent is not None and os.getppid() != args.parent:
+        if parent_gone.is_set():
             owns = True  # the server that made the wheel is gone without removing it
         if owns:
             with contextlib.suppress(SegmentNotFoundError):

@@ -42,6 +42,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,8 +57,8 @@ from .timeouts import (
     DEFAULT_TRACEBACK_SIGNAL,
     TimeoutActions,
     TimeoutHandler,
-    _die_with_parent,
     _seconds,
+    _watch_parent,
     create_wheel,
 )
 from .wsgi import TimeoutMiddleware, WSGIApp
@@ -191,7 +192,11 @@ def driver() -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
         signal.signal(signum, on_signal)
-    _die_with_parent(uwsgi.masterpid())  # a master killed outright leaves no wheel behind
+    # A master killed outright leaves no wheel behind: its death stops this
+    # mule as its signals do (on the main thread, so that pause() returns).
+    main = threading.main_thread().ident
+    assert main is not None
+    _watch_parent(uwsgi.masterpid(), lambda: signal.pthread_kill(main, signal.SIGTERM))
     try:
         try:
             _attach(config.name, producer=False).close()
