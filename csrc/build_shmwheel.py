@@ -42,7 +42,6 @@ struct shmw_header {
     uint64_t elapsed;
     uint32_t free_head;
     uint32_t free_count;
-    uint32_t pending;
     uint32_t heap_len;
     uint32_t flags;
     int32_t  driver_pid;

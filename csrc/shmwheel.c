@@ -653,7 +653,6 @@ static int bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
         STORE(bk->count, 1);
         STORE(e->prev, SHMW_NIL); STORE(e->next, SHMW_NIL);
         STORE(e->bucket, b);
-        STORE(w->hdr->level_pending[b >> w->wheel_bits], w->hdr->level_pending[b >> w->wheel_bits] + 1);
         return heap_push(w, b);
     }
     if (bk->tail >= w->capacity || bk->expires != expires)
@@ -664,7 +663,6 @@ static int bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
     STORE(e->bucket, b);
     STORE(bk->tail, i);
     STORE(bk->count, bk->count + 1);
-    STORE(w->hdr->level_pending[b >> w->wheel_bits], w->hdr->level_pending[b >> w->wheel_bits] + 1);
     return SHMW_OK;
 }
 
@@ -709,7 +707,6 @@ static int bucket_unlink(shmw_t *w, uint32_t i)
     if (list_unlink(w, &bk->head, &bk->tail, i))
         return SHMW_ECORRUPT;
     STORE(e->bucket, SHMW_NIL);
-    STORE(w->hdr->level_pending[b >> w->wheel_bits], w->hdr->level_pending[b >> w->wheel_bits] - 1);
     STORE(bk->count, bk->count - 1);
     if (bk->count == 0) {
         STORE(bk->head, SHMW_NIL); STORE(bk->tail, SHMW_NIL);
@@ -836,7 +833,6 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
     rc = bucket_append(w, b, expires, i);
     if (rc)
         return rc;
-    STORE(h->pending, h->pending + 1);
     STORE(h->added, h->added + 1);
     *wake |= wake_for(w, expires);
     *handle = handle_of(w, i);
@@ -958,7 +954,6 @@ static int cancel_locked(shmw_t *w, int64_t handle)
     if ((rc = bucket_unlink(w, i)))
         return rc;
     slot_free(w, i);
-    STORE(w->hdr->pending, w->hdr->pending - 1);
     STORE(w->hdr->cancelled, w->hdr->cancelled + 1);
     return 1;
 }
@@ -1217,7 +1212,6 @@ static int advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, c
             continue;
         }
         STORE(e->fired_at_ns, now_ns);
-        STORE(h->pending, h->pending - 1);
         STORE(h->fired, h->fired + 1);
         if (records) {
             write_record(w, i, records + (uint64_t)n * stride);
@@ -1514,19 +1508,35 @@ int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors
     return rc ? rc : (int)done;
 }
 
+/* Timers in buckets.  Not a counter of its own: every slot is free,
+ * retired, in flight or pending, and the first three are counted anyway.
+ * (A scribbled count gives 0 rather than a wrapped number.) */
+static uint32_t pending_locked(const shmw_t *w)
+{
+    const struct shmw_header *h = w->hdr;
+    uint64_t other = (uint64_t)h->free_count + h->retired + h->inflight;
+
+    return other <= w->capacity ? w->capacity - (uint32_t)other : 0;
+}
+
 int shmw_pending(shmw_t *w)
 {
+    uint32_t n;
+    int rc;
+
     if (!w)
         return SHMW_ECLOSED;
-    /* One aligned 32-bit load is atomic: no lock needed for a count that
-     * is stale the moment it is returned anyway. */
-    return (int)(__atomic_load_n(&w->hdr->pending, __ATOMIC_RELAXED) & 0x7fffffff);
+    if ((rc = lock(w)))
+        return rc;
+    n = pending_locked(w);
+    unlock(w);
+    return (int)(n & 0x7fffffff);
 }
 
 int shmw_stats(shmw_t *w, struct shmw_stats *out)
 {
     struct shmw_header *h;
-    uint32_t l;
+    uint32_t k;
     int rc;
 
     if (!w)
@@ -1536,7 +1546,7 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     if ((rc = lock(w)))
         return rc;
     out->capacity = w->capacity;
-    out->pending = h->pending;
+    out->pending = pending_locked(w);
     out->free = h->free_count;
     out->retired = h->retired;
     out->added = h->added;
@@ -1552,8 +1562,13 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     out->next_expiry_ns = -1;
     if (h->heap_len > 0 && h->heap_len <= w->nbuckets && w->heap[0] < w->nbuckets)
         out->next_expiry_ns = (int64_t)(w->buckets[w->heap[0]].expires * (uint64_t)w->tick_ns);
-    for (l = 0; l < w->levels; l++)
-        out->level_pending[l] = h->level_pending[l];
+    /* Per level, from the non-empty buckets: O(heap_len), once per call,
+     * instead of a counter that every add and cancel would write. */
+    for (k = 0; k < h->heap_len && k < w->nbuckets; k++) {
+        uint32_t b = w->heap[k], l = b >> w->wheel_bits;
+        if (b < w->nbuckets && l < w->levels)
+            out->level_pending[l] += w->buckets[b].count;
+    }
     out->driver_pid = h->driver_pid;
     out->driver_start = h->driver_start;
     out->driver_state = h->driver_state;
@@ -1653,7 +1668,6 @@ int shmw_producer_reap(shmw_t *w, uint32_t slot, int32_t pid, int64_t start, uin
         if ((rc = bucket_unlink(w, i)))
             break;
         slot_free(w, i);
-        STORE(w->hdr->pending, w->hdr->pending - 1);
         STORE(w->hdr->cancelled, w->hdr->cancelled + 1);
         done++;
     }
@@ -1718,7 +1732,7 @@ static int inflight_walks(const shmw_t *w, uint32_t count)
 static int repair_locked(shmw_t *w)
 {
     struct shmw_header *h = w->hdr;
-    uint32_t i, b, l, inflight = 0;
+    uint32_t i, b, inflight = 0;
     int rc;
 
     /* What an entry says about itself must make sense on its own. */
@@ -1747,8 +1761,6 @@ static int repair_locked(shmw_t *w)
         STORE(bk->heap_pos, SHMW_NIL);
     }
     STORE(h->heap_len, 0);
-    for (l = 0; l < SHMW_MAX_LEVELS; l++)
-        STORE(h->level_pending[l], 0);
     set_elapsed(w, h->elapsed, h->advanced_ns);
 
     if (!inflight_walks(w, inflight)) {
@@ -1762,7 +1774,6 @@ static int repair_locked(shmw_t *w)
     /* Highest index first, so that the free list hands out low slots first. */
     STORE(h->free_head, SHMW_NIL);
     STORE(h->free_count, 0);
-    STORE(h->pending, 0);
     STORE(h->retired, 0);
     for (i = w->capacity; i-- > 0;) {
         struct shmw_entry *e = entry_at(w, i);
@@ -1786,7 +1797,6 @@ static int repair_locked(shmw_t *w)
                 return rc;
             if ((rc = bucket_append(w, b, expires, i)))
                 return rc;
-            STORE(h->pending, h->pending + 1);
             break;
         }
     }
@@ -1830,7 +1840,6 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
     struct shmw_header *h = w->hdr;
     uint64_t free_seen = 0, pending_seen = 0, retired_seen = 0, inflight_seen = 0, in_buckets = 0, nonempty = 0;
     int unsent_found;
-    uint64_t in_level[SHMW_MAX_LEVELS] = {0};
     uint32_t i, b, l, k;
 
     if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHMW_MAGIC)
@@ -1871,9 +1880,6 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
             FAIL("slab: entry %u has unknown state %u", i, e->state);
         }
     }
-    if (pending_seen != h->pending)
-        FAIL("counters: pending is %u but %llu entries are pending", h->pending,
-             (unsigned long long)pending_seen);
     if (free_seen != h->free_count)
         FAIL("counters: free_count is %u but %llu entries are free", h->free_count,
              (unsigned long long)free_seen);
@@ -1977,14 +1983,10 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
         if (i != SHMW_NIL || bk->tail != prev)
             FAIL("bucket %u: list does not end after count %u", b, bk->count);
         in_buckets += bk->count;
-        in_level[level] += bk->count;
     }
-    for (l = 0; l < w->levels; l++)
-        if (in_level[l] != h->level_pending[l])
-            FAIL("counters: level %u pending is %u but its buckets hold %llu", l,
-                 h->level_pending[l], (unsigned long long)in_level[l]);
-    if (in_buckets != h->pending)
-        FAIL("buckets: hold %llu entries, pending is %u", (unsigned long long)in_buckets, h->pending);
+    if (in_buckets != pending_seen)
+        FAIL("buckets: hold %llu entries, %llu are pending", (unsigned long long)in_buckets,
+             (unsigned long long)pending_seen);
     if (nonempty != h->heap_len)
         FAIL("delay-heap: %u buckets, %llu non-empty", h->heap_len, (unsigned long long)nonempty);
     /* heap_len <= nbuckets now; each heap[k] names a non-empty bucket that

@@ -605,12 +605,13 @@ def test_stats_describe_the_wheel(make_wheel) -> None:
 def test_check_names_the_broken_invariant(wheel: shmwheel.Wheel) -> None:
     wheel.add(60)
     h = header(wheel)
-    h.pending += 1
+    free = wheel.capacity - 1
+    h.free_count += 1
     try:
-        with pytest.raises(shmwheel.CorruptSegmentError, match="counters: pending is 2 but 1"):
+        with pytest.raises(shmwheel.CorruptSegmentError, match=f"counters: free_count is {free + 1} but {free} "):
             wheel.check()
     finally:
-        h.pending -= 1
+        h.free_count -= 1
     wheel.check()
 
 

@@ -293,13 +293,13 @@ def test_check_a_corrupt_wheel_names_the_broken_invariant(make_wheel: MakeWheel)
     w = make_wheel()
     w.add(1)
     header = ffi.cast("struct shmw_header *", w._buf)
-    header.pending += 1
+    header.free_count += 1
     try:
         error = one_line_error(run("check", w.name))
     finally:
-        header.pending -= 1
+        header.free_count -= 1
     assert error.startswith(f"shmwheel: segment {w.name!r} is corrupt: ")
-    assert "pending is 2" in error
+    assert f"free_count is {w.capacity} but {w.capacity - 1} entries are free" in error
 
 
 def test_unlink_removes_the_segment(name: str) -> None:
