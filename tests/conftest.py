@@ -34,6 +34,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def long_run(request: pytest.FixtureRequest) -> bool:
     """True under --long: torture tests scale themselves up."""
     return bool(request.config.getoption("--long"))
+
+
 _counter = itertools.count()
 
 

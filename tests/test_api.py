@@ -98,9 +98,7 @@ def test_leading_slash_names_the_same_wheel(make_wheel) -> None:
         assert other.capacity == 10
 
 
-@pytest.mark.parametrize(
-    "bad", ["", "/", "a/b", "..", ".", "sp ace", "x" * 201, "ünï", "tab\t", "//x"]
-)
+@pytest.mark.parametrize("bad", ["", "/", "a/b", "..", ".", "sp ace", "x" * 201, "ünï", "tab\t", "//x"])
 def test_invalid_names_are_rejected(bad: str) -> None:
     with pytest.raises(ValueError, match="invalid wheel name"):
         shmwheel.create(bad, capacity=1)

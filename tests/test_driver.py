@@ -206,9 +206,7 @@ def test_a_second_driver_is_refused(make_wheel, start) -> None:
     assert wheel.stats().driver_pid == d.pid
 
 
-def test_poll_is_refused_while_a_driver_runs_and_takes_over_from_a_dead_one(
-    make_wheel, start, tmp_path: Path
-) -> None:
+def test_poll_is_refused_while_a_driver_runs_and_takes_over_from_a_dead_one(make_wheel, start, tmp_path: Path) -> None:
     wheel = make_wheel(capacity=10)
     out = tmp_path / "fires.jsonl"
     d = start(wheel.name, functools.partial(record_or_block, str(out)))

@@ -272,7 +272,6 @@ def test_a_producer_crash_leaves_what_the_driver_has_sent_alone() -> None:
     """Repair after a producer died must not make a live driver send its
     in-flight fires again (the unsent cursor stays where it was)."""
 
-
     def op(case: Case) -> None:
         case.wheel.add(30, b"NEW")
 
