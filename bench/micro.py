@@ -6,7 +6,7 @@ What it measures (wall-clock, per operation, as a Python caller pays it):
 1. add, cancel, reset, one add+cancel pair, add_many and cancel_many per
    timer (batches of 1,000 and of 100,000) and poll per fired timer; for
    reference also an empty Python loop, ``len(wheel)`` (one cffi call that
-   takes no lock) and a poll that finds nothing due.
+   takes the lock and touches nothing else) and a poll that finds nothing due.
 2. The add+cancel pair with 1 k, 100 k, 1 M and 10 M far-future timers
    pending, and the ratio of the largest level to the smallest.  Next to it
    a "churn" figure: cancel a *random* pending timer and add a new one.  The
@@ -204,7 +204,7 @@ def empty_loop_trial(delays: list[float]) -> Callable[[], int]:
 
 def len_trial(wheel: shmwheel.Wheel, n: int) -> Callable[[], int]:
     def trial() -> int:
-        size = wheel.__len__  # one cffi call that takes no lock
+        size = wheel.__len__  # one cffi call: the lock, and nothing under it
         t0 = time.perf_counter_ns()
         for _ in itertools.repeat(None, n):
             size()
@@ -335,7 +335,12 @@ def bench_operations(segs: Segments, cfg: Config, rng: random.Random) -> list[Re
         # key: (label, target, note, case)
         rows: dict[str, tuple[str, float | None, str, Case]] = {
             "loop_overhead": ("empty Python loop (reference)", None, "", (n, empty_loop_trial(delays))),
-            "len": ("len(wheel): one cffi call, no lock (reference)", None, "", (n, len_trial(wheel, n))),
+            "len": (
+                "len(wheel): one cffi call, the lock and nothing else (reference)",
+                None,
+                "",
+                (n, len_trial(wheel, n)),
+            ),
             "add": ("add", None, "includes list.append of the handle", (n, add_trial(wheel, delays))),
             "cancel": ("cancel", None, "", (n, cancel_trial(wheel, delays))),
             "reset": ("reset", None, "each moves its timer to another bucket", (n, reset_trial(wheel, delays))),

@@ -138,6 +138,12 @@ class Round:
         return ratio(self.one.per_producer_per_s, self.asyncio.per_producer_per_s if self.asyncio else None)
 
     @property
+    def efficiency(self) -> float | None:
+        """Requests per producer CPU-second, x2 / x1: what sharing the segment costs
+        each producer, apart from how much CPU the producers got."""
+        return ratio(self.two.per_producer_cpu_second, self.one.per_producer_cpu_second)
+
+    @property
     def machine_scaling(self) -> float | None:
         """2 producers / 1 with nothing shared: what the machine allows."""
         if self.private_one is None or self.private_two is None:
@@ -290,6 +296,9 @@ def targets(results: Results) -> list[Goal]:
     vs_asyncio, vs_asyncio_note = over_rounds(results, "vs_asyncio")
     scaling, scaling_note = over_rounds(results, "scaling")
     ceiling, _ = over_rounds(results, "machine_scaling")
+    efficiency, _ = over_rounds(results, "efficiency")
+    if efficiency is not None:
+        scaling_note += f"; requests per producer CPU-second, x2 / x1: {efficiency:.2f}"
     if ceiling is not None:
         scaling_note += f"; the same loop with nothing shared (heapq): {ceiling:.2f}x"
 
@@ -385,9 +394,10 @@ def pair_table(results: Results) -> list[str]:
 
 def round_table(results: Results) -> list[str]:
     lines = [
-        "| round | shmwheel x1, requests/s | shmwheel x2, in all | x2 / x1 | asyncio x1 | shmwheel / asyncio "
+        "| round | shmwheel x1, requests/s | shmwheel x2, in all | x2 / x1 | producer CPUs x1, x2 "
+        "| per producer CPU-second x2 / x1 | asyncio x1 | shmwheel / asyncio "
         "| heapq x1 | heapq x2, nothing shared | x2 / x1 | CPU time stolen |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def rate(r: stress.StressRun | None) -> str:
@@ -398,7 +408,9 @@ def round_table(results: Results) -> list[str]:
 
     for i, x in enumerate(results.rounds, 1):
         lines.append(
-            f"| {i} | {rate(x.one)} | {rate(x.two)} | {times(x.scaling)} | {rate(x.asyncio)} | {times(x.vs_asyncio)} "
+            f"| {i} | {rate(x.one)} | {rate(x.two)} | {times(x.scaling)} "
+            f"| {x.one.producer_cpu:.2f}, {x.two.producer_cpu:.2f} | {times(x.efficiency)} "
+            f"| {rate(x.asyncio)} | {times(x.vs_asyncio)} "
             f"| {rate(x.private_one)} | {rate(x.private_two)} | {times(x.machine_scaling)} | {100 * x.steal:.0f} % |"
         )
     return lines
@@ -529,6 +541,8 @@ def document(results: Results, ts: list[Goal], machine: dict[str, Any], args: ar
         {
             "scaling_2": x.scaling,
             "vs_asyncio": x.vs_asyncio,
+            "efficiency_2": x.efficiency,
+            "producer_cpus": [x.one.producer_cpu, x.two.producer_cpu],
             "steal_share": x.steal,
             "machine_scaling_2": x.machine_scaling,
             "runs": [run_doc(r, cdf=False) for r in x.runs()],

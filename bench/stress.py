@@ -860,6 +860,17 @@ class StressRun:
         """CPU time of the named processes over the window, as a share of one CPU."""
         return sum(self.cpu.processes.get(n, 0.0) for n in names) / self.duration
 
+    @property
+    def producer_cpu(self) -> float:
+        """CPU time of the producers over the window, in CPUs."""
+        return self.cpu_share(*(f"producer {i}" for i in range(self.producers)))
+
+    @property
+    def per_producer_cpu_second(self) -> float | None:
+        """Requests per second of producer CPU time: the loop's speed, whatever share of the machine it got."""
+        cpu = self.producer_cpu
+        return self.total_per_s / cpu if cpu > 0 else None
+
 
 def run_stress(backend: Backend, producers: int, duration: float, run: int, tmp: str) -> StressRun:
     """Run the workload on one backend with ``producers`` producer processes."""
