@@ -1528,9 +1528,9 @@ int shmw_pending(shmw_t *w)
         return SHMW_ECLOSED;
     if ((rc = lock(w)))
         return rc;
-    n = pending_locked(w);
+    n = pending_locked(w);     /* <= capacity <= SHMW_MAX_CAPACITY: fits an int */
     unlock(w);
-    return (int)(n & 0x7fffffff);
+    return (int)n;
 }
 
 int shmw_stats(shmw_t *w, struct shmw_stats *out)
