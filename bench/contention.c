@@ -13,11 +13,11 @@
  * the time spent inside shmw_add and shmw_cancel, per operation, read with
  * clock_gettime around each call (two clock reads, some 50 ns, included).
  *
- * Alone, that is the operation.  With a second process it adds what the
- * two pay for sharing: the lock, and the cache lines of the segment both
- * write (the lock word, the header's counters and free list, the bucket
- * both append to, each other's neighbours in its list), which move from
- * one CPU's cache to the other's on almost every operation.  What a move
+ * Each process attaches as a producer, as shmwheel.attach does, and so
+ * has a lane of its own.  Alone, that is the operation.  With a second
+ * process it adds what the two pay for sharing: the lock, and the cache
+ * line that holds it and the counters, which moves from one CPU's cache
+ * to the other's on almost every operation.  What a move
  * costs depends on where the CPUs sit; on a VM, on where the host has put
  * its vCPUs at that moment, so ROUNDS (default 5) rounds are run and each
  * is printed.  Nothing is left behind: the memory is anonymous.
@@ -78,7 +78,10 @@ static void produce(void *base, uint64_t size, double seconds, uint32_t gap, str
     int64_t end, t;
     shmw_t *w;
 
-    if (shmw_open(base, size, &w) != SHMW_OK)
+    int slot;
+
+    /* A producer slot of its own, as shmwheel.attach takes: its lane. */
+    if (shmw_open(base, size, &w) != SHMW_OK || (slot = shmw_producer_attach(w, getpid(), 0)) < 0)
         _exit(1);
     end = now_ns() + (int64_t)(seconds * 1e9);
     while (now_ns() < end) {
@@ -107,6 +110,7 @@ static void produce(void *base, uint64_t size, double seconds, uint32_t gap, str
     }
     for (; held; held--, head = (head + 1) % RING)
         shmw_cancel(w, ring[head]);
+    shmw_producer_release(w, (uint32_t)slot, getpid(), 0);
     shmw_close(w);
     _exit(0);
 }

@@ -53,14 +53,23 @@ struct shmw_header {
     uint32_t inflight_unsent;
     uint32_t inflight;
     uint32_t wake_word;
+    struct shmw_lane lanes[...];
+    ...;
+};
+struct shmw_lane {
+    uint32_t free_head;
+    uint32_t free_count;
     ...;
 };
 struct shmw_bucket {
     uint64_t expires;
+    uint32_t heap_pos;
+    uint32_t lanes;
+};
+struct shmw_list {
     uint32_t head;
     uint32_t tail;
     uint32_t count;
-    uint32_t heap_pos;
 };
 struct shmw_entry {
     int64_t  deadline_ns;

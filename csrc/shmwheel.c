@@ -29,6 +29,7 @@ struct shmw {
     struct shmw_header  *hdr;
     struct shmw_bucket  *buckets;
     uint32_t            *heap;
+    struct shmw_list    *lists;
     char                *slab;
     uint64_t             size;
     int64_t              tick_ns;
@@ -213,6 +214,7 @@ static int check_params(const struct shmw_params *p)
 struct layout {
     uint64_t buckets_off;
     uint64_t heap_off;
+    uint64_t lists_off;
     uint64_t slab_off;
     uint64_t size;
     uint32_t stride;
@@ -227,7 +229,8 @@ static void compute_layout(const struct shmw_params *p, struct layout *l)
     l->stride = (uint32_t)ALIGN_UP(sizeof(struct shmw_entry) + p->payload_size, 8);
     l->buckets_off = ALIGN_UP(sizeof(struct shmw_header), 64);
     l->heap_off = l->buckets_off + (uint64_t)l->nbuckets * sizeof(struct shmw_bucket);
-    l->slab_off = ALIGN_UP(l->heap_off + (uint64_t)l->nbuckets * sizeof(uint32_t), 64);
+    l->lists_off = ALIGN_UP(l->heap_off + (uint64_t)l->nbuckets * sizeof(uint32_t), 64);
+    l->slab_off = l->lists_off + (uint64_t)SHMW_LANES * l->nbuckets * sizeof(struct shmw_list);
     l->size = l->slab_off + (uint64_t)p->capacity * l->stride;
 }
 
@@ -287,13 +290,17 @@ int shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t no
     for (i = 0; i < l.levels; i++)
         h->level_clock[i] = shmw_bucket_expiry(h->elapsed, i, p->wheel_bits);
 
-    for (i = 0; i < l.nbuckets; i++) {
-        struct shmw_bucket *b = (struct shmw_bucket *)((char *)base + l.buckets_off) + i;
-        b->head = b->tail = SHMW_NIL;
-        b->heap_pos = SHMW_NIL;
+    for (i = 0; i < l.nbuckets; i++)
+        ((struct shmw_bucket *)((char *)base + l.buckets_off))[i].heap_pos = SHMW_NIL;
+    for (i = 0; i < SHMW_LANES * l.nbuckets; i++) {
+        struct shmw_list *ls = (struct shmw_list *)((char *)base + l.lists_off) + i;
+        ls->head = ls->tail = SHMW_NIL;
     }
+    for (i = 0; i < SHMW_LANES; i++)
+        h->lanes[i].free_head = SHMW_NIL;
 
-    /* Free list in index order, so a new wheel hands out slots 0, 1, 2... */
+    /* The shared free list in index order, so that a new wheel hands out
+     * slots 0, 1, 2...: a lane's first magazine is slots 0 to 31. */
     slab = (char *)base + l.slab_off;
     for (i = 0; i < p->capacity; i++) {
         struct shmw_entry *e = (struct shmw_entry *)(slab + (uint64_t)i * l.stride);
@@ -368,6 +375,7 @@ int shmw_open(void *base, uint64_t size, shmw_t **out)
     w->hdr = h;
     w->buckets = (struct shmw_bucket *)((char *)base + l.buckets_off);
     w->heap = (uint32_t *)((char *)base + l.heap_off);
+    w->lists = (struct shmw_list *)((char *)base + l.lists_off);
     w->slab = (char *)base + l.slab_off;
     w->size = l.size;
     w->tick_ns = p.tick_ns;
@@ -391,12 +399,14 @@ void shmw_close(shmw_t *w)
     free(w);
 }
 
-int shmw_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t *slab_off)
+int shmw_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t *lists_off,
+                uint64_t *slab_off)
 {
     if (!w)
         return SHMW_ECLOSED;
     *buckets_off = (uint64_t)((char *)w->buckets - w->base);
     *heap_off = (uint64_t)((char *)w->heap - w->base);
+    *lists_off = (uint64_t)((char *)w->lists - w->base);
     *slab_off = (uint64_t)(w->slab - w->base);
     return SHMW_OK;
 }
@@ -627,43 +637,76 @@ static int place(const shmw_t *w, uint64_t elapsed, uint64_t t, uint32_t *bucket
     return SHMW_OK;
 }
 
-/* Whether bucket b can take an entry due at `expires`.  Operations check
- * this before they change anything, so that one that fails on a scribbled
- * segment leaves it as it was. */
-static int bucket_can_take(const shmw_t *w, uint32_t b, uint64_t expires)
+static inline uint32_t lane_of(uint32_t producer)
 {
-    const struct shmw_bucket *bk = &w->buckets[b];
-
-    if (bk->head == SHMW_NIL)
-        return bk->count == 0 && bk->tail == SHMW_NIL && bk->heap_pos == SHMW_NIL
-            && w->hdr->heap_len < w->nbuckets ? SHMW_OK : SHMW_ECORRUPT;
-    return bk->count > 0 && bk->tail < w->capacity && bk->expires == expires ? SHMW_OK : SHMW_ECORRUPT;
+    return producer % SHMW_LANES;
 }
 
+/* The producer slot this process's timers are filed under: its own, or
+ * none in a child forked since attach (it shares no slot with its parent). */
+static inline uint16_t my_producer(const shmw_t *w)
+{
+    return (uint16_t)(w->producer_pid == cached_pid ? w->producer : SHMW_NO_PRODUCER);
+}
+
+static inline struct shmw_list *list_of(const shmw_t *w, uint32_t lane, uint32_t b)
+{
+    return &w->lists[(uint64_t)lane * w->nbuckets + b];
+}
+
+/* Whether lane `lane` of bucket b can take an entry due at `expires`.
+ * Operations check this before they change anything, so that one that
+ * fails on a scribbled segment leaves it as it was. */
+static int bucket_can_take(const shmw_t *w, uint32_t b, uint32_t lane, uint64_t expires)
+{
+    const struct shmw_bucket *bk = &w->buckets[b];
+    const struct shmw_list *ls = list_of(w, lane, b);
+    uint32_t bit = 1U << lane;
+
+    if (bk->lanes >> SHMW_LANES)
+        return SHMW_ECORRUPT;
+    if (bk->lanes == 0 && (bk->heap_pos != SHMW_NIL || w->hdr->heap_len >= w->nbuckets))
+        return SHMW_ECORRUPT;
+    if (bk->lanes != 0 && (bk->expires != expires || bk->heap_pos >= w->nbuckets))
+        return SHMW_ECORRUPT;
+    if (!(bk->lanes & bit))
+        return ls->head == SHMW_NIL && ls->tail == SHMW_NIL && ls->count == 0 ? SHMW_OK : SHMW_ECORRUPT;
+    return ls->count > 0 && ls->tail < w->capacity ? SHMW_OK : SHMW_ECORRUPT;
+}
+
+/* Appends entry i, whose producer is already set, to its lane's list of
+ * bucket b; the caller has checked bucket_can_take. */
 static int bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
 {
     struct shmw_bucket *bk = &w->buckets[b];
     struct shmw_entry *e = entry_at(w, i);
+    uint32_t lane = lane_of(e->producer), bit = 1U << lane;
+    struct shmw_list *ls = list_of(w, lane, b);
 
-    if (bk->head == SHMW_NIL) {
-        if (bk->count != 0 || bk->heap_pos != SHMW_NIL)
+    if (bk->lanes & bit) {
+        if (ls->tail >= w->capacity || bk->expires != expires)
             return SHMW_ECORRUPT;
-        STORE(bk->expires, expires);
-        STORE(bk->head, i); STORE(bk->tail, i);
-        STORE(bk->count, 1);
-        STORE(e->prev, SHMW_NIL); STORE(e->next, SHMW_NIL);
+        STORE(entry_at(w, ls->tail)->next, i);
+        STORE(e->prev, ls->tail);
+        STORE(e->next, SHMW_NIL);
         STORE(e->bucket, b);
-        return heap_push(w, b);
+        STORE(ls->tail, i);
+        STORE(ls->count, ls->count + 1);
+        return SHMW_OK;
     }
-    if (bk->tail >= w->capacity || bk->expires != expires)
+    if (ls->count != 0 || (bk->lanes == 0 ? bk->heap_pos != SHMW_NIL : bk->expires != expires))
         return SHMW_ECORRUPT;
-    STORE(entry_at(w, bk->tail)->next, i);
-    STORE(e->prev, bk->tail);
-    STORE(e->next, SHMW_NIL);
+    STORE(e->prev, SHMW_NIL); STORE(e->next, SHMW_NIL);
     STORE(e->bucket, b);
-    STORE(bk->tail, i);
-    STORE(bk->count, bk->count + 1);
-    return SHMW_OK;
+    STORE(ls->head, i); STORE(ls->tail, i);
+    STORE(ls->count, 1);
+    if (bk->lanes != 0) {
+        STORE(bk->lanes, bk->lanes | bit);
+        return SHMW_OK;
+    }
+    STORE(bk->expires, expires);
+    STORE(bk->lanes, bit);
+    return heap_push(w, b);
 }
 
 /* Takes entry i out of the doubly linked list whose ends are *head and
@@ -696,23 +739,25 @@ static int list_unlink(shmw_t *w, uint32_t *head, uint32_t *tail, uint32_t i)
 static int bucket_unlink(shmw_t *w, uint32_t i)
 {
     struct shmw_entry *e = entry_at(w, i);
-    uint32_t b = e->bucket;
+    uint32_t b = e->bucket, lane = lane_of(e->producer), bit = 1U << lane;
     struct shmw_bucket *bk;
+    struct shmw_list *ls;
 
     if (b >= w->nbuckets)
         return SHMW_ECORRUPT;
     bk = &w->buckets[b];
-    if (bk->count == 0)
+    ls = list_of(w, lane, b);
+    if (ls->count == 0 || !(bk->lanes & bit))
         return SHMW_ECORRUPT;
-    if (list_unlink(w, &bk->head, &bk->tail, i))
+    if (list_unlink(w, &ls->head, &ls->tail, i))
         return SHMW_ECORRUPT;
     STORE(e->bucket, SHMW_NIL);
-    STORE(bk->count, bk->count - 1);
-    if (bk->count == 0) {
-        STORE(bk->head, SHMW_NIL); STORE(bk->tail, SHMW_NIL);
-        return heap_remove(w, b);
-    }
-    return SHMW_OK;
+    STORE(ls->count, ls->count - 1);
+    if (ls->count > 0)
+        return SHMW_OK;
+    STORE(ls->head, SHMW_NIL); STORE(ls->tail, SHMW_NIL);
+    STORE(bk->lanes, bk->lanes & ~bit);
+    return bk->lanes == 0 ? heap_remove(w, b) : SHMW_OK;
 }
 
 /* ---- the slab ------------------------------------------------------------------ */
@@ -736,14 +781,101 @@ static uint32_t lookup(const shmw_t *w, int64_t handle)
     return i;
 }
 
+/* ---- free slots ------------------------------------------------------------
+ * A lane's magazine is a LIFO: a process gets back the slot it freed last,
+ * whose line its CPU still has.  An empty magazine takes SHMW_MAGAZINE
+ * slots from the shared list (or, when that is empty too, from another
+ * lane: no slot is ever out of reach); one that reaches 2 * SHMW_MAGAZINE
+ * gives SHMW_MAGAZINE back.  Each move walks SHMW_MAGAZINE links, once
+ * every SHMW_MAGAZINE operations at most: O(1) amortised.  free_count in
+ * the header is the total, so that "is there room" is one load. */
+
+/* Cuts the first n (1 <= n <= SHMW_MAGAZINE) slots off the list at *head
+ * and returns the first and the last; walks and checks them all before it
+ * changes anything.  ECORRUPT if the list is shorter or not all free. */
+static int chain_cut(shmw_t *w, uint32_t *head, uint32_t n, uint32_t *first, uint32_t *last)
+{
+    uint32_t i = *head, k;
+
+    for (k = 1;; k++) {
+        if (i >= w->capacity || entry_at(w, i)->state != SHMW_FREE)
+            return SHMW_ECORRUPT;
+        if (k == n)
+            break;
+        i = entry_at(w, i)->next;
+    }
+    *first = *head;
+    *last = i;
+    STORE(*head, entry_at(w, i)->next);
+    STORE(entry_at(w, i)->next, SHMW_NIL);
+    return SHMW_OK;
+}
+
+/* Slots on the shared list, up to `max` (it keeps no count of its own). */
+static uint32_t shared_free(const shmw_t *w, uint32_t max)
+{
+    uint32_t i = w->hdr->free_head, n = 0;
+
+    while (n < max && i < w->capacity) {
+        n++;
+        i = entry_at(w, i)->next;
+    }
+    return n;
+}
+
+/* Fills the empty magazine of `lane`. */
+static int magazine_refill(shmw_t *w, struct shmw_lane *lane)
+{
+    struct shmw_header *h = w->hdr;
+    uint32_t n = shared_free(w, SHMW_MAGAZINE), first, last, k;
+    int rc;
+
+    if (lane->free_head != SHMW_NIL)
+        return SHMW_ECORRUPT;
+    if (n > 0) {
+        if ((rc = chain_cut(w, &h->free_head, n, &first, &last)))
+            return rc;
+    } else {
+        /* Nearly full: take from the first lane that has any. */
+        for (k = 0; k < SHMW_LANES && h->lanes[k].free_count == 0; k++)
+            ;
+        if (k == SHMW_LANES)
+            return SHMW_ECORRUPT;           /* free_count said there were some */
+        n = h->lanes[k].free_count < SHMW_MAGAZINE ? h->lanes[k].free_count : SHMW_MAGAZINE;
+        if ((rc = chain_cut(w, &h->lanes[k].free_head, n, &first, &last)))
+            return rc;
+        STORE(h->lanes[k].free_count, h->lanes[k].free_count - n);
+    }
+    STORE(lane->free_head, first);
+    STORE(lane->free_count, n);
+    return SHMW_OK;
+}
+
+/* Gives the top SHMW_MAGAZINE slots of a full magazine back to the shared
+ * list.  A magazine that does not walk is left as it is, for check to
+ * report: nothing has been lost yet. */
+static void magazine_spill(shmw_t *w, struct shmw_lane *lane)
+{
+    struct shmw_header *h = w->hdr;
+    uint32_t first, last;
+
+    if (chain_cut(w, &lane->free_head, SHMW_MAGAZINE, &first, &last))
+        return;
+    STORE(lane->free_count, lane->free_count - SHMW_MAGAZINE);
+    STORE(entry_at(w, last)->next, h->free_head);
+    STORE(h->free_head, first);
+}
+
 /* Generations go up when a slot is handed out, not when it is freed: a
  * process that dies between the two stores of either leaves a slot whose
  * next handle is still new.  A slot whose generation has reached the
- * maximum is retired when freed instead of reused. */
+ * maximum is retired when freed instead of reused.  A freed slot goes to
+ * the magazine of the process that frees it. */
 static void slot_free(shmw_t *w, uint32_t i)
 {
     struct shmw_entry *e = entry_at(w, i);
     struct shmw_header *h = w->hdr;
+    struct shmw_lane *lane = &h->lanes[lane_of(my_producer(w))];
 
     STORE(e->prev, SHMW_NIL); STORE(e->bucket, SHMW_NIL);
     STORE(e->flags, 0);
@@ -753,27 +885,36 @@ static void slot_free(shmw_t *w, uint32_t i)
         STORE(h->retired, h->retired + 1);
         return;
     }
-    STORE(e->next, h->free_head);
+    STORE(e->next, lane->free_head);
     COMMIT(e->state, SHMW_FREE);
-    STORE(h->free_head, i);
+    STORE(lane->free_head, i);
+    STORE(lane->free_count, lane->free_count + 1);
     STORE(h->free_count, h->free_count + 1);
+    if (lane->free_count >= 2 * SHMW_MAGAZINE)
+        magazine_spill(w, lane);
 }
 
 static int slot_alloc(shmw_t *w, uint32_t *out)
 {
     struct shmw_header *h = w->hdr;
-    uint32_t i = h->free_head;
+    struct shmw_lane *lane = &h->lanes[lane_of(my_producer(w))];
     struct shmw_entry *e;
+    uint32_t i;
+    int rc;
 
-    if (i == SHMW_NIL || h->free_count == 0)
+    if (h->free_count == 0)
         return SHMW_EFULL;
+    if (lane->free_count == 0 && (rc = magazine_refill(w, lane)))
+        return rc;
+    i = lane->free_head;
     if (i >= w->capacity)
         return SHMW_ECORRUPT;
     e = entry_at(w, i);
     if (e->state != SHMW_FREE || (e->next != SHMW_NIL && e->next >= w->capacity)
         || e->generation >= w->max_generation)
         return SHMW_ECORRUPT;   /* a bad generation would make a negative handle */
-    STORE(h->free_head, e->next);
+    STORE(lane->free_head, e->next);
+    STORE(lane->free_count, lane->free_count - 1);
     STORE(h->free_count, h->free_count - 1);
     STORE(e->generation, e->generation + 1);
     *out = i;
@@ -808,13 +949,14 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
 {
     struct shmw_header *h = w->hdr;
     struct shmw_entry *e;
+    uint16_t producer = my_producer(w);
     uint64_t expires;
     uint32_t i, b;
     int rc;
 
     rc = place(w, h->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
     if (rc == SHMW_OK)
-        rc = bucket_can_take(w, b, expires);
+        rc = bucket_can_take(w, b, lane_of(producer), expires);
     if (rc == SHMW_OK)
         rc = slot_alloc(w, &i);
     if (rc)
@@ -824,7 +966,7 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
     STORE(e->owner_pid, cached_pid);
     STORE(e->payload_len, len);
     STORE(e->flags, (uint8_t)(flags & SHMW_CANCEL_ON_EXIT));
-    STORE(e->producer, (uint16_t)(w->producer_pid == cached_pid ? w->producer : SHMW_NO_PRODUCER));
+    STORE(e->producer, producer);
     if (len) {
         crash_point();
         memcpy((char *)(e + 1), payload, len);
@@ -1016,7 +1158,7 @@ static int reset_checked(shmw_t *w, int64_t handle, int64_t deadline_ns)
     e = entry_at(w, i);
     rc = place(w, w->hdr->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
     if (rc == SHMW_OK && b != e->bucket)
-        rc = bucket_can_take(w, b, expires);
+        rc = bucket_can_take(w, b, lane_of(e->producer), expires);
     if (rc == SHMW_OK) {
         /* The new deadline first: if this process dies before the entry
          * is relinked, recovery files it by the deadline it now has. */
@@ -1162,7 +1304,7 @@ static int advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, c
     for (;;) {
         struct shmw_bucket *bk;
         struct shmw_entry *e;
-        uint32_t b, i, nb = 0;
+        uint32_t b, i, lanes, nb = 0;
         uint64_t at, t, expires = 0;
 
         if (h->heap_len > w->nbuckets || (h->heap_len > 0 && w->heap[0] >= w->nbuckets)) {
@@ -1181,7 +1323,12 @@ static int advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, c
         b = w->heap[0];
         bk = &w->buckets[b];
         at = bk->expires;
-        i = bk->head;
+        lanes = bk->lanes;
+        if (lanes == 0 || lanes >> SHMW_LANES) {
+            rc = SHMW_ECORRUPT;
+            break;
+        }
+        i = list_of(w, (uint32_t)__builtin_ctz(lanes), b)->head;
         if (at < h->elapsed || i >= w->capacity) {
             rc = SHMW_ECORRUPT;
             break;
@@ -1198,7 +1345,8 @@ static int advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, c
         /* Check where the entry goes before it leaves its bucket. */
         t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
         if (t > at) {
-            if ((rc = place(w, at, t, &nb, &expires)) || (rc = bucket_can_take(w, nb, expires)))
+            if ((rc = place(w, at, t, &nb, &expires))
+                || (rc = bucket_can_take(w, nb, lane_of(e->producer), expires)))
                 break;
         } else if (!records && (rc = inflight_can_take(w))) {
             break;
@@ -1565,9 +1713,11 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     /* Per level, from the non-empty buckets: O(heap_len), once per call,
      * instead of a counter that every add and cancel would write. */
     for (k = 0; k < h->heap_len && k < w->nbuckets; k++) {
-        uint32_t b = w->heap[k], l = b >> w->wheel_bits;
-        if (b < w->nbuckets && l < w->levels)
-            out->level_pending[l] += w->buckets[b].count;
+        uint32_t b = w->heap[k], l = b >> w->wheel_bits, lane;
+        if (b >= w->nbuckets || l >= w->levels)
+            continue;
+        for (lane = 0; lane < SHMW_LANES; lane++)
+            out->level_pending[l] += list_of(w, lane, b)->count;
     }
     out->driver_pid = h->driver_pid;
     out->driver_start = h->driver_start;
@@ -1755,10 +1905,12 @@ static int repair_locked(shmw_t *w)
     }
 
     for (b = 0; b < w->nbuckets; b++) {
-        struct shmw_bucket *bk = &w->buckets[b];
-        STORE(bk->head, SHMW_NIL); STORE(bk->tail, SHMW_NIL);
-        STORE(bk->count, 0);
-        STORE(bk->heap_pos, SHMW_NIL);
+        STORE(w->buckets[b].lanes, 0);
+        STORE(w->buckets[b].heap_pos, SHMW_NIL);
+    }
+    for (b = 0; b < SHMW_LANES * w->nbuckets; b++) {
+        STORE(w->lists[b].head, SHMW_NIL); STORE(w->lists[b].tail, SHMW_NIL);
+        STORE(w->lists[b].count, 0);
     }
     STORE(h->heap_len, 0);
     set_elapsed(w, h->elapsed, h->advanced_ns);
@@ -1771,9 +1923,14 @@ static int repair_locked(shmw_t *w)
         inflight = 0;   /* kept as it is */
     }
 
-    /* Highest index first, so that the free list hands out low slots first. */
+    /* Every free slot to the shared list, highest index first, so that it
+     * hands out low slots first; the magazines start empty. */
     STORE(h->free_head, SHMW_NIL);
     STORE(h->free_count, 0);
+    for (b = 0; b < SHMW_LANES; b++) {
+        STORE(h->lanes[b].free_head, SHMW_NIL);
+        STORE(h->lanes[b].free_count, 0);
+    }
     STORE(h->retired, 0);
     for (i = w->capacity; i-- > 0;) {
         struct shmw_entry *e = entry_at(w, i);
@@ -1834,6 +1991,39 @@ static int repair_locked(shmw_t *w)
         if (reason) snprintf(reason, reason_len, __VA_ARGS__); \
         return SHMW_ECORRUPT; \
     } while (0)
+
+/* Lane `lane`'s list of non-empty bucket b: count long, doubly linked,
+ * pending entries of that lane that point back at b, each due within the
+ * bucket. */
+static int check_list(const shmw_t *w, uint32_t b, uint32_t lane, char *reason, uint32_t reason_len)
+{
+    const struct shmw_bucket *bk = &w->buckets[b];
+    const struct shmw_list *ls = list_of(w, lane, b);
+    uint32_t level = b >> w->wheel_bits, prev = SHMW_NIL, i = ls->head, k;
+    uint64_t gran = level * w->wheel_bits >= 64 ? UINT64_MAX : 1ULL << (level * w->wheel_bits);
+
+    for (k = 0; k < ls->count; k++) {
+        const struct shmw_entry *e;
+        uint64_t t;
+        if (i >= w->capacity)
+            FAIL("bucket %u: lane %u step %u has index %u out of bounds", b, lane, k, i);
+        e = entry_at(w, i);
+        if (e->state != SHMW_PENDING || e->bucket != b || e->prev != prev || lane_of(e->producer) != lane)
+            FAIL("bucket %u: entry %u is not linked as a pending member of lane %u", b, i, lane);
+        t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
+        /* Level 0 holds its own tick, and overdue timers only in the
+         * bucket at the clock; level l holds W^l ticks from its expiry. */
+        if (level == 0 ? (t > bk->expires || (t < bk->expires && bk->expires != w->hdr->elapsed))
+                       : (t < bk->expires || t - bk->expires >= gran))
+            FAIL("bucket %u: entry %u due at tick %llu outside the bucket [%llu, +%llu)", b, i,
+                 (unsigned long long)t, (unsigned long long)bk->expires, (unsigned long long)gran);
+        prev = i;
+        i = e->next;
+    }
+    if (i != SHMW_NIL || ls->tail != prev)
+        FAIL("bucket %u: lane %u does not end after count %u", b, lane, ls->count);
+    return SHMW_OK;
+}
 
 static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
 {
@@ -1917,30 +2107,59 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
             FAIL("in-flight list: the unsent cursor %u is not on it", h->inflight_unsent);
     }
 
-    /* The free list: free_count steps, each a free, unretired entry, then NIL. */
-    i = h->free_head;
-    for (k = 0; k < h->free_count; k++) {
-        struct shmw_entry *e;
-        if (i >= w->capacity)
-            FAIL("free list: step %u has index %u out of bounds", k, i);
-        e = entry_at(w, i);
-        if (e->state != SHMW_FREE)
-            FAIL("free list: entry %u is not free", i);
-        i = e->next;
+    /* The free lists: the shared one and each magazine end in NIL, hold
+     * only free entries, and are free_count long together.  Lists that
+     * end in NIL and share an entry share their last one, so distinct
+     * last entries (and the walks' total) put every free entry on exactly
+     * one list. */
+    {
+        uint32_t last[SHMW_LANES + 1], lane, total = 0;
+        for (lane = 0; lane <= SHMW_LANES; lane++) {
+            uint32_t max = lane < SHMW_LANES ? h->lanes[lane].free_count : w->capacity;
+            const char *name = lane < SHMW_LANES ? "magazine" : "shared free list";
+            i = lane < SHMW_LANES ? h->lanes[lane].free_head : h->free_head;
+            last[lane] = SHMW_NIL;
+            for (k = 0; k < max && i != SHMW_NIL; k++) {
+                if (i >= w->capacity)
+                    FAIL("%s %u: step %u has index %u out of bounds", name, lane, k, i);
+                if (entry_at(w, i)->state != SHMW_FREE)
+                    FAIL("%s %u: entry %u is not free", name, lane, i);
+                last[lane] = i;
+                i = entry_at(w, i)->next;
+            }
+            if (i != SHMW_NIL)
+                FAIL("%s %u: longer than %u", name, lane, max);
+            if (lane < SHMW_LANES && k != max)
+                FAIL("magazine %u: %u long, its count says %u", lane, k, max);
+            if (lane < SHMW_LANES && k >= 2 * SHMW_MAGAZINE)
+                FAIL("magazine %u: %u long, over %u", lane, k, 2 * SHMW_MAGAZINE - 1);
+            total += k;
+            for (l = 0; l < lane; l++)
+                if (last[lane] != SHMW_NIL && last[l] == last[lane])
+                    FAIL("free lists: %u and %u share entry %u", l, lane, last[lane]);
+        }
+        if (total != h->free_count)
+            FAIL("free lists: %u entries on them, free_count is %u", total, h->free_count);
     }
-    if (i != SHMW_NIL)
-        FAIL("free list: longer than free_count %u", h->free_count);
 
-    /* Buckets: each list is count long, doubly linked, holds pending entries
-     * that point back at it, at the right place for their expiry tick. */
+    /* Buckets: each lane's list is count long, doubly linked, holds pending
+     * entries of that lane that point back at it, at the right place for
+     * their expiry tick; the bucket's lane bits say which lists are not
+     * empty. */
     for (b = 0; b < w->nbuckets; b++) {
         struct shmw_bucket *bk = &w->buckets[b];
-        uint32_t prev = SHMW_NIL, level = b >> w->wheel_bits;
-        uint64_t gran = level * w->wheel_bits >= 64 ? UINT64_MAX : 1ULL << (level * w->wheel_bits);
+        uint32_t level = b >> w->wheel_bits, lane, lanes = 0;
 
-        if (bk->count == 0) {
-            if (bk->head != SHMW_NIL || bk->tail != SHMW_NIL)
-                FAIL("bucket %u: empty but linked", b);
+        for (lane = 0; lane < SHMW_LANES; lane++) {
+            const struct shmw_list *ls = list_of(w, lane, b);
+            if (ls->count > 0)
+                lanes |= 1U << lane;
+            else if (ls->head != SHMW_NIL || ls->tail != SHMW_NIL)
+                FAIL("bucket %u: lane %u empty but linked", b, lane);
+        }
+        if (bk->lanes != lanes)
+            FAIL("bucket %u: lane bits %#x, lists in use %#x", b, bk->lanes, lanes);
+        if (lanes == 0) {
             if (bk->heap_pos != SHMW_NIL)
                 FAIL("bucket %u: empty but in the delay-heap", b);
             continue;
@@ -1960,29 +2179,12 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
                            w->wheel_bits) > level)
             FAIL("bucket %u: expiry %llu is beyond its level's window", b,
                  (unsigned long long)bk->expires);
-        i = bk->head;
-        for (k = 0; k < bk->count; k++) {
-            struct shmw_entry *e;
-            uint64_t t;
-            if (i >= w->capacity)
-                FAIL("bucket %u: step %u has index %u out of bounds", b, k, i);
-            e = entry_at(w, i);
-            if (e->state != SHMW_PENDING || e->bucket != b || e->prev != prev)
-                FAIL("bucket %u: entry %u is not linked as a pending member", b, i);
-            t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
-            /* Level 0 holds its own tick, and overdue timers only in the
-             * bucket at the clock; level l holds W^l ticks from its expiry. */
-            if (level == 0 ? (t > bk->expires || (t < bk->expires && bk->expires != h->elapsed))
-                           : (t < bk->expires || t - bk->expires >= gran))
-                FAIL("bucket %u: entry %u due at tick %llu outside the bucket [%llu, +%llu)", b, i,
-                     (unsigned long long)t, (unsigned long long)bk->expires,
-                     (unsigned long long)gran);
-            prev = i;
-            i = e->next;
+        for (lane = 0; lane < SHMW_LANES; lane++) {
+            int rc = check_list(w, b, lane, reason, reason_len);
+            if (rc)
+                return rc;
+            in_buckets += list_of(w, lane, b)->count;
         }
-        if (i != SHMW_NIL || bk->tail != prev)
-            FAIL("bucket %u: list does not end after count %u", b, bk->count);
-        in_buckets += bk->count;
     }
     if (in_buckets != pending_seen)
         FAIL("buckets: hold %llu entries, %llu are pending", (unsigned long long)in_buckets,

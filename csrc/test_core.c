@@ -8,7 +8,11 @@
  * Part one drives a wheel in private memory with random add_at / cancel /
  * reset_at / poll against a small model (the pending timers and their
  * deadlines) on a fake clock, with deadlines across every level, and runs
- * the invariant checker after every step.  Part two scribbles random bytes
+ * the invariant checker after every step.  Each operation goes through one
+ * of several handles on the segment, each attached as a producer of its
+ * own (and one not attached), so that timers, cancels and free slots cross
+ * lanes, and the wheel is filled to the last slot, which a lane can only
+ * reach by taking from another's magazine.  Part two scribbles random bytes
  * over a populated segment (never the mutex) and runs every operation: the
  * return codes do not matter, only that nothing reads or writes out of
  * bounds, overflows or loops.  Exit status 0 on success; a sanitizer
@@ -16,11 +20,14 @@
  */
 #include "shmwheel.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define CAPACITY 256
+#define HANDLES  4          /* producers 0, 1, 2 and one not attached */
 #define STEPS    20000
 #define SCRIBBLES 3000
 
@@ -35,6 +42,7 @@ static uint64_t rnd(void)                   /* xorshift64* */
 }
 
 static int failures;
+static int full_adds;       /* adds refused by a full wheel: the model reached CAPACITY */
 
 #define EXPECT(cond, ...) do {                                  \
         if (!(cond)) {                                          \
@@ -74,17 +82,29 @@ static void model_run(void)
     struct shmw_params p = { CAPACITY, 8, 4, 1000000 };   /* W = 16, 1 ms tick */
     struct model m = { .n = 0 };
     uint64_t size;
-    shmw_t *w;
+    shmw_t *ws[HANDLES], *w;
     int64_t now_ns = 1000000000LL;                       /* the fake clock */
-    void *base = make(&p, &size, &w, now_ns);
-    size_t rec = (size_t)shmw_record_size(w);
+    void *base = make(&p, &size, &ws[0], now_ns);
+    size_t rec = (size_t)shmw_record_size(ws[0]);
     char *records = malloc(rec * CAPACITY);
     char reason[256];
-    int step;
+    int step, k;
 
+    /* The same pid with another start time is another producer slot. */
+    for (k = 0; k < HANDLES; k++) {
+        if (k > 0 && shmw_open(base, size, &ws[k]))
+            abort();
+        if (k < HANDLES - 1 && shmw_producer_attach(ws[k], (int32_t)getpid(), k + 1) != k)
+            abort();
+    }
     for (step = 0; step < STEPS; step++) {
-        uint64_t r = rnd() % 100;
-        if (r < 40 && m.n < CAPACITY) {
+        /* One stretch in five is adds and cancels only, which fills the wheel. */
+        uint64_t r = (step / 500) % 5 == 4 ? rnd() % 50 : rnd() % 100;
+        w = ws[rnd() % HANDLES];
+        if (r < 40 && m.n == CAPACITY) {
+            EXPECT(shmw_add(w, 1.0, NULL, 0, 0) == SHMW_EFULL, "an add to a full wheel did not fail");
+            full_adds++;
+        } else if (r < 40) {
             /* A deadline around a level boundary, or anywhere in 2^40 ticks. */
             int level = (int)(rnd() % 10);
             int64_t ticks = (rnd() & 1) ? (int64_t)(rnd() % (1ULL << 40))
@@ -135,7 +155,8 @@ static void model_run(void)
         EXPECT(shmw_pending(w) == m.n, "pending %d, model %d", shmw_pending(w), m.n);
         EXPECT(shmw_check(w, reason, sizeof(reason)) == 0, "check: %s", reason);
     }
-    shmw_close(w);
+    for (k = 0; k < HANDLES; k++)
+        shmw_close(ws[k]);
     free(records);
     free(base);
 }
@@ -147,9 +168,9 @@ static void scribble_run(void)
     char reason[256], records[64 * 64];
     int round;
 
-    /* The mutex and its padding: the header's last 64 bytes. */
-    mutex_hi = sizeof(struct shmw_header);
-    mutex_lo = mutex_hi - 64;
+    /* The mutex: a scribble there is a jammed lock, which test_hostile covers. */
+    mutex_lo = offsetof(struct shmw_header, mutex);
+    mutex_hi = mutex_lo + sizeof(pthread_mutex_t);
     for (round = 0; round < SCRIBBLES; round++) {
         int64_t now_ns = 1000000000LL;
         shmw_t *w;
@@ -189,6 +210,11 @@ int main(void)
         fprintf(stderr, "test_core: %d failures\n", failures);
         return 1;
     }
-    printf("test_core: %d model steps and %d scribbled segments, no failures\n", STEPS, SCRIBBLES);
+    if (full_adds == 0) {
+        fprintf(stderr, "test_core: the model never filled the wheel\n");
+        return 1;
+    }
+    printf("test_core: %d model steps (%d adds to a full wheel) and %d scribbled segments, no failures\n",
+           STEPS, full_adds, SCRIBBLES);
     return 0;
 }

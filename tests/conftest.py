@@ -14,10 +14,12 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 import shmwheel
+from shmwheel._binding import ffi, lib
 
 PREFIX = f"shmwheel-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -84,6 +86,28 @@ def make_wheel() -> Iterator[Callable[..., shmwheel.Wheel]]:
                 pass
     if errors:
         pytest.fail(f"check() failed after the test: {errors}")
+
+
+class Layout(NamedTuple):
+    """Byte offsets of a segment's regions, as the C core computes them."""
+
+    buckets: int
+    heap: int
+    lists: int
+    slab: int
+
+
+def layout(w: shmwheel.Wheel) -> Layout:
+    outs = [ffi.new("uint64_t *") for _ in Layout._fields]
+    assert lib.shmw_layout(w._w, *outs) == 0
+    return Layout(*(int(o[0]) for o in outs))
+
+
+def mutex_span() -> tuple[int, int]:
+    """Where the header's mutex lies: it is 64-byte aligned and the free-list
+    head follows it (40 bytes with glibc on x86-64)."""
+    hi = ffi.offsetof("struct shmw_header", "free_head")
+    return hi - hi % 64, hi
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from conftest import fresh_name
+from conftest import fresh_name, layout
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -24,9 +24,7 @@ def header(w: shmwheel.Wheel):
 
 
 def entry(w: shmwheel.Wheel, index: int):
-    b, h, s = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    assert lib.shmw_layout(w._w, b, h, s) == 0
-    return ffi.cast("struct shmw_entry *", w._buf + s[0] + index * header(w).stride)
+    return ffi.cast("struct shmw_entry *", w._buf + layout(w).slab + index * header(w).stride)
 
 
 def to_ns(seconds: float) -> int:

@@ -21,7 +21,7 @@ import signal
 import time
 
 import hypothesis.strategies as st
-from conftest import fresh_name
+from conftest import fresh_name, layout, mutex_span
 from hypothesis import HealthCheck, given, settings
 
 import shmwheel
@@ -29,14 +29,6 @@ from shmwheel._binding import ffi, lib
 from shmwheel._process import start_time
 
 ALLOWED = (shmwheel.ShmwheelError, ValueError, OSError)
-
-
-def mutex_span() -> tuple[int, int]:
-    """The header's last 64 bytes: the mutex (64-byte aligned, 40 bytes on
-    Linux) and the padding after it."""
-    hdr = ffi.sizeof("struct shmw_header")
-    assert hdr % 64 == 0
-    return hdr - 64, hdr
 
 
 def populated_wheel() -> shmwheel.Wheel:
@@ -87,11 +79,17 @@ def test_scribbles_anywhere_are_reported_not_followed(data: st.DataObject) -> No
     try:
         size = len(w._mm)
         lo, hi = mutex_span()
-        b, h, s = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-        assert lib.shmw_layout(w._w, b, h, s) == 0
+        at = layout(w)
         # A region, then a place in it: the heap's live entries and the
         # header's fields are small targets that uniform offsets would miss.
-        regions = [(0, lo), (b[0], h[0]), (h[0], h[0] + 64), (s[0], size)]
+        regions = [
+            (0, lo),
+            (hi, at.buckets),
+            (at.buckets, at.heap),
+            (at.heap, at.heap + 64),
+            (at.lists, at.slab),
+            (at.slab, size),
+        ]
         offsets = st.sampled_from(regions).flatmap(lambda r: st.integers(r[0], r[1] - 1))
         writes = data.draw(st.lists(st.tuples(offsets, st.binary(min_size=1, max_size=8)), min_size=1, max_size=6))
         for off, blob in writes:

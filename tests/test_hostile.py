@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from conftest import layout, mutex_span
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -22,9 +23,7 @@ def header(w: shmwheel.Wheel):
 
 
 def heap(w: shmwheel.Wheel):
-    b, h, s = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    assert lib.shmw_layout(w._w, b, h, s) == 0
-    return ffi.cast("uint32_t *", w._buf + h[0])
+    return ffi.cast("uint32_t *", w._buf + layout(w).heap)
 
 
 # -- process identity -----------------------------------------------------------------
@@ -73,12 +72,9 @@ def test_scribbled_bucket_expiry_fails_an_add_without_changing_anything(make_whe
     w = make_wheel(capacity=16)
     w.add(60)
     st = w.stats()
-    buckets = ffi.cast("struct shmw_bucket *", w._buf + ffi.sizeof("struct shmw_header"))
-    # The bucket the first timer went to: find it by its count.
-    b, h, s = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    lib.shmw_layout(w._w, b, h, s)
-    buckets = ffi.cast("struct shmw_bucket *", w._buf + b[0])
-    used = next(i for i in range(w.levels * w.wheel_size) if buckets[i].count)
+    # The bucket the first timer went to: the one with a lane in use.
+    buckets = ffi.cast("struct shmw_bucket *", w._buf + layout(w).buckets)
+    used = next(i for i in range(w.levels * w.wheel_size) if buckets[i].lanes)
     buckets[used].expires += 1
     try:
         with pytest.raises(shmwheel.CorruptSegmentError):
@@ -268,7 +264,7 @@ def test_racing_creates_of_one_name_have_one_winner(name: str) -> None:
 def test_a_jammed_lock_word_is_reported_not_waited_on_forever(make_wheel) -> None:
     """A lock word naming a thread that never existed: no release will come."""
     w = make_wheel(capacity=4)
-    word = ffi.cast("int32_t *", w._buf + ffi.sizeof("struct shmw_header") - 64)  # the mutex's lock word
+    word = ffi.cast("int32_t *", w._buf + mutex_span()[0])  # the mutex's lock word
     assert word[0] == 0
     word[0] = 0x3FFFFFF0  # "held by" a tid above pid_max, so never cleaned up by the kernel
     try:

@@ -79,3 +79,26 @@ def test_producers_cancel_each_other_and_every_survivor_fires_once(make_wheel, m
         assert f.fired_at_ns >= f.deadline_ns
     st = wheel.stats()
     assert (st.added, st.cancelled, st.fired, st.pending) == (len(added), len(cancelled), len(fired), 0)
+
+
+def take_and_free_every_slot(name: str, capacity: int) -> None:
+    with shmwheel.attach(name) as w:
+        handles = [w.add(60) for _ in range(capacity)]
+        assert all(w.cancel(h) for h in handles)
+
+
+def test_slots_freed_in_another_process_lane_are_all_reachable(make_wheel) -> None:
+    """A process keeps the slots it frees in its lane's magazine; another
+    process must still reach every one of them once the shared list is
+    empty, and the wheel is full at exactly its capacity."""
+    wheel = make_wheel(capacity=100)
+    child = mp.get_context("spawn").Process(target=take_and_free_every_slot, args=(wheel.name, 100))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    handles = [wheel.add(60) for _ in range(100)]
+    assert len(set(handles)) == 100 and len(wheel) == 100
+    with pytest.raises(shmwheel.WheelFullError):
+        wheel.add(60)
+    assert wheel.cancel_many(handles) == 100
+    assert wheel.stats().free == 100

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import fresh_name
+from conftest import fresh_name, layout
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -197,13 +197,12 @@ def test_driver_fire_killed_at_every_store() -> None:
 
 def in_flight(w: shmwheel.Wheel) -> list[int]:
     """The handles of the entries in flight, read off the slab."""
-    b, h, s = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    assert lib.shmw_layout(w._w, b, h, s) == 0
+    slab = layout(w).slab
     stride = ffi.cast("struct shmw_header *", w._buf).stride
     slot_bits = (w.capacity - 1).bit_length()
     out = []
     for i in range(w.capacity):
-        e = ffi.cast("struct shmw_entry *", w._buf + s[0] + i * stride)
+        e = ffi.cast("struct shmw_entry *", w._buf + slab + i * stride)
         if e.state == lib.SHMW_INFLIGHT:
             out.append(e.generation << slot_bits | i)
     return out
