@@ -2,8 +2,8 @@
 """Load test of the shmwheel driver, measured on this machine.
 
 The driver runs as it is deployed: one process started with
-:func:`shmwheel.start_driver`, its clock and writer threads in C, and a
-handler called by its Python dispatcher thread.
+:func:`shmwheel.start_driver`, its clock thread in C, and a handler
+called by its Python dispatcher thread.
 
 1. Steady load.  A wheel with a 1 ms tick and 2 producer processes, each
    paced at 50,000 operations a second (an operation is an add or a cancel)
@@ -444,7 +444,7 @@ def steady_report(run: SteadyRun) -> tuple[list[Row], Delivery]:
             "deadline -> the handler has it: p50 / p99 / p99.9 / max",
             to_handler,
             "ms",
-            note="lateness plus the writer thread, the pipe and the dispatcher",
+            note="lateness plus the dispatcher's wake-up and the handlers before it in its batch",
         )
     )
     driver_cpu = cpu.processes["driver"]

@@ -1574,19 +1574,19 @@ static int write_all(int fd, const char *buf, size_t len)
     return SHMW_OK;
 }
 
-int shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap)
+int shmw_drive_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t cap)
 {
-    /* Copies unsent fires out of the segment under the lock, then writes
-     * them to the pipe outside it.  A slow reader blocks this thread only:
-     * the clock goes on firing into the in-flight FIFO meanwhile.  With
-     * *stop set it returns once nothing is left unsent. */
+    /* Copies up to `cap` unsent fires out of the segment under the lock
+     * and marks them sent; with none unsent, sleeps until the clock fires
+     * some.  Returns how many, or 0 once *stop is set and nothing is left
+     * unsent. */
     struct shmw_header *h;
     uint32_t stride;
     int rc;
 
     if (!w)
         return SHMW_ECLOSED;
-    if (cap == 0)
+    if (cap == 0 || cap > INT32_MAX)
         return SHMW_EINVAL;
     h = w->hdr;
     stride = (uint32_t)shmw_record_size(w);
@@ -1613,15 +1613,29 @@ int shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, ui
         }
         STORE(h->inflight_unsent, i);
         unlock(w);
-        if (n) {
-            if ((rc = write_all(fd, buf, (size_t)n * stride)))
-                return rc;
-            continue;
-        }
+        if (n)
+            return (int)n;
         if (stopping)
-            return SHMW_OK;
+            return 0;
         futex_wait_until(&h->outbox_word, seen, -1);
     }
+}
+
+int shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap)
+{
+    /* Takes fires and writes them to the fd outside the lock.  A slow
+     * reader blocks this thread only: the clock goes on firing into the
+     * in-flight FIFO meanwhile. */
+    int n;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    while ((n = shmw_drive_take(w, stop, buf, cap)) > 0) {
+        int rc = write_all(fd, buf, (size_t)n * (size_t)shmw_record_size(w));
+        if (rc)
+            return rc;
+    }
+    return n;
 }
 
 int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors)

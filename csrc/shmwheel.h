@@ -174,7 +174,7 @@
 #define SHMW_ENOMEM     -13  /* malloc failed (open only) */
 #define SHMW_ECLOSED    -14  /* called with a closed (NULL) handle */
 #define SHMW_EDRIVER    -15  /* a driver is registered (poll), or another took over */
-#define SHMW_EIO        -16  /* the driver's pipe failed (errno is kept) */
+#define SHMW_EIO        -16  /* writing to the driver's fd failed (errno is kept) */
 #define SHMW_EPRODUCER  -17  /* this process has no producer slot (full table, or forked since) */
 
 /* The exit status of a process stopped by shmw_test_crash_after. */
@@ -239,8 +239,8 @@ struct shmw_header {
 
     /* The driver (under the mutex).  A fired timer stays in its slot, in
      * state SHMW_INFLIGHT on a FIFO list, until its handler has run and it
-     * is acknowledged; `inflight_unsent` is the first entry the writer has
-     * not yet put into the pipe.  A driver that takes over from a dead one
+     * is acknowledged; `inflight_unsent` is the first entry not yet handed
+     * out (to the dispatcher, or written to the consumer's fd).  A driver that takes over from a dead one
      * marks every entry in flight redelivered and sends them all again. */
     int32_t  driver_pid;        /* 0: no driver registered */
     uint32_t driver_state;      /* SHMW_DRIVER_* */
@@ -249,7 +249,7 @@ struct shmw_header {
     int64_t  advanced_ns;       /* CLOCK_MONOTONIC when the clock last advanced */
     uint32_t inflight_head;     /* oldest entry in flight or NIL */
     uint32_t inflight_tail;     /* newest entry in flight or NIL */
-    uint32_t inflight_unsent;   /* first entry not yet written to the pipe, or NIL */
+    uint32_t inflight_unsent;   /* first entry not yet handed out, or NIL */
     uint32_t inflight;          /* entries in flight */
     uint64_t acked;
     uint64_t redelivered;
@@ -270,7 +270,7 @@ struct shmw_header {
      * call runs under the lock, and no wake-up is lost because the waiter
      * passes the value it read under the lock to FUTEX_WAIT. */
     uint32_t wake_word;         /* a producer bumps it to wake the clock */
-    uint32_t outbox_word;       /* the clock bumps it to wake the writer */
+    uint32_t outbox_word;       /* the clock bumps it to wake the dispatcher or writer */
 
     /* Process-shared, robust, and on one 64-byte line with everything an
      * add or a cancel writes in the header (40 + 24 bytes with glibc on
@@ -325,9 +325,10 @@ struct shmw_entry {
  * cffi's cdef as they stand (array sizes become "..."), so the Python side
  * can never drift from them. */
 
-/* A fire record, as shmw_poll returns them and the driver writes them into
- * its pipe: this struct, then payload_size bytes rounded up to 8, of which
- * payload_len are the payload.  shmw_record_size() gives the stride. */
+/* A fire record, as shmw_poll and shmw_drive_take return them and the
+ * driver's writer writes them to an external consumer: this struct, then
+ * payload_size bytes rounded up to 8, of which payload_len are the
+ * payload.  shmw_record_size() gives the stride. */
 struct shmw_fire {
     int64_t  handle;
     int64_t  deadline_ns;
@@ -413,12 +414,17 @@ int     shmw_record_size(shmw_t *w);
 /* The driver.  Register takes over only if the registration is still the
  * one the caller saw (expect_*), whose process the caller found dead; a
  * pid of 0 releases it.  drive_clock and drive_writer loop, without the
- * GIL, until *stop is set and shmw_wake is called; ack_many frees fired
- * timers whose handlers have run and counts handler errors. */
+ * GIL, until *stop is set and shmw_wake is called.  drive_take hands the
+ * fires the clock has moved in flight to a dispatcher in the driver's own
+ * process, up to `cap` records into `buf`, and returns how many, or 0
+ * once *stop is set and none are left (drive_writer is drive_take and
+ * write(2)).  ack_many frees fired timers whose handlers have run and
+ * counts handler errors. */
 int     shmw_driver_register(shmw_t *w, int32_t pid, int64_t start,
                              int32_t expect_pid, int64_t expect_start);
 int     shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state);
 int     shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch);
+int     shmw_drive_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t cap);
 int     shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap);
 void    shmw_wake(shmw_t *w);
 

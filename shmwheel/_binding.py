@@ -52,7 +52,7 @@ _MESSAGES: dict[int, tuple[type[BaseException], str]] = {
     lib.SHMW_ENOMEM: (MemoryError, "out of memory"),
     lib.SHMW_ECLOSED: (ValueError, "operation on a closed Wheel"),
     lib.SHMW_EDRIVER: (DriverRunningError, "a driver is registered on segment {name!r}"),
-    lib.SHMW_EIO: (OSError, "writing fires to the driver's pipe failed"),
+    lib.SHMW_EIO: (OSError, "writing fires to the driver's fd or FIFO failed"),
     lib.SHMW_EPRODUCER: (
         WheelFullError,
         f"segment {{name!r}} records {lib.SHMW_MAX_PRODUCERS} attached processes, all alive: "

@@ -1,17 +1,20 @@
 """The driver: the one process per wheel that advances the clock and hands the
 fires to a handler.
 
-Three threads, two of them in C without the GIL:
+Two threads besides the main one:
 
-* the clock (``shmw_drive_clock``) sleeps in FUTEX_WAIT until the earliest
-  non-empty bucket is due, or until a producer adds an earlier timer, and
-  moves what is due onto the segment's in-flight list, stamping ``fired_at``;
-* the writer (``shmw_drive_writer``) copies in-flight fires that are not yet
-  sent into a pipe, as fixed-size records; a full pipe blocks it and only it;
-* the dispatcher (Python) reads the pipe, calls the handler for each fire,
-  and acknowledges a batch once its handlers have returned, which frees the
-  slots.  Or, instead, an external consumer reads the records from an fd or
-  a named FIFO with :class:`FireReader` and acknowledges them itself.
+* the clock (``shmw_drive_clock``, in C without the GIL) sleeps in
+  FUTEX_WAIT until the earliest non-empty bucket is due, or until a
+  producer adds an earlier timer, and moves what is due onto the segment's
+  in-flight list, stamping ``fired_at``; a slow handler never holds it up;
+* the dispatcher takes the in-flight fires not yet handed out
+  (``shmw_drive_take``, which sleeps without the GIL until the clock fires
+  some), calls the handler for each, and acknowledges a batch once its
+  handlers have returned, which frees the slots.  For an external consumer
+  the second thread is a writer instead (``shmw_drive_writer``): it writes
+  the fires as fixed-size records to an fd or a named FIFO, whose reader
+  reads them with :class:`FireReader` and acknowledges them itself; a slow
+  reader blocks the writer and only it.
 
 Delivery is exactly once while the driver lives.  If it dies (SIGKILL, a
 crash), whatever was in flight (fired, handler not finished or not yet
@@ -22,7 +25,6 @@ it out again with ``redelivered`` set: at least once across driver crashes.
 from __future__ import annotations
 
 import errno
-import fcntl
 import gc
 import importlib
 import json
@@ -49,10 +51,8 @@ _log = logging.getLogger("shmwheel.driver")
 
 Handler = Callable[[Fire], object]
 
-_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named in the module from 3.10 on Linux only
-_PIPE_SIZE = 1 << 20  # fewer wake-ups of the writer in a burst
 _CLOCK_BATCH = 1024  # fires per lock hold
-_WRITE_BATCH = 512  # records per write(2)
+_SEND_BATCH = 512  # fires taken per lock hold: a dispatcher's batch, or one write(2)
 _READ_SIZE = 1 << 18
 _REAP_INTERVAL = 1.0  # seconds between looks for producers that have exited
 
@@ -109,7 +109,7 @@ class Driver:
         self._stopping = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._clock_stop = ffi.new("int *")
-        self._writer_stop = ffi.new("int *")
+        self._send_stop = ffi.new("int *")  # stops the dispatcher's takes, or the writer
         self._wheel: Wheel | None = None
         self.handler_errors = 0
         self.fired = 0
@@ -171,11 +171,11 @@ class Driver:
                 raise_for(rc, name=self.name)
 
     def _drive(self, wheel: Wheel, me: int, on_ready: Callable[[], object] | None) -> None:
-        fds = self._open_output()
-        if fds is None:
-            return
-        out_fd, read_fd = fds
-        rec_size = wheel._record.size
+        out_fd = None
+        if self._external:
+            out_fd = self._open_output()
+            if out_fd is None:
+                return  # asked to stop while waiting for the FIFO's reader
         errors: list[BaseException] = []
 
         def clock() -> None:
@@ -184,34 +184,31 @@ class Driver:
                 errors.append(ShmwheelError(f"clock stopped with code {rc}"))
                 self.stop()
 
-        def writer() -> None:
-            buf = ffi.new("char[]", _WRITE_BATCH * rec_size)
+        def writer(fd: int) -> None:
+            buf = ffi.new("char[]", _SEND_BATCH * wheel._record.size)
             try:
-                rc = lib.shmw_drive_writer(wheel._w, out_fd, self._writer_stop, buf, _WRITE_BATCH)
+                rc = lib.shmw_drive_writer(wheel._w, fd, self._send_stop, buf, _SEND_BATCH)
                 if rc:
                     errors.append(OSError(ffi.errno, f"writing fires failed (code {rc})"))
                     self.stop()
             finally:
-                os.close(out_fd)  # the reader sees EOF once everything is sent
+                os.close(fd)  # the reader sees EOF once everything is sent
 
-        def dispatch(read_fd: int) -> None:
-            # If this thread dies, the driver stops: closing the read end
-            # makes the writer fail with EPIPE instead of blocking forever.
+        def dispatch() -> None:
             try:
-                self._dispatch(wheel, read_fd)
+                self._dispatch(wheel)
             except BaseException as exc:
                 _log.exception("driver %d: the dispatcher failed", me)
                 errors.append(exc)
                 self.stop()
 
-        threads = [threading.Thread(target=clock, name="shmwheel-clock", daemon=True)]
-        threads.append(threading.Thread(target=writer, name="shmwheel-writer", daemon=True))
-        dispatcher = None
-        if read_fd is not None:
-            dispatcher = threading.Thread(target=dispatch, args=(read_fd,), name="shmwheel-dispatch")
-            dispatcher.start()
-        for t in threads:
-            t.start()
+        clock_thread = threading.Thread(target=clock, name="shmwheel-clock", daemon=True)
+        if out_fd is not None:
+            sender = threading.Thread(target=writer, args=(out_fd,), name="shmwheel-writer", daemon=True)
+        else:
+            sender = threading.Thread(target=dispatch, name="shmwheel-dispatch")
+        sender.start()
+        clock_thread.start()
         try:
             _log.info("driver %d: running on wheel %r", me, self.name)
             if on_ready is not None:
@@ -223,20 +220,18 @@ class Driver:
                 if n:
                     _log.info("driver %d: cancelled %d timers of producers that exited", me, n)
         finally:
-            # Graceful stop, and on any way out: no new fires; send what
-            # has fired; let the handlers finish and acknowledge.  The C
+            # Graceful stop, and on any way out: no new fires; hand out what
+            # has fired; let the handlers finish and acknowledge.  The
             # threads use the mapping, so they must be gone before run()
             # closes the wheel.
             lib.shmw_driver_set_state(wheel._w, me, lib.SHMW_DRIVER_STOPPING)
             self._clock_stop[0] = 1
             lib.shmw_wake(wheel._w)
-            threads[0].join()
-            self._writer_stop[0] = 1
+            clock_thread.join()
+            self._send_stop[0] = 1
             lib.shmw_wake(wheel._w)
-            threads[1].join()
-            if dispatcher is not None:
-                dispatcher.join()
-            elif self._external:
+            sender.join()
+            if self._external:
                 self._await_external_acks(wheel)
         if errors:
             raise errors[0]
@@ -252,20 +247,13 @@ class Driver:
         while wheel._raw_stats().inflight and time.monotonic() < give_up:
             time.sleep(0.01)
 
-    def _open_output(self) -> tuple[int, int | None] | None:
-        """The fd the writer writes to, and the one the dispatcher reads (or
-        None); None if asked to stop while waiting for a FIFO's reader."""
+    def _open_output(self) -> int | None:
+        """The fd the writer writes to; None if asked to stop while waiting
+        for a FIFO's reader."""
         if self._fd is not None:
-            return self._fd, None
-        if self._fifo is not None:
-            fd = self._open_fifo(self._fifo)
-            return None if fd is None else (fd, None)
-        read_fd, write_fd = os.pipe()
-        try:
-            fcntl.fcntl(write_fd, _F_SETPIPE_SZ, _PIPE_SIZE)
-        except OSError:  # above /proc/sys/fs/pipe-max-size: the default will do
-            pass
-        return write_fd, read_fd
+            return self._fd
+        assert self._fifo is not None
+        return self._open_fifo(self._fifo)
 
     def _open_fifo(self, path: str | os.PathLike[str]) -> int | None:
         """Open the FIFO for writing once a reader has it open; stop() interrupts the wait.
@@ -285,23 +273,32 @@ class Driver:
             os.set_blocking(fd, True)
             return fd
 
-    def _dispatch(self, wheel: Wheel, read_fd: int) -> None:
-        try:
-            for fires in _read_batches(wheel, read_fd):
-                errors = 0
-                for fire in fires:
-                    try:
-                        self._handler(fire)
-                    except Exception:
-                        errors += 1
-                        _log.exception("handler failed on timer %d", fire.handle)
-                self.fired += len(fires)
-                self.handler_errors += errors
-                _ack(wheel, [f.handle for f in fires], errors)
-                if self._after_batch is not None:
-                    self._after_batch()
-        finally:
-            os.close(read_fd)
+    def _dispatch(self, wheel: Wheel) -> None:
+        """Take fires out of the segment and handle them until stopped.
+
+        The records are copied straight into one buffer allocated up front:
+        no pipe, no writer thread to wake, no system call but the futex
+        wait when there is nothing to do.
+        """
+        rec = wheel._record
+        buf = ffi.new("char[]", _SEND_BATCH * rec.size)
+        view = memoryview(ffi.buffer(buf))
+        while (n := lib.shmw_drive_take(wheel._w, self._send_stop, buf, _SEND_BATCH)) > 0:
+            fires = decode_records(rec, view[: n * rec.size])
+            errors = 0
+            for fire in fires:
+                try:
+                    self._handler(fire)
+                except Exception:
+                    errors += 1
+                    _log.exception("handler failed on timer %d", fire.handle)
+            self.fired += len(fires)
+            self.handler_errors += errors
+            _ack(wheel, [f.handle for f in fires], errors)
+            if self._after_batch is not None:
+                self._after_batch()
+        if n < 0:
+            raise_for(n, name=self.name)
 
 
 def _read_batches(wheel: Wheel, fd: int) -> Iterator[list[Fire]]:
