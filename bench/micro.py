@@ -544,7 +544,7 @@ def bench_memory(segs: Segments) -> list[Result]:
         results.append(
             Result(
                 f"fixed_bytes_p{payload}",
-                f"segment without the slab (header, buckets, heap), payload_size {payload}",
+                f"segment without the slab (header, buckets, heap, lane lists), payload_size {payload}",
                 s1 - c1 * per_entry,
                 "bytes",
             )
