@@ -747,7 +747,7 @@ static int bucket_unlink(shmw_t *w, uint32_t i)
         return SHMW_ECORRUPT;
     bk = &w->buckets[b];
     ls = list_of(w, lane, b);
-    if (ls->count == 0 || !(bk->lanes & bit))
+    if (ls->count == 0 || !(bk->lanes & bit) || bk->lanes >> SHMW_LANES)
         return SHMW_ECORRUPT;
     if (list_unlink(w, &ls->head, &ls->tail, i))
         return SHMW_ECORRUPT;
@@ -791,11 +791,12 @@ static uint32_t lookup(const shmw_t *w, int64_t handle)
  * the header is the total, so that "is there room" is one load. */
 
 /* Cuts the first n (1 <= n <= SHMW_MAGAZINE) slots off the list at *head
- * and returns the first and the last; walks and checks them all before it
- * changes anything.  ECORRUPT if the list is shorter or not all free. */
+ * and returns the first and the last; walks and checks them all, and the
+ * link it leaves behind, before it changes anything.  ECORRUPT if the
+ * list is shorter, not all free, or goes on out of bounds. */
 static int chain_cut(shmw_t *w, uint32_t *head, uint32_t n, uint32_t *first, uint32_t *last)
 {
-    uint32_t i = *head, k;
+    uint32_t i = *head, k, rest;
 
     for (k = 1;; k++) {
         if (i >= w->capacity || entry_at(w, i)->state != SHMW_FREE)
@@ -804,20 +805,27 @@ static int chain_cut(shmw_t *w, uint32_t *head, uint32_t n, uint32_t *first, uin
             break;
         i = entry_at(w, i)->next;
     }
+    rest = entry_at(w, i)->next;
+    if (rest != SHMW_NIL && rest >= w->capacity)
+        return SHMW_ECORRUPT;
     *first = *head;
     *last = i;
-    STORE(*head, entry_at(w, i)->next);
+    STORE(*head, rest);
     STORE(entry_at(w, i)->next, SHMW_NIL);
     return SHMW_OK;
 }
 
-/* Slots on the shared list, up to `max` (it keeps no count of its own). */
+/* Slots on the shared list, up to `max` (it keeps no count of its own).
+ * A link out of bounds ends the count one slot past the last good one,
+ * so that chain_cut finds it and nothing is taken. */
 static uint32_t shared_free(const shmw_t *w, uint32_t max)
 {
     uint32_t i = w->hdr->free_head, n = 0;
 
-    while (n < max && i < w->capacity) {
+    while (n < max && i != SHMW_NIL) {
         n++;
+        if (i >= w->capacity)
+            break;
         i = entry_at(w, i)->next;
     }
     return n;
@@ -2131,6 +2139,10 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
         for (lane = 0; lane <= SHMW_LANES; lane++) {
             uint32_t max = lane < SHMW_LANES ? h->lanes[lane].free_count : w->capacity;
             const char *name = lane < SHMW_LANES ? "magazine" : "shared free list";
+            /* Before the walk: the count bounds it, and a free list has no
+             * back links to stop a loop early. */
+            if (lane < SHMW_LANES && max >= 2 * SHMW_MAGAZINE)
+                FAIL("magazine %u: count %u, over %u", lane, max, 2 * SHMW_MAGAZINE - 1);
             i = lane < SHMW_LANES ? h->lanes[lane].free_head : h->free_head;
             last[lane] = SHMW_NIL;
             for (k = 0; k < max && i != SHMW_NIL; k++) {
@@ -2145,8 +2157,6 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
                 FAIL("%s %u: longer than %u", name, lane, max);
             if (lane < SHMW_LANES && k != max)
                 FAIL("magazine %u: %u long, its count says %u", lane, k, max);
-            if (lane < SHMW_LANES && k >= 2 * SHMW_MAGAZINE)
-                FAIL("magazine %u: %u long, over %u", lane, k, 2 * SHMW_MAGAZINE - 1);
             total += k;
             for (l = 0; l < lane; l++)
                 if (last[lane] != SHMW_NIL && last[l] == last[lane])

@@ -68,11 +68,16 @@ class _Context(dict[str, object]):
         return "?"
 
 
-def raise_for(rc: int, **context: object) -> NoReturn:
-    """Raise the exception for the negative code ``rc``; ``context`` fills the message."""
+def error_for(rc: int, **context: object) -> Exception:
+    """The exception for the negative code ``rc``; ``context`` fills the message."""
     try:
         cls, template = _MESSAGES[rc]
     except KeyError:
-        raise RuntimeError(f"unexpected result {rc} from the C core") from None
+        return RuntimeError(f"unexpected result {rc} from the C core")
     context.setdefault("what", "delay")
-    raise cls(template.format_map(_Context(context)))
+    return cls(template.format_map(_Context(context)))
+
+
+def raise_for(rc: int, **context: object) -> NoReturn:
+    """Raise the exception for the negative code ``rc``; ``context`` fills the message."""
+    raise error_for(rc, **context)

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._binding import ffi, lib, raise_for
+from ._binding import error_for, ffi, lib, raise_for
 from ._errors import DriverRunningError, ShmwheelError
 from ._process import alive, start_time
 from ._wheel import Fire, Wheel, attach, decode_records
@@ -181,15 +181,18 @@ class Driver:
         def clock() -> None:
             rc = lib.shmw_drive_clock(wheel._w, self._clock_stop, _CLOCK_BATCH)
             if rc:
-                errors.append(ShmwheelError(f"clock stopped with code {rc}"))
+                errors.append(error_for(rc, name=self.name))
                 self.stop()
 
         def writer(fd: int) -> None:
             buf = ffi.new("char[]", _SEND_BATCH * wheel._record.size)
             try:
                 rc = lib.shmw_drive_writer(wheel._w, fd, self._send_stop, buf, _SEND_BATCH)
+                if rc == lib.SHMW_EIO:
+                    errors.append(OSError(ffi.errno, f"writing fires failed: {os.strerror(ffi.errno)}"))
+                elif rc:  # taking them out of the segment failed: ECORRUPT, ELOCK...
+                    errors.append(error_for(rc, name=self.name))
                 if rc:
-                    errors.append(OSError(ffi.errno, f"writing fires failed (code {rc})"))
                     self.stop()
             finally:
                 os.close(fd)  # the reader sees EOF once everything is sent

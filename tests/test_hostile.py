@@ -85,6 +85,72 @@ def test_scribbled_bucket_expiry_fails_an_add_without_changing_anything(make_whe
     w.check()
 
 
+def entry(w: shmwheel.Wheel, index: int):
+    return ffi.cast("struct shmw_entry *", w._buf + layout(w).slab + index * header(w).stride)
+
+
+def my_lane(w: shmwheel.Wheel):
+    """This process's magazine of free slots."""
+    return header(w).lanes[w._producer % lib.SHMW_LANES]
+
+
+def test_a_scribbled_magazine_count_is_reported_before_the_checker_walks_it(make_wheel) -> None:
+    """A huge magazine count over a list that loops: a free list has no back
+    links, so only the count bounds the walk, and it is checked first."""
+    w = make_wheel(capacity=16)
+    w.cancel(w.add(60))  # this process's magazine now holds every slot
+    mag = my_lane(w)
+    count, first = mag.free_count, mag.free_head
+    link = entry(w, first).next
+    mag.free_count, entry(w, first).next = 0xFFFFFFFF, first
+    try:
+        with pytest.raises(shmwheel.CorruptSegmentError, match=r"magazine \d+: count 4294967295, over 63"):
+            w.check()
+    finally:
+        mag.free_count, entry(w, first).next = count, link
+    w.check()
+
+
+def test_scribbled_lane_bits_fail_a_cancel_without_changing_anything(make_wheel) -> None:
+    """Bits above the lanes in a bucket's mask: emptying its last list would
+    leave the bucket in the heap with nothing in it, so the cancel refuses."""
+    w = make_wheel(capacity=16)
+    h = w.add(60)
+    buckets = ffi.cast("struct shmw_bucket *", w._buf + layout(w).buckets)
+    used = next(i for i in range(w.levels * w.wheel_size) if buckets[i].lanes)
+    buckets[used].lanes |= 1 << lib.SHMW_LANES
+    try:
+        with pytest.raises(shmwheel.CorruptSegmentError):
+            w.cancel(h)
+    finally:
+        buckets[used].lanes &= ~(1 << lib.SHMW_LANES)
+    assert w.cancel(h), "the failed cancel changed the timer"
+    assert header(w).heap_len == 0, "the emptied bucket stayed in the delay-heap"
+
+
+def test_a_scribbled_link_in_the_shared_free_list_fails_an_add_without_changing_anything(make_wheel) -> None:
+    """A refill walks the slots it takes, and the link it leaves behind,
+    before it moves any: a link out of bounds is reported, not stored."""
+    w = make_wheel(capacity=128)
+    for _ in range(lib.SHMW_MAGAZINE):  # the first refill's slots, all taken: the magazine is empty
+        w.add(60)
+    assert my_lane(w).free_count == 0
+    i = header(w).free_head
+    for _ in range(4):  # the fifth slot on the shared list
+        i = entry(w, i).next
+    link = entry(w, i).next
+    entry(w, i).next = 0x7FFFFFF0
+    st = w.stats()
+    try:
+        with pytest.raises(shmwheel.CorruptSegmentError):
+            w.add(60)
+        assert w.stats() == st, "the failed add changed the segment"
+    finally:
+        entry(w, i).next = link
+    w.add(60)
+    w.check()
+
+
 def test_in_flight_walk_is_bounded_by_capacity(make_wheel) -> None:
     w = make_wheel(capacity=8)
     hd = header(w)
