@@ -790,72 +790,59 @@ static uint32_t lookup(const shmw_t *w, int64_t handle)
  * every SHMW_MAGAZINE operations at most: O(1) amortised.  free_count in
  * the header is the total, so that "is there room" is one load. */
 
-/* Cuts the first n (1 <= n <= SHMW_MAGAZINE) slots off the list at *head
- * and returns the first and the last; walks and checks them all, and the
- * link it leaves behind, before it changes anything.  ECORRUPT if the
- * list is shorter, not all free, or goes on out of bounds. */
-static int chain_cut(shmw_t *w, uint32_t *head, uint32_t n, uint32_t *first, uint32_t *last)
+/* Cuts up to `max` (<= SHMW_MAGAZINE) slots off the free list at *head,
+ * fewer only where it ends, and gives the first and the last; `exact`:
+ * the list must hold `max`.  One walk checks them all, and the link left
+ * behind, before anything changes: ECORRUPT if a slot is not free or a
+ * link is out of bounds.  Returns how many (0: the list is empty). */
+static int chain_cut(shmw_t *w, uint32_t *head, uint32_t max, int exact, uint32_t *first, uint32_t *last)
 {
-    uint32_t i = *head, k, rest;
-
-    for (k = 1;; k++) {
-        if (i >= w->capacity || entry_at(w, i)->state != SHMW_FREE)
-            return SHMW_ECORRUPT;
-        if (k == n)
-            break;
-        i = entry_at(w, i)->next;
-    }
-    rest = entry_at(w, i)->next;
-    if (rest != SHMW_NIL && rest >= w->capacity)
-        return SHMW_ECORRUPT;
-    *first = *head;
-    *last = i;
-    STORE(*head, rest);
-    STORE(entry_at(w, i)->next, SHMW_NIL);
-    return SHMW_OK;
-}
-
-/* Slots on the shared list, up to `max` (it keeps no count of its own).
- * A link out of bounds ends the count one slot past the last good one,
- * so that chain_cut finds it and nothing is taken. */
-static uint32_t shared_free(const shmw_t *w, uint32_t max)
-{
-    uint32_t i = w->hdr->free_head, n = 0;
+    uint32_t i = *head, prev = SHMW_NIL, n = 0;
 
     while (n < max && i != SHMW_NIL) {
-        n++;
-        if (i >= w->capacity)
-            break;
+        if (i >= w->capacity || entry_at(w, i)->state != SHMW_FREE)
+            return SHMW_ECORRUPT;
+        prev = i;
         i = entry_at(w, i)->next;
+        n++;
     }
-    return n;
+    if ((i != SHMW_NIL && i >= w->capacity) || (exact && n < max))
+        return SHMW_ECORRUPT;
+    if (n == 0)
+        return 0;
+    *first = *head;
+    *last = prev;
+    STORE(*head, i);
+    STORE(entry_at(w, prev)->next, SHMW_NIL);
+    return (int)n;
 }
 
-/* Fills the empty magazine of `lane`. */
+/* Fills the empty magazine of `lane`: from the shared list, or, when that
+ * is empty too (the wheel is nearly full), from the first lane with any. */
 static int magazine_refill(shmw_t *w, struct shmw_lane *lane)
 {
     struct shmw_header *h = w->hdr;
-    uint32_t n = shared_free(w, SHMW_MAGAZINE), first, last, k;
-    int rc;
+    uint32_t first = SHMW_NIL, last, k;
+    int n;
 
     if (lane->free_head != SHMW_NIL)
         return SHMW_ECORRUPT;
-    if (n > 0) {
-        if ((rc = chain_cut(w, &h->free_head, n, &first, &last)))
-            return rc;
-    } else {
-        /* Nearly full: take from the first lane that has any. */
+    n = chain_cut(w, &h->free_head, SHMW_MAGAZINE, 0, &first, &last);
+    if (n == 0) {
         for (k = 0; k < SHMW_LANES && h->lanes[k].free_count == 0; k++)
             ;
         if (k == SHMW_LANES)
             return SHMW_ECORRUPT;           /* free_count said there were some */
-        n = h->lanes[k].free_count < SHMW_MAGAZINE ? h->lanes[k].free_count : SHMW_MAGAZINE;
-        if ((rc = chain_cut(w, &h->lanes[k].free_head, n, &first, &last)))
-            return rc;
-        STORE(h->lanes[k].free_count, h->lanes[k].free_count - n);
+        n = chain_cut(w, &h->lanes[k].free_head,
+                      h->lanes[k].free_count < SHMW_MAGAZINE ? h->lanes[k].free_count : SHMW_MAGAZINE, 1,
+                      &first, &last);
+        if (n > 0)
+            STORE(h->lanes[k].free_count, h->lanes[k].free_count - (uint32_t)n);
     }
+    if (n < 0)
+        return n;
     STORE(lane->free_head, first);
-    STORE(lane->free_count, n);
+    STORE(lane->free_count, (uint32_t)n);
     return SHMW_OK;
 }
 
@@ -867,7 +854,7 @@ static void magazine_spill(shmw_t *w, struct shmw_lane *lane)
     struct shmw_header *h = w->hdr;
     uint32_t first, last;
 
-    if (chain_cut(w, &lane->free_head, SHMW_MAGAZINE, &first, &last))
+    if (chain_cut(w, &lane->free_head, SHMW_MAGAZINE, 1, &first, &last) != (int)SHMW_MAGAZINE)
         return;
     STORE(lane->free_count, lane->free_count - SHMW_MAGAZINE);
     STORE(entry_at(w, last)->next, h->free_head);
@@ -902,10 +889,11 @@ static void slot_free(shmw_t *w, uint32_t i)
         magazine_spill(w, lane);
 }
 
-static int slot_alloc(shmw_t *w, uint32_t *out)
+/* Takes a free slot for a timer of lane `lane_no`, from its magazine. */
+static int slot_alloc(shmw_t *w, uint32_t lane_no, uint32_t *out)
 {
     struct shmw_header *h = w->hdr;
-    struct shmw_lane *lane = &h->lanes[lane_of(my_producer(w))];
+    struct shmw_lane *lane = &h->lanes[lane_no];
     struct shmw_entry *e;
     uint32_t i;
     int rc;
@@ -966,7 +954,7 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
     if (rc == SHMW_OK)
         rc = bucket_can_take(w, b, lane_of(producer), expires);
     if (rc == SHMW_OK)
-        rc = slot_alloc(w, &i);
+        rc = slot_alloc(w, lane_of(producer), &i);
     if (rc)
         return rc;
     e = entry_at(w, i);
