@@ -16,7 +16,9 @@ import math
 import os
 import pickle
 import queue
+import shutil
 import sys
+import tempfile
 import time
 from array import array
 from collections.abc import Iterator, Sequence
@@ -77,6 +79,20 @@ class Segments:
         for name in self._names:
             if os.path.exists(os.path.join(SHM_DIR, name)):
                 _unlink_quietly(name)
+
+
+@contextlib.contextmanager
+def scratch(segs: Segments, prefix: str | None = None) -> Iterator[str]:
+    """A benchmark's leftovers, removed however it ends (Ctrl-C included):
+    every segment ``segs`` handed out and, with ``prefix``, a scratch
+    directory, whose path is yielded ("" without one)."""
+    tmp = tempfile.mkdtemp(prefix=prefix) if prefix else ""
+    try:
+        yield tmp
+    finally:
+        segs.cleanup()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _unlink_quietly(name: str) -> None:

@@ -66,10 +66,8 @@ import math
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from array import array
 from collections.abc import Sequence
@@ -91,6 +89,7 @@ from _common import (
     distribution_ms,
     progress,
     read_fire_log,
+    scratch,
     start_producers,
     stop_driver,
     strict_json,
@@ -707,19 +706,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, terminate)
 
     segs = Segments("shmwheel-bench-driver")
-    tmp = tempfile.mkdtemp(prefix="shmwheel-bench-driver-")
     started = time.monotonic()
     print(f"shmwheel driver benchmark{', quick run' if args.quick else ''}:", file=sys.stderr)
     try:
-        costs = handler_costs()
-        steady_run = run_steady(segs, Load(duration), args.seed, tmp)
-        bursts = [run_burst(segs, args.burst, k, tmp) for k in range(repeat)]
+        with scratch(segs, "shmwheel-bench-driver-") as tmp:
+            costs = handler_costs()
+            steady_run = run_steady(segs, Load(duration), args.seed, tmp)
+            bursts = [run_burst(segs, args.burst, k, tmp) for k in range(repeat)]
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    finally:
-        segs.cleanup()
-        shutil.rmtree(tmp, ignore_errors=True)
     progress(f"done in {time.monotonic() - started:.0f} s")
 
     machine = machine_info(psutil=psutil.__version__)

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
-from _common import Segments, progress, segment_size, terminate
+from _common import Segments, progress, scratch, segment_size, terminate
 from _machine import machine_info
 
 import shmwheel
@@ -650,12 +650,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     print(f"shmwheel micro-benchmark, {cfg.name} run:", file=sys.stderr)
     try:
-        sections = run(cfg, args.seed, segs)
+        with scratch(segs):
+            sections = run(cfg, args.seed, segs)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    finally:
-        segs.cleanup()
     progress(f"done in {time.monotonic() - started:.0f} s")
 
     machine = machine_info()

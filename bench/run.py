@@ -67,7 +67,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -76,7 +75,7 @@ from typing import Any
 import micro
 import psutil
 import stress
-from _common import Segments, distribution_ms, percentile, strict_json, terminate
+from _common import Segments, distribution_ms, percentile, scratch, strict_json, terminate
 from _machine import machine_info
 from tqdm import tqdm
 
@@ -631,16 +630,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, terminate)
     segs = Segments()
-    tmp = tempfile.mkdtemp(prefix="shmwheel-bench-run-")
     started = time.monotonic()
     try:
-        results = run_all(args, segs, tmp)
+        with scratch(segs, "shmwheel-bench-run-") as tmp:
+            results = run_all(args, segs, tmp)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    finally:
-        segs.cleanup()
-        shutil.rmtree(tmp, ignore_errors=True)
     wall = time.monotonic() - started
 
     machine = machine_info(psutil=psutil.__version__, **redis_versions())

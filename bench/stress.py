@@ -76,6 +76,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 from array import array
@@ -930,6 +931,10 @@ def run_stress(backend: Backend, producers: int, duration: float, run: int, tmp:
             while watcher.pending() and time.monotonic() < give_up:
                 time.sleep(0.01)
     finally:
+        # On the way out of an error or a Ctrl-C: stop everything, but
+        # report nothing new - a poller that lost its server then is a
+        # consequence, and would hide the cause.
+        unwinding = sys.exc_info()[0] is not None
         if watcher is not None:
             watcher.close()
         for p in procs:
@@ -939,26 +944,29 @@ def run_stress(backend: Backend, producers: int, duration: float, run: int, tmp:
                 p.join()
         if driver is not None:
             code = stop_driver(driver)
-            if code != 0:
+            if code != 0 and not unwinding:
                 raise RuntimeError(f"the driver exited with code {code}")
-            log = read_fire_log(fire_path, code)
-            fires = {
-                "keys": [int.from_bytes(p, "little") for p in log["payloads"]],
-                "deadlines": log["deadline_ns"],
-                "stamps": log["handled_ns"],
-                "fired_at": log["fired_at_ns"],
-            }
+            if not unwinding:
+                log = read_fire_log(fire_path, code)
+                fires = {
+                    "keys": [int.from_bytes(p, "little") for p in log["payloads"]],
+                    "deadlines": log["deadline_ns"],
+                    "stamps": log["handled_ns"],
+                    "fired_at": log["fired_at_ns"],
+                }
         if poller is not None:
             stop.set()
             poller.join(READY_TIMEOUT)
             if poller.is_alive():
                 poller.kill()
                 poller.join()
-            if poller.exitcode != 0:
+            if poller.exitcode != 0 and not unwinding:
                 raise RuntimeError(f"the {backend.name} poller exited with code {poller.exitcode}")
-            with open(fire_path, "rb") as f:
-                fires = pickle.load(f)
-        backend.end(target)
+            if not unwinding:
+                with open(fire_path, "rb") as f:
+                    fires = pickle.load(f)
+        with contextlib.suppress(Exception) if unwinding else contextlib.nullcontext():
+            backend.end(target)
     if backend.in_process:  # each producer fired its own
         fires = {col: list(itertools.chain.from_iterable(r["fires"][col] for r in reports)) for col in Fires.COLUMNS}
 
