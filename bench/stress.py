@@ -515,11 +515,17 @@ class HeapqClient:
 # -- the processes of a run -----------------------------------------------------------------
 
 
-def produce(target: Target, index: int, duration: float, channel: Any, go: Any, start_at: Any) -> None:
-    """A producer process: the request loop, flat out for ``duration`` s, then a report."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    client: Any = connect(target)
-    add, cancel, service, monotonic_ns = client.add, client.cancel, client.service, time.monotonic_ns
+def request_loop(
+    client: Any, index: int, end_ns: int, monotonic_ns: Callable[[], int] = time.monotonic_ns
+) -> tuple[int, array[int]]:
+    """Producer ``index``'s requests on ``client`` until ``end_ns``, flat out.
+
+    Returns how many requests started, and the keys whose cancel came too
+    late (they must fire once).  The requests still in service at the end
+    complete at once.  ``monotonic_ns`` is the loop's clock: instructions.py
+    gives it a virtual one.
+    """
+    add, cancel, service = client.add, client.cancel, client.service
     base = index << KEY_BITS
     in_service: deque[tuple[int, Any, int]] = deque()  # (when it completes, token, key)
     push, pop = in_service.append, in_service.popleft
@@ -530,12 +536,6 @@ def produce(target: Target, index: int, duration: float, channel: Any, go: Any, 
     every, hangs = FIRE_EVERY, FIRE_EVERY - 1
     timeout_s, hang_s = timeout_ns / 1e9, hang_ns / 1e9
 
-    channel.put(("ready", index, None))
-    if not go.wait(READY_TIMEOUT):
-        return  # the parent is gone
-    start_ns: int = start_at.value
-    end_ns = start_ns + round(duration * 1e9)
-    time.sleep(max(0.0, (start_ns - monotonic_ns()) / 1e9))
     now = monotonic_ns()
     next_service = now + poll_ns
     while now < end_ns:
@@ -556,15 +556,28 @@ def produce(target: Target, index: int, duration: float, channel: Any, go: Any, 
     for _, token, key in in_service:  # the window is over: these requests complete now
         if not cancel(token):
             too_late.append(key)
+    return seq, too_late
+
+
+def produce(target: Target, index: int, duration: float, channel: Any, go: Any, start_at: Any) -> None:
+    """A producer process: the request loop for ``duration`` s from the common start, then a report."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    client: Any = connect(target)
+    channel.put(("ready", index, None))
+    if not go.wait(READY_TIMEOUT):
+        return  # the parent is gone
+    start_ns: int = start_at.value
+    time.sleep(max(0.0, (start_ns - time.monotonic_ns()) / 1e9))
+    seq, too_late = request_loop(client, index, start_ns + round(duration * 1e9))
 
     report: dict[str, Any] = {"requests": seq, "too_late": too_late}
     fires: Fires | None = getattr(client, "fires", None)
     if fires is not None:  # in-process: serve the loop until the hung requests have fired
         expected = seq // FIRE_EVERY + len(too_late)
-        give_up = monotonic_ns() + round(DRAIN_TIMEOUT * 1e9)
-        while len(fires) < expected and monotonic_ns() < give_up:
+        give_up = time.monotonic_ns() + round(DRAIN_TIMEOUT * 1e9)
+        while len(fires) < expected and time.monotonic_ns() < give_up:
             time.sleep(POLL_INTERVAL_NS / 1e9)
-            service(monotonic_ns())
+            client.service(time.monotonic_ns())
         report["fires"] = fires.columns()
     client.close()
     channel.put(("done", index, report))
