@@ -736,6 +736,17 @@ static int list_unlink(shmw_t *w, uint32_t *head, uint32_t *tail, uint32_t i)
     return SHMW_OK;
 }
 
+/* Whether neighbour n of an entry in lane `lane` of bucket b is in that
+ * list too.  The lane comes from the entry's own producer field: scribbled,
+ * it would name another lane's list, whose count the unlink would then
+ * take down while the entry's real neighbours still agree with each
+ * other.  Costs nothing: list_unlink reads these entries anyway. */
+static inline int same_list(const shmw_t *w, uint32_t n, uint32_t lane, uint32_t b)
+{
+    return n == SHMW_NIL
+        || (n < w->capacity && lane_of(entry_at(w, n)->producer) == lane && entry_at(w, n)->bucket == b);
+}
+
 static int bucket_unlink(shmw_t *w, uint32_t i)
 {
     struct shmw_entry *e = entry_at(w, i);
@@ -743,7 +754,7 @@ static int bucket_unlink(shmw_t *w, uint32_t i)
     struct shmw_bucket *bk;
     struct shmw_list *ls;
 
-    if (b >= w->nbuckets)
+    if (b >= w->nbuckets || !same_list(w, e->prev, lane, b) || !same_list(w, e->next, lane, b))
         return SHMW_ECORRUPT;
     bk = &w->buckets[b];
     ls = list_of(w, lane, b);
@@ -1017,7 +1028,7 @@ static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, 
         return SHMW_EINVAL;
     /* Cancel-on-exit needs this process's own producer slot; after a fork
      * the slot is the parent's, so the caller must attach again. */
-    if ((flags & SHMW_CANCEL_ON_EXIT) && (w->producer == SHMW_NO_PRODUCER || w->producer_pid != cached_pid))
+    if ((flags & SHMW_CANCEL_ON_EXIT) && my_producer(w) == SHMW_NO_PRODUCER)
         return SHMW_EPRODUCER;
     if ((rc = lock(w)))
         return rc;
@@ -1723,11 +1734,11 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     /* Per level, from the non-empty buckets: O(heap_len), once per call,
      * instead of a counter that every add and cancel would write. */
     for (k = 0; k < h->heap_len && k < w->nbuckets; k++) {
-        uint32_t b = w->heap[k], l = b >> w->wheel_bits, lane;
+        uint32_t b = w->heap[k], l = b >> w->wheel_bits, m;
         if (b >= w->nbuckets || l >= w->levels)
             continue;
-        for (lane = 0; lane < SHMW_LANES; lane++)
-            out->level_pending[l] += list_of(w, lane, b)->count;
+        for (m = w->buckets[b].lanes & ((1U << SHMW_LANES) - 1); m; m &= m - 1)  /* the lanes in use */
+            out->level_pending[l] += list_of(w, (uint32_t)__builtin_ctz(m), b)->count;
     }
     out->driver_pid = h->driver_pid;
     out->driver_start = h->driver_start;

@@ -128,6 +128,37 @@ def test_scribbled_lane_bits_fail_a_cancel_without_changing_anything(make_wheel)
     assert header(w).heap_len == 0, "the emptied bucket stayed in the delay-heap"
 
 
+def test_a_scribbled_producer_fails_a_cancel_without_touching_another_lane(make_wheel) -> None:
+    """The producer field picks the lane list a cancel unlinks from.  Scribbled
+    to name another lane of the same bucket, the entry's neighbours still
+    agree with each other, and the unlink would take down the other list's
+    count (cutting its entries off once it reached 0); it is refused."""
+    w = make_wheel(capacity=16)
+    other = shmwheel.attach(w.name)
+    fake_start = 12345  # a second slot for this pid: a second lane
+    at = time.monotonic() + 60
+    mine = [w.add_at(at) for _ in range(3)]
+    slot = lib.shmw_producer_attach(other._w, os.getpid(), fake_start)
+    try:
+        assert slot >= 0 and slot % lib.SHMW_LANES != w._producer % lib.SHMW_LANES
+        theirs = [other.add_at(at) for _ in range(2)]
+        middle = entry(w, mine[1] & ((1 << lib.shmw_slot_bits(w.capacity)) - 1))
+        real = middle.producer
+        middle.producer = slot
+        st = w.stats()
+        try:
+            with pytest.raises(shmwheel.CorruptSegmentError):
+                w.cancel(mine[1])
+            assert w.stats() == st, "the failed cancel changed the segment"
+        finally:
+            middle.producer = real
+        w.check()
+        assert w.cancel_many(mine + theirs) == 5
+    finally:
+        lib.shmw_producer_release(other._w, slot, os.getpid(), fake_start)
+        other.close()
+
+
 def test_a_scribbled_link_in_the_shared_free_list_fails_an_add_without_changing_anything(make_wheel) -> None:
     """A refill walks the slots it takes, and the link it leaves behind,
     before it moves any: a link out of bounds is reported, not stored."""
