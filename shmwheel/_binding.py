@@ -23,7 +23,7 @@ __all__ = ["MAX_DELAY", "ffi", "lib", "raise_for"]
 #: The longest delay any wheel accepts, in seconds (2**62 ns, ~146 years).
 MAX_DELAY: float = lib.SHMW_MAX_DELAY_NS / 1e9
 
-_MESSAGES: dict[int, tuple[type[BaseException], str]] = {
+_MESSAGES: dict[int, tuple[type[Exception], str]] = {
     lib.SHMW_EINVAL: (ValueError, "invalid argument"),
     lib.SHMW_ETIME: (ValueError, "{what} must be a finite, non-negative number of seconds"),
     lib.SHMW_ERANGE: (

@@ -33,6 +33,9 @@ from ._process import alive, start_time
 
 __all__ = ["Fire", "Wheel", "WheelStats", "attach", "create", "unlink"]
 
+#: What a payload may be; its bytes are copied into the timer's slot.
+Payload = bytes | bytearray | memoryview
+
 _log = logging.getLogger("shmwheel")
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -352,7 +355,7 @@ class Wheel:
 
     # -- timers ---------------------------------------------------------------
 
-    def add(self, delay: float, payload: bytes = b"", *, cancel_on_exit: bool = False) -> int:
+    def add(self, delay: float, payload: Payload = b"", *, cancel_on_exit: bool = False) -> int:
         """Add a timer due ``delay`` seconds from now; return its handle.
 
         With ``cancel_on_exit``, the driver cancels the timer if this
@@ -371,7 +374,7 @@ class Wheel:
                 self._raise(h, "delay", delay)
         return h
 
-    def add_at(self, deadline: float, payload: bytes = b"", *, cancel_on_exit: bool = False) -> int:
+    def add_at(self, deadline: float, payload: Payload = b"", *, cancel_on_exit: bool = False) -> int:
         """Add a timer due at ``deadline`` on the :func:`time.monotonic` clock (see :meth:`add`)."""
         try:
             if cancel_on_exit:
@@ -469,10 +472,10 @@ class Wheel:
             self._raise(rc, "deadline", deadline)
         return rc == 1
 
-    def add_many(self, delays: Iterable[float], payloads: Iterable[bytes] | None = None) -> list[int]:
+    def add_many(self, delays: Iterable[float], payloads: Iterable[Payload] | None = None) -> list[int]:
         """Add one timer per delay in one call into C; all are added or none.
 
-        ``payloads``, if given, has one bytes object per delay.
+        ``payloads``, if given, has one payload per delay.
         """
         if not isinstance(delays, (list, tuple)):
             delays = list(delays)
@@ -526,7 +529,7 @@ class Wheel:
         return rc
 
     @contextlib.contextmanager
-    def timeout(self, delay: float, payload: bytes = b"") -> Iterator[int]:
+    def timeout(self, delay: float, payload: Payload = b"") -> Iterator[int]:
         """Add a timer for the block and cancel it when the block ends.
 
         The block is not interrupted: the timer's fire goes to whoever
