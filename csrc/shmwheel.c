@@ -1586,7 +1586,10 @@ int shmw_drive_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t cap
     /* Copies up to `cap` unsent fires out of the segment under the lock
      * and marks them sent; with none unsent, sleeps until the clock fires
      * some.  Returns how many, or 0 once *stop is set and nothing is left
-     * unsent. */
+     * unsent.  Like the clock, it stops with SHMW_EDRIVER as soon as the
+     * registration names another process: what is unsent is the new
+     * driver's to hand out, and handing it out here too would deliver it
+     * twice. */
     struct shmw_header *h;
     uint32_t stride;
     int rc;
@@ -1603,6 +1606,10 @@ int shmw_drive_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t cap
 
         if ((rc = lock(w)))
             return rc;
+        if (h->driver_pid != cached_pid) {
+            unlock(w);
+            return SHMW_EDRIVER;
+        }
         /* *stop is read after the word: a stop set before this load is
          * seen here, and one set after it bumps the word past `seen`, so
          * the FUTEX_WAIT below returns at once.  No stop is missed. */

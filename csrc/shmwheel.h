@@ -420,8 +420,9 @@ int     shmw_record_size(shmw_t *w);
  * fires the clock has moved in flight to a dispatcher in the driver's own
  * process, up to `cap` records into `buf`, and returns how many, or 0
  * once *stop is set and none are left (drive_writer is drive_take and
- * write(2)).  ack_many frees fired timers whose handlers have run and
- * counts handler errors. */
+ * write(2)).  All three return SHMW_EDRIVER as soon as the registration
+ * names another process.  ack_many frees fired timers whose handlers have
+ * run and counts handler errors. */
 int     shmw_driver_register(shmw_t *w, int32_t pid, int64_t start,
                              int32_t expect_pid, int64_t expect_start);
 int     shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state);

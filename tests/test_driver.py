@@ -23,6 +23,8 @@ import psutil
 import pytest
 
 import shmwheel
+from shmwheel._binding import lib
+from shmwheel._process import start_time
 
 # -- handlers (run in the driver process) -------------------------------------------
 
@@ -51,6 +53,14 @@ def record_or_block(path: str, fire: shmwheel.Fire) -> None:
     record(path, fire)
     if fire.payload == b"block":
         time.sleep(3600)
+
+
+def record_or_wait(path: str, gate: str, fire: shmwheel.Fire) -> None:
+    """Records every fire, then waits on the one whose payload says so until ``gate`` exists."""
+    record(path, fire)
+    give_up = time.monotonic() + 60
+    while fire.payload == b"block" and not os.path.exists(gate) and time.monotonic() < give_up:
+        time.sleep(0.01)
 
 
 def record_or_raise(path: str, fire: shmwheel.Fire) -> None:
@@ -191,6 +201,35 @@ def test_sigkilled_driver_is_taken_over_and_redelivers_only_what_was_in_flight(
     assert not set(early) & {f["handle"] for f in got}, "an acknowledged fire came again"
     st = wheel.stats()
     assert (st.in_flight, st.redelivered, st.driver_pid) == (0, 4, d2.pid)
+
+
+def test_a_driver_whose_registration_is_taken_hands_out_nothing_more(make_wheel, start, tmp_path: Path) -> None:
+    # Only a driver found dead is taken over, but should a takeover meet a
+    # live one (a registration written by hand, a pid check fooled), the
+    # old driver must stop handing out at once: what is still unsent
+    # belongs to the new one, and sending it too would deliver it twice.
+    wheel = make_wheel(capacity=100)
+    out, gate = tmp_path / "fires.jsonl", tmp_path / "gate"
+    d1 = start(wheel.name, functools.partial(record_or_wait, str(out), str(gate)))
+    blocker = wheel.add(0.05, b"block")
+    behind = [wheel.add(0.1, b"behind") for _ in range(3)]
+    # The dispatcher waits in the blocker's handler; the clock fires the rest.
+    wait_for(lambda: len(read_records(out)) == 1 and wheel.stats().in_flight == 4)
+    me, my_start, d1_start = os.getpid(), start_time(os.getpid()), wheel.stats().driver_start
+    assert lib.shmw_driver_register(wheel._w, me, my_start, d1.pid, d1_start) == 0
+    gate.touch()  # the handler returns; the dispatcher comes back for more
+    wait_for(lambda: not d1.is_alive())
+    assert d1.stop() == 1  # it has exited, with the error
+    assert [f["handle"] for f in read_records(out)] == [blocker]
+    # The blocker's handler did run, so its acknowledgement stands; the
+    # three behind it wait for whoever drives next.
+    wait_for(lambda: wheel.stats().in_flight == 3)
+    assert lib.shmw_driver_register(wheel._w, 0, 0, me, my_start) == 0
+    start(wheel.name, functools.partial(record, str(out)))
+    wait_for(lambda: len(read_records(out)) == 4 and wheel.stats().in_flight == 0)
+    again = read_records(out)[1:]
+    assert sorted(f["handle"] for f in again) == sorted(behind)
+    assert all(f["redelivered"] for f in again)
 
 
 def test_a_second_driver_is_refused(make_wheel, start) -> None:
