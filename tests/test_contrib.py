@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import shmwheel
+from shmwheel._binding import lib
 from shmwheel._process import start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
@@ -27,6 +28,7 @@ from shmwheel.contrib.timeouts import (
     RequestTimer,
     TimeoutActions,
     TimeoutHandler,
+    create_wheel,
     decode_request,
     encode_request,
     signal_process,
@@ -358,17 +360,33 @@ def test_supervisor_restarts_a_dead_driver_and_cleans_up(name: str) -> None:
 
 
 def test_supervisor_refuses_a_wheel_with_a_live_driver_and_replaces_a_stale_one(name: str, caplog) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
     stale = shmwheel.create(name, capacity=10)
+    assert lib.shmw_driver_register(stale._w, gone.pid, 1, 0, 0) == 0  # its driver died
     stale.close()
     first = DriverSupervisor(name)
     with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
         first.start()
     try:
-        assert "replacing a segment left over" in caplog.text
+        assert "replacing a segment left over from a server that is gone" in caplog.text
         with pytest.raises(shmwheel.DriverRunningError, match="is in use"):
             DriverSupervisor(name).start()
     finally:
         first.stop()
+
+
+def test_a_wheel_no_driver_runs_on_is_replaced_without_a_warning(name: str, caplog) -> None:
+    # What uWSGI's mule leaves for the master when the whole server reloads.
+    kept = shmwheel.create(name, capacity=10)
+    kept.add(60.0, b"a request of a worker that is gone")
+    kept.close()
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        create_wheel(name)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "replacing a segment no driver runs on" in caplog.text
+    with shmwheel.attach(name) as fresh:
+        assert len(fresh) == 0
 
 
 def test_a_driver_whose_parent_is_killed_removes_the_wheel(name: str, tmp_path: Path) -> None:

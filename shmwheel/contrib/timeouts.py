@@ -456,8 +456,9 @@ def create_wheel(name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0
     """Create a request-timeout wheel named ``name``, replacing a stale one.
 
     A segment of that name whose driver is gone is left over from a server
-    that did not shut down (SIGKILL, a crash): it is removed.  One with a
-    live driver belongs to a server that is running: DriverRunningError.
+    that did not shut down (SIGKILL, a crash), or kept by a driver that
+    stopped for a reload (uWSGI's mule): it is removed.  One with a live
+    driver belongs to a server that is running: DriverRunningError.
     """
     for _ in range(2):
         try:
@@ -476,7 +477,10 @@ def create_wheel(name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0
                 st = old.stats()
             if st.driver_pid and alive(st.driver_pid, st.driver_start or 0):
                 raise DriverRunningError(f"wheel {name!r} is in use: its driver, pid {st.driver_pid}, is running")
-            _log.warning("wheel %r: replacing a segment left over from a server that is gone", name)
+            if st.driver_pid:
+                _log.warning("wheel %r: replacing a segment left over from a server that is gone", name)
+            else:  # its last driver stopped in good order (a reload), or none ever ran
+                _log.info("wheel %r: replacing a segment no driver runs on", name)
         with contextlib.suppress(SegmentNotFoundError):
             unlink(name)
     raise SegmentExistsError(f"wheel {name!r} keeps being created by someone else")
