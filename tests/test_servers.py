@@ -282,6 +282,40 @@ def test_uwsgi_kills_and_replaces_a_stuck_worker(tmp_path: Path) -> None:
         assert_nothing_left(server)
 
 
+def test_uwsgi_mules_reload_keeps_the_wheel_the_workers_hold(tmp_path: Path) -> None:
+    """touch-mules-reload stops the mule gracefully and starts another: the
+    wheel stays (the workers hold it), the new mule drives it, and only the
+    shutdown removes it."""
+    port = free_port()
+    trigger = tmp_path / "reload-mules"
+    trigger.touch()
+    options = {"shmwheel-kill": "false", "shmwheel-timeout": "0.5", "touch-mules-reload": str(trigger)}
+    ini = uwsgi_ini(tmp_path, port, **options)
+    with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
+        first = int(server.wait_for(r"driver (\d+): running on wheel").group(1))
+        assert get(server.port, "/")[0] == 200  # a worker has attached
+        segment = os.stat(f"/dev/shm/{server.wheel}").st_ino
+        # uWSGI compares whole seconds of mtime, from a first look it takes
+        # some time after the start: move it on until the reload shows.
+        give_up, ahead = time.monotonic() + WAIT, 0
+        while "mules reload" not in server.log():
+            assert time.monotonic() < give_up, "uWSGI did not reload the mules"
+            ahead += 5
+            later = time.time_ns() + ahead * 10**9
+            os.utime(trigger, ns=(later, later))
+            time.sleep(0.5)
+        server.wait_for(rf"driver {first}: stopped on wheel")
+        server.wait_for(rf"driver (?!{first}:)\d+: running on wheel '{server.wheel}'")
+        assert os.stat(f"/dev/shm/{server.wheel}").st_ino == segment, "the wheel was made anew"
+        assert f"wheel '{server.wheel}' kept for the mule or the master that comes next" in server.log()
+        status, body = get(server.port, "/sleep?s=1.5")
+        assert status == 200
+        pid = int(server.wait_for(timed_out_line("/sleep") + "; dumping its tracebacks$").group(1))
+        assert body == f"done by pid {pid}\n"
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left(server)
+
+
 def test_uwsgi_mule_that_dies_is_respawned_and_takes_over(tmp_path: Path) -> None:
     """kill -9 the driver mule: uWSGI starts another, which drives the same wheel."""
     port = free_port()

@@ -30,9 +30,11 @@ The ``shmwheel-*`` options (uWSGI hands every process the whole config):
 ==========================  =================================================
 
 The master creates the wheel when it loads the application (a worker
-attaches on its first request); the mule drives it, uWSGI restarts the mule
-if it dies, and the mule removes the wheel when uWSGI stops or reloads it.
-With ``lazy-apps`` the mule creates the wheel instead.
+attaches on its first request); the mule drives it, and uWSGI restarts the
+mule if it dies or is reloaded, which takes the same wheel over.  The mule
+removes the wheel when uWSGI shuts down; on a reload of the whole server,
+the master replaces it.  With ``lazy-apps`` the mule creates the wheel
+instead.
 """
 
 from __future__ import annotations
@@ -183,11 +185,12 @@ def driver() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=_LOG_FORMAT)
     config = _settings()
     run = Driver(config.name, TimeoutHandler(config.name, config.actions))
-    stopped = False
+    master = uwsgi.masterpid()
+    stopped_by: int | None = None
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopped
-        stopped = True
+        nonlocal stopped_by
+        stopped_by = signum
         run.stop()
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
@@ -196,7 +199,7 @@ def driver() -> None:
     # mule as its signals do (on the main thread, so that pause() returns).
     main = threading.main_thread().ident
     assert main is not None
-    _watch_parent(uwsgi.masterpid(), lambda: signal.pthread_kill(main, signal.SIGTERM))
+    _watch_parent(master, lambda: signal.pthread_kill(main, signal.SIGTERM))
     try:
         try:
             _attach(config.name, producer=False).close()
@@ -207,13 +210,29 @@ def driver() -> None:
         # Another mule drives it.  Returning would only have uWSGI start
         # this mule again at once, so wait to be stopped.
         _log.error("shmwheel: %s; this mule stays idle", exc)
-        while not stopped:
+        while stopped_by is None:
             signal.pause()
         return
     except ShmwheelError as exc:
         _log.error("shmwheel: the driver failed: %s", exc)
         raise
-    # Stopped by uWSGI: it is shutting down, or reloading, and a reload
-    # loads the application again, which makes a new wheel.
-    with contextlib.suppress(SegmentNotFoundError):
-        unlink(config.name)
+    if _server_is_going(stopped_by, master):
+        with contextlib.suppress(SegmentNotFoundError):
+            unlink(config.name)
+    else:
+        _log.info("shmwheel: wheel %r kept for the mule or the master that comes next", config.name)
+
+
+def _server_is_going(signum: int | None, master: int) -> bool:
+    """Whether the signal that stopped the mule means uWSGI is going away.
+
+    uWSGI tells a mule why it stops by the signal it sends: SIGINT when it
+    shuts down (on SIGINT, SIGQUIT, or SIGTERM with die-on-term), SIGHUP
+    or SIGTERM when it reloads, whether everything or the mules alone
+    (touch-mules-reload).  On a reload something comes back for the wheel:
+    a new mule takes it over, and a reloaded master replaces it; removing
+    it would leave the workers holding a wheel nobody drives.  A master
+    that has died (the mule is then someone else's child) comes back for
+    nothing.
+    """
+    return signum in (signal.SIGINT, signal.SIGQUIT) or os.getppid() != master
