@@ -63,6 +63,14 @@ def foreign_segment(name: str, data: bytes) -> None:
         shm.close_fd()
 
 
+def _as_in_the_foreground() -> None:
+    # Ctrl-C reaches a command in the foreground, whose SIGINT is at its
+    # default.  A shell starts a background job (CI may run this suite as
+    # one) with SIGINT ignored, children inherit that, and Python then
+    # leaves it ignored, as a background job should.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def watching(wheel_name: str, *extra: str) -> Iterator[subprocess.Popen[str]]:
     """``stat --watch --json`` running in the background; killed at the end if still running."""
@@ -71,6 +79,7 @@ def watching(wheel_name: str, *extra: str) -> Iterator[subprocess.Popen[str]]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_as_in_the_foreground,
     )
     watchdog = threading.Timer(20, proc.kill)  # a hung CLI fails the test instead of hanging it
     watchdog.start()
