@@ -282,6 +282,16 @@ def test_uwsgi_kills_and_replaces_a_stuck_worker(tmp_path: Path) -> None:
         assert_nothing_left(server)
 
 
+def times_out_then_stops(server: Server) -> None:
+    """A request past its 0.5 s is reported by the mule that drives now; SIGINT then leaves nothing."""
+    status, body = get(server.port, "/sleep?s=1.5")
+    assert status == 200
+    pid = int(server.wait_for(timed_out_line("/sleep") + "; dumping its tracebacks$").group(1))
+    assert body == f"done by pid {pid}\n"
+    assert server.stop(signal.SIGINT) == 0
+    assert_nothing_left(server)
+
+
 def test_uwsgi_mules_reload_keeps_the_wheel_the_workers_hold(tmp_path: Path) -> None:
     """touch-mules-reload stops the mule gracefully and starts another: the
     wheel stays (the workers hold it), the new mule drives it, and only the
@@ -308,12 +318,7 @@ def test_uwsgi_mules_reload_keeps_the_wheel_the_workers_hold(tmp_path: Path) -> 
         server.wait_for(rf"driver (?!{first}:)\d+: running on wheel '{server.wheel}'")
         assert os.stat(f"/dev/shm/{server.wheel}").st_ino == segment, "the wheel was made anew"
         assert f"wheel '{server.wheel}' kept for the mule or the master that comes next" in server.log()
-        status, body = get(server.port, "/sleep?s=1.5")
-        assert status == 200
-        pid = int(server.wait_for(timed_out_line("/sleep") + "; dumping its tracebacks$").group(1))
-        assert body == f"done by pid {pid}\n"
-        assert server.stop(signal.SIGINT) == 0
-        assert_nothing_left(server)
+        times_out_then_stops(server)
 
 
 def test_uwsgi_mule_that_dies_is_respawned_and_takes_over(tmp_path: Path) -> None:
@@ -324,9 +329,4 @@ def test_uwsgi_mule_that_dies_is_respawned_and_takes_over(tmp_path: Path) -> Non
         mule = int(server.wait_for(r"driver (\d+): running on wheel").group(1))
         os.kill(mule, signal.SIGKILL)
         server.wait_for(rf"driver \d+: took over wheel 'uwsgi-\d+' from driver {mule}")
-        status, body = get(server.port, "/sleep?s=1.5")
-        assert status == 200
-        pid = int(server.wait_for(timed_out_line("/sleep") + "; dumping its tracebacks$").group(1))
-        assert body == f"done by pid {pid}\n"
-        assert server.stop(signal.SIGINT) == 0
-        assert_nothing_left(server)
+        times_out_then_stops(server)
