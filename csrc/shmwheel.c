@@ -1640,12 +1640,14 @@ int shmw_drive_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, ui
     /* Takes fires and writes them to the fd outside the lock.  A slow
      * reader blocks this thread only: the clock goes on firing into the
      * in-flight FIFO meanwhile. */
+    size_t stride;
     int n;
 
     if (!w)
         return SHMW_ECLOSED;
+    stride = (size_t)shmw_record_size(w);
     while ((n = shmw_drive_take(w, stop, buf, cap)) > 0) {
-        int rc = write_all(fd, buf, (size_t)n * (size_t)shmw_record_size(w));
+        int rc = write_all(fd, buf, (size_t)n * stride);
         if (rc)
             return rc;
     }

@@ -111,7 +111,7 @@ def _check_payload(payload: object) -> bytes:
     try:
         return memoryview(payload).tobytes()  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"payload must be bytes, not {type(payload).__name__}") from None
+        raise TypeError(f"payload must be bytes or another bytes-like object, not {type(payload).__name__}") from None
 
 
 def _check_handle(handle: object) -> int:
