@@ -11,6 +11,7 @@ from ._driver import Driver, DriverProcess, FireReader, start_driver
 from ._errors import (
     CorruptSegmentError,
     DriverRunningError,
+    DriverStartError,
     IncompatibleSegmentError,
     SegmentExistsError,
     SegmentNotFoundError,
@@ -27,6 +28,7 @@ __all__ = [
     "Driver",
     "DriverProcess",
     "DriverRunningError",
+    "DriverStartError",
     "Fire",
     "FireReader",
     "IncompatibleSegmentError",

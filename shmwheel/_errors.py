@@ -2,10 +2,11 @@
 
 ``ShmwheelError`` is the root and is never raised itself.  Each subclass
 that has a builtin counterpart inherits it too, so ``except
-FileExistsError`` keeps working for code that does not know shmwheel.
-All of them pickle: they carry their message in ``args`` and nothing else,
-so they cross process boundaries (multiprocessing, concurrent.futures)
-intact.
+FileExistsError`` keeps working for code that does not know shmwheel; the
+two about a segment's name carry ``errno`` and ``filename`` (the name as
+shm_open(3) takes it, ``/NAME``), as the builtin ones do.  All of them
+pickle, so they cross process boundaries (multiprocessing,
+concurrent.futures) intact.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 __all__ = [
     "CorruptSegmentError",
     "DriverRunningError",
+    "DriverStartError",
     "IncompatibleSegmentError",
     "SegmentExistsError",
     "SegmentNotFoundError",
@@ -25,11 +27,19 @@ class ShmwheelError(Exception):
     """Root of every shmwheel exception; never raised itself."""
 
 
-class SegmentExistsError(ShmwheelError, FileExistsError):
+class _NamedSegmentError(ShmwheelError, OSError):
+    """An OSError about a segment's name: ``str()`` is the message alone,
+    without the "[Errno N]" prefix and the name repeated after it."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+class SegmentExistsError(_NamedSegmentError, FileExistsError):
     """``create`` found a segment of that name already."""
 
 
-class SegmentNotFoundError(ShmwheelError, FileNotFoundError):
+class SegmentNotFoundError(_NamedSegmentError, FileNotFoundError):
     """``attach`` or ``unlink`` found no segment of that name."""
 
 
@@ -42,8 +52,16 @@ class CorruptSegmentError(ShmwheelError):
 
 
 class WheelFullError(ShmwheelError):
-    """Every slot of the slab is in use; nothing was added."""
+    """No room for what was asked, and nothing was added: no free slot in
+    the slab (for ``add_many``, fewer than the batch needs), or, for a
+    ``cancel_on_exit`` timer, no free entry in the table of attached
+    processes."""
 
 
 class DriverRunningError(ShmwheelError):
     """A live driver is registered on the segment: a second one, or poll(), is refused."""
+
+
+class DriverStartError(ShmwheelError):
+    """A driver process exited, or did not register in time, before it was
+    running; its own error, if it could report one, is raised instead."""

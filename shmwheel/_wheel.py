@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, NoReturn
 import posix_ipc
 
 from ._binding import MAX_DELAY, ffi, lib, raise_for
-from ._errors import IncompatibleSegmentError, SegmentExistsError, SegmentNotFoundError
+from ._errors import IncompatibleSegmentError, SegmentExistsError, SegmentNotFoundError, WheelFullError
 from ._process import alive, start_time
 
 __all__ = ["Fire", "Wheel", "WheelStats", "attach", "create", "unlink"]
@@ -99,8 +99,13 @@ def _check_int(value: object, what: str, lo: int, hi: int) -> int:
 
 
 def _check_seconds(value: object, what: str) -> float:
-    """Type errors for a time argument; the C core checks the value."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    """Type errors for a time argument; the C core checks the value.
+
+    A bool is a number here, as everywhere in Python (``time.sleep(True)``):
+    the call into C takes it as 1 on the fast path, and this check, which
+    runs only after that call has refused something, must agree with it.
+    """
+    if not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
     return float(value)
 
@@ -115,7 +120,7 @@ def _check_payload(payload: object) -> bytes:
 
 
 def _check_handle(handle: object) -> int:
-    if isinstance(handle, bool) or not isinstance(handle, int):
+    if not isinstance(handle, int):  # a bool too: see _check_seconds
         raise TypeError(f"a handle is an int, not {type(handle).__name__}")
     if not 0 <= handle < 1 << 63:
         raise ValueError(f"a handle is a non-negative int below 2**63, not {handle}")
@@ -482,18 +487,14 @@ class Wheel:
         n = len(delays)
         if n == 0:
             return []
-        if n > self._capacity:
-            self._raise(lib.SHMW_EFULL)
         try:
             c_delays = ffi.new("double[]", delays)
         except TypeError:
             for d in delays:
                 _check_seconds(d, "delay")
             raise
-        handles = ffi.new("int64_t[]", n)
-        if payloads is None:
-            rc = lib.shmw_add_many(self._w, c_delays, n, ffi.NULL, ffi.NULL, handles)
-        else:
+        joined, lens = ffi.NULL, ffi.NULL
+        if payloads is not None:
             if not isinstance(payloads, (list, tuple)):
                 payloads = list(payloads)
             if len(payloads) != n:
@@ -504,7 +505,14 @@ class Wheel:
                 payloads = [_check_payload(p) for p in payloads]
                 joined = b"".join(payloads)
             lens = ffi.new("uint32_t[]", [len(p) for p in payloads])
-            rc = lib.shmw_add_many(self._w, c_delays, n, joined, lens, handles)
+        if n > self._capacity:  # the arguments are right, but they cannot fit
+            raise WheelFullError(f"add_many of {n} timers: the wheel holds at most {self._capacity}")
+        handles = ffi.new("int64_t[]", n)
+        rc = lib.shmw_add_many(self._w, c_delays, n, joined, lens, handles)
+        if rc == lib.SHMW_EFULL:
+            raise WheelFullError(
+                f"add_many of {n} timers: fewer than {n} of the wheel's {self._capacity} slots are free; none was added"
+            )
         if rc < 0:
             bad = next((d for d in delays if not (0 <= d <= MAX_DELAY)), None)
             self._raise(rc, "delay", bad)
@@ -719,7 +727,9 @@ def create(
     try:
         shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=mode, size=0)
     except posix_ipc.ExistentialError:
-        raise SegmentExistsError(f"a shared-memory segment named {shm_name[1:]!r} exists already") from None
+        raise SegmentExistsError(
+            errno.EEXIST, f"a shared-memory segment named {shm_name[1:]!r} exists already", shm_name
+        ) from None
     except posix_ipc.PermissionsError as exc:
         raise PermissionError(errno.EACCES, f"cannot create segment {shm_name[1:]!r}: {exc}") from None
     try:
@@ -769,7 +779,7 @@ def _attach(name: str, producer: bool) -> Wheel:
         try:
             shm = posix_ipc.SharedMemory(shm_name)
         except posix_ipc.ExistentialError:
-            raise SegmentNotFoundError(f"no shmwheel segment named {shm_name[1:]!r}") from None
+            raise SegmentNotFoundError(errno.ENOENT, f"no shmwheel segment named {shm_name[1:]!r}", shm_name) from None
         except posix_ipc.PermissionsError as exc:
             raise PermissionError(errno.EACCES, f"cannot open segment {shm_name[1:]!r}: {exc}") from None
         try:
@@ -793,4 +803,4 @@ def unlink(name: str) -> None:
     try:
         posix_ipc.unlink_shared_memory(shm_name)
     except posix_ipc.ExistentialError:
-        raise SegmentNotFoundError(f"no shmwheel segment named {shm_name[1:]!r}") from None
+        raise SegmentNotFoundError(errno.ENOENT, f"no shmwheel segment named {shm_name[1:]!r}", shm_name) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import errno
 import pickle
 import random
 import stat
@@ -78,16 +79,22 @@ def test_create_over_existing_name_raises_and_keeps_segment(make_wheel) -> None:
     w.add(60)
     with pytest.raises(shmwheel.SegmentExistsError) as info:
         shmwheel.create(w.name, capacity=10)
-    assert isinstance(info.value, FileExistsError)
+    assert isinstance(info.value, FileExistsError) and info.value.errno == errno.EEXIST
+    assert info.value.filename == "/" + w.name
     assert len(w) == 1
 
 
 def test_attach_and_unlink_missing_raise_not_found(name: str) -> None:
-    with pytest.raises(shmwheel.SegmentNotFoundError) as info:
-        shmwheel.attach(name)
-    assert isinstance(info.value, FileNotFoundError)
-    with pytest.raises(shmwheel.SegmentNotFoundError):
-        shmwheel.unlink(name)
+    for missing in (shmwheel.attach, shmwheel.unlink):
+        with pytest.raises(shmwheel.SegmentNotFoundError) as info:
+            missing(name)
+        exc = info.value
+        # What code that knows only the builtin looks at, as it would for open().
+        assert isinstance(exc, FileNotFoundError) and exc.errno == errno.ENOENT
+        assert exc.filename == "/" + name
+        assert str(exc) == f"no shmwheel segment named {name!r}"
+        back = pickle.loads(pickle.dumps(exc))
+        assert (back.errno, back.filename, str(back)) == (exc.errno, exc.filename, str(exc))
 
 
 def test_leading_slash_names_the_same_wheel(make_wheel) -> None:
@@ -390,7 +397,7 @@ def test_full_wheel_raises_keeps_timers_and_recovers(make_wheel) -> None:
 def test_add_many_is_all_or_nothing(make_wheel) -> None:
     w = make_wheel(capacity=10)
     w.add_many([60] * 7)
-    with pytest.raises(shmwheel.WheelFullError):
+    with pytest.raises(shmwheel.WheelFullError, match="fewer than 4 of the wheel's 10 slots are free; none was added"):
         w.add_many([60] * 4)
     assert len(w) == 7
     with pytest.raises(ValueError, match="3 delays but 2 payloads"):
@@ -398,6 +405,31 @@ def test_add_many_is_all_or_nothing(make_wheel) -> None:
     with pytest.raises(TypeError):
         w.add_many([1, "2"])
     assert len(w) == 7
+
+
+def test_add_many_beyond_the_capacity_checks_its_arguments_first(make_wheel) -> None:
+    w = make_wheel(capacity=4)
+    # A wrong argument is a TypeError whatever the batch's size ...
+    with pytest.raises(TypeError, match="delay must be a number of seconds, not str"):
+        w.add_many([1, 1, 1, 1, "x"])
+    with pytest.raises(TypeError, match="payload must be bytes"):
+        w.add_many([1] * 5, [b""] * 4 + [3])
+    # ... and a right one that cannot fit says so, not that the slots are in use.
+    with pytest.raises(shmwheel.WheelFullError, match="add_many of 5 timers: the wheel holds at most 4"):
+        w.add_many([1] * 5)
+    assert len(w) == 0
+
+
+def test_a_bool_is_a_number_on_every_path(make_wheel) -> None:
+    # True is 1 to the call into C; the checks that name a bad argument
+    # after a refused call must agree, or they blame the wrong one.
+    w = make_wheel(capacity=4)
+    h = w.add(True, b"one second")
+    due = w.stats().next_expiry
+    assert due is not None and 0.9 < due - time.monotonic() < 1.1
+    with pytest.raises(TypeError, match="payload must be bytes"):
+        w.add(True, 123)  # type: ignore[arg-type]
+    assert w.cancel(h) and len(w) == 0
 
 
 def test_add_many_and_cancel_many(wheel: shmwheel.Wheel) -> None:
