@@ -1,10 +1,10 @@
 """Fixtures shared by the whole suite.
 
-Every wheel a test makes goes through ``make_wheel``, which runs the C
-invariant checker on it after the test and removes its segment, so that
-``check()`` runs after every test and the suite leaves nothing in
-/dev/shm; a session hook fails the run if anything named like ours is
-left there anyway.
+Every wheel a test makes itself goes through ``make_wheel``, which runs
+the C invariant checker on it after the test and removes its segment; a
+session hook fails the run if a segment named like the fixtures' wheels,
+or like the wheels the servers and the demo under test make, is left in
+/dev/shm anyway.
 """
 
 from __future__ import annotations
@@ -115,8 +115,22 @@ def wheel(make_wheel: Callable[..., shmwheel.Wheel]) -> shmwheel.Wheel:
     return make_wheel()
 
 
+# Besides the fixtures' names: the wheels that the servers under test
+# (Gunicorn, uWSGI) and the demo name after their own pid.
+OTHER_NAMES = ("gunicorn-*", "uwsgi-*", "shmwheel-demo-*")
+_there_before: set[str] = set()
+
+
+def _ours() -> set[str]:
+    return {p.name for pattern in (f"{PREFIX}*", *OTHER_NAMES) for p in Path("/dev/shm").glob(pattern)}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _there_before.update(_ours())  # somebody else's, from before this run: not ours to judge
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    left = sorted(p.name for p in Path("/dev/shm").glob(f"{PREFIX}*"))
+    left = sorted(_ours() - _there_before)
     if left:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         print(f"\nshmwheel: the suite left segments in /dev/shm: {left}")
