@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
-import errno
 import pickle
 import random
 import stat

@@ -28,9 +28,7 @@ def test_the_use_example_runs_as_a_script(tmp_path: Path) -> None:
     assert code.count('"requests"') >= 3
     script = tmp_path / "example.py"
     script.write_text(code.replace('"requests"', repr(name)))
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert re.fullmatch(r"timed out: b'GET /slow' \d+\.\d ms after its deadline\n", done.stdout), done.stdout
     assert not (Path("/dev/shm") / name).exists()
