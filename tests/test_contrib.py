@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import posix_ipc
 import pytest
 
 import shmwheel
@@ -376,17 +378,78 @@ def test_supervisor_refuses_a_wheel_with_a_live_driver_and_replaces_a_stale_one(
         first.stop()
 
 
-def test_a_wheel_no_driver_runs_on_is_replaced_without_a_warning(name: str, caplog) -> None:
+def test_an_empty_wheel_no_driver_runs_on_is_replaced_without_a_warning(name: str, caplog) -> None:
     # What uWSGI's mule leaves for the master when the whole server reloads.
+    shmwheel.create(name, capacity=10).close()
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        create_wheel(name)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "replacing a segment no driver runs on; it holds no timers" in caplog.text
+
+
+def test_a_wheel_no_driver_runs_on_with_timers_pending_is_replaced_with_a_warning_that_counts_them(
+    name: str, caplog
+) -> None:
+    """`shmwheel create` and a timer an hour away: --create may replace it, not silently."""
     kept = shmwheel.create(name, capacity=10)
+    kept.add(3600.0, b"somebody's timer")
     kept.add(60.0, b"a request of a worker that is gone")
     kept.close()
     with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
         create_wheel(name)
-    assert [r.levelname for r in caplog.records] == ["INFO"]
-    assert "replacing a segment no driver runs on" in caplog.text
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"wheel {name!r}: replacing a segment no driver runs on; dropping its 2 pending timers")
+    ]
     with shmwheel.attach(name) as fresh:
         assert len(fresh) == 0
+
+
+def test_a_wheel_whose_driver_died_is_replaced_with_a_warning_that_counts_its_timers(name: str, caplog) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = shmwheel.create(name, capacity=10)
+    stale.add(60.0)
+    assert lib.shmw_driver_register(stale._w, gone.pid, 1, 0, 0) == 0
+    stale.close()
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        create_wheel(name)
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    assert record.getMessage() == (
+        f"wheel {name!r}: replacing a segment left over from a server that is gone "
+        f"(its driver, pid {gone.pid}, died); dropping its 1 pending timer"
+    )
+
+
+def foreign_segment(name: str, data: bytes) -> None:
+    """A segment some other program made: ``data`` at its start (the ``name`` fixture removes it)."""
+    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
+    try:
+        os.pwrite(shm.fd, data, 0)
+    finally:
+        shm.close_fd()
+
+
+@pytest.mark.parametrize(
+    ("data", "match", "remove_with"),
+    [
+        (b"another program's bytes", "is not a shmwheel segment", "rm /dev/shm/{name}"),
+        (b"", "is not an initialised shmwheel segment", "rm /dev/shm/{name}"),
+        (struct.pack("<QI", lib.SHMW_MAGIC, 999), "has another layout version", "shmwheel unlink {name}"),
+    ],
+    ids=["foreign", "zeros", "future-version"],
+)
+def test_create_wheel_leaves_a_segment_it_cannot_read_as_a_wheel_alone(
+    name: str, data: bytes, match: str, remove_with: str
+) -> None:
+    """Not a wheel, or not one this build reads: an error naming it and how to remove it, and it stays."""
+    foreign_segment(name, data)
+    with pytest.raises(shmwheel.IncompatibleSegmentError) as info:
+        create_wheel(name)
+    message = str(info.value)
+    assert message.startswith(f"segment {name!r} {match}")
+    assert f"not replacing it; if nothing uses it, remove it yourself: {remove_with.format(name=name)}" in message
+    assert Path("/dev/shm", name).read_bytes()[: len(data)] == data
 
 
 def test_a_driver_whose_parent_is_killed_removes_the_wheel(name: str, tmp_path: Path) -> None:
@@ -512,3 +575,19 @@ def test_the_driver_command_creates_and_removes_its_wheel(name: str) -> None:
     bad = subprocess.run([*cmd[:4], "--kill-signal=NOPE"], capture_output=True, text=True)
     assert bad.returncode == 2 and "no signal named 'NOPE'" in bad.stderr
     assert not Path("/dev/shm", name).exists()
+
+
+def run_driver_command(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "shmwheel.contrib.timeouts", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT, **kwargs)  # type: ignore[call-overload]
+
+
+def test_the_driver_command_does_not_replace_another_programs_segment(name: str) -> None:
+    foreign_segment(name, b"someone else's")
+    proc = run_driver_command(name, "--create")
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"shmwheel.contrib.timeouts: segment {name!r} is not a shmwheel segment: not replacing it; "
+        f"if nothing uses it, remove it yourself: rm /dev/shm/{name}"
+    ]
+    assert Path("/dev/shm", name).read_bytes().startswith(b"someone else's")

@@ -453,12 +453,23 @@ class RequestTimer:
 
 
 def create_wheel(name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0.001) -> None:
-    """Create a request-timeout wheel named ``name``, replacing a stale one.
+    """Create a request-timeout wheel named ``name``, replacing a wheel no driver runs on.
 
-    A segment of that name whose driver is gone is left over from a server
-    that did not shut down (SIGKILL, a crash), or kept by a driver that
-    stopped for a reload (uWSGI's mule): it is removed.  One with a live
-    driver belongs to a server that is running: DriverRunningError.
+    What is there already under that name decides:
+
+    * a wheel whose driver is running belongs to a server that is up:
+      DriverRunningError, and it is left alone;
+    * a wheel no driver runs on is replaced, and the timers it holds are
+      dropped.  One whose registered driver died is left over from a server
+      that did not shut down (SIGKILL, a crash): a WARNING.  One with no
+      driver registered was kept by a driver that stopped in good order for
+      a reload (uWSGI's mule), or never driven (``shmwheel create``): a
+      WARNING if it holds timers, an INFO line if it is empty, as a reload
+      leaves it.  Either line says how many timers are dropped;
+    * a segment that cannot be read as a wheel (another program's, a wheel
+      of another layout version or build, a corrupt one) is never removed:
+      its IncompatibleSegmentError or CorruptSegmentError is raised again,
+      saying how to remove it by hand.
     """
     for _ in range(2):
         try:
@@ -467,23 +478,54 @@ def create_wheel(name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0
         except SegmentExistsError:
             pass
         try:
-            old = _wheel._attach(name, producer=False)
+            with _wheel._attach(name, producer=False) as old:
+                st = old.stats()
         except SegmentNotFoundError:
             continue  # removed meanwhile
-        except ShmwheelError:
-            _log.warning("wheel %r: replacing a segment that is not a usable wheel", name)
-        else:
-            with old:
-                st = old.stats()
-            if st.driver_pid and alive(st.driver_pid, st.driver_start or 0):
-                raise DriverRunningError(f"wheel {name!r} is in use: its driver, pid {st.driver_pid}, is running")
-            if st.driver_pid:
-                _log.warning("wheel %r: replacing a segment left over from a server that is gone", name)
-            else:  # its last driver stopped in good order (a reload), or none ever ran
-                _log.info("wheel %r: replacing a segment no driver runs on", name)
+        except ShmwheelError as exc:
+            raise _not_replaced(name, exc) from exc
+        if st.driver_pid and alive(st.driver_pid, st.driver_start or 0):
+            raise DriverRunningError(f"wheel {name!r} is in use: its driver, pid {st.driver_pid}, is running")
+        # A driver that registers or a timer added from here to the unlink
+        # goes with the segment: the name is the only lock there is.
+        if st.driver_pid:
+            _log.warning(
+                "wheel %r: replacing a segment left over from a server that is gone (its driver, pid %d, died)%s",
+                name,
+                st.driver_pid,
+                _dropped(st),
+            )
+        elif st.pending or st.in_flight:  # kept by a driver that stopped, or never driven
+            _log.warning("wheel %r: replacing a segment no driver runs on%s", name, _dropped(st))
+        else:  # what a reload leaves
+            _log.info("wheel %r: replacing a segment no driver runs on%s", name, _dropped(st))
         with contextlib.suppress(SegmentNotFoundError):
             unlink(name)
     raise SegmentExistsError(f"wheel {name!r} keeps being created by someone else")
+
+
+def _dropped(st: _wheel.WheelStats) -> str:
+    """The end of create_wheel's line: the timers that go with the segment."""
+    n = st.pending + st.in_flight
+    if not n:
+        return "; it holds no timers"
+    text = f"; dropping its {n} pending timer{'s' if n != 1 else ''}"
+    if st.in_flight:
+        text += f" ({st.in_flight} of them fired, their handlers not done)"
+    return text
+
+
+def _not_replaced(name: str, exc: ShmwheelError) -> ShmwheelError:
+    """create_wheel's error for a segment it cannot read as a wheel, which it leaves alone."""
+    from .._cli import _wheel_stat  # the test `shmwheel unlink` makes before it removes a segment
+
+    bare = _wheel._bare(name)
+    try:
+        ours = _wheel_stat(bare) is not None
+    except OSError:
+        ours = False
+    how = f"shmwheel unlink {bare}" if ours else f"rm /dev/shm/{bare}"  # `shmwheel unlink` refuses the others
+    return type(exc)(f"{exc}: not replacing it; if nothing uses it, remove it yourself: {how}")
 
 
 class DriverSupervisor:
@@ -677,7 +719,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Drive a request-timeout wheel: log, dump tracebacks of and kill workers whose requests time out.",
     )
     p.add_argument("name", help="the wheel")
-    p.add_argument("--create", action="store_true", help="create the wheel (replace a stale one), remove it on exit")
+    p.add_argument(
+        "--create",
+        action="store_true",
+        help="create the wheel and remove it on exit.  A wheel of that name that no driver runs on (its "
+        "driver died or stopped, or none ever ran) is replaced and the timers it holds are dropped, logged "
+        "with their number; one whose driver runs, and a segment that is not a wheel this version reads "
+        "(another program's), are left alone: an error",
+    )
     p.add_argument("--parent", type=int, metavar="PID", help="stop, and remove the wheel, if process PID exits")
     p.add_argument("--no-log", dest="log", action="store_false", help="no WARNING line per timeout")
     p.add_argument("--no-tracebacks", dest="tracebacks", action="store_false", help="do not ask workers for tracebacks")
