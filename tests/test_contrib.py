@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import signal
 import struct
 import subprocess
@@ -580,6 +581,29 @@ def test_the_driver_command_creates_and_removes_its_wheel(name: str) -> None:
 def run_driver_command(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "shmwheel.contrib.timeouts", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT, **kwargs)  # type: ignore[call-overload]
+
+
+def test_the_driver_command_reports_a_bad_name_as_a_usage_error() -> None:
+    proc = run_driver_command("bad/name")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "python -m shmwheel.contrib.timeouts: error: invalid wheel name 'bad/name': "
+        "use 1-200 characters of A-Z a-z 0-9 . _ - (a leading / is allowed and ignored)"
+    )
+
+
+def _file_size_limit_1_mib() -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited: posix_fallocate fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+def test_the_driver_command_reports_an_os_error_in_one_line(name: str) -> None:
+    """--create under a file size limit smaller than the wheel: one line and status 1, no traceback."""
+    proc = run_driver_command(name, "--create", preexec_fn=_file_size_limit_1_mib)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == ["shmwheel.contrib.timeouts: File too large"]
+    assert not Path("/dev/shm", name).exists()
 
 
 def test_the_driver_command_does_not_replace_another_programs_segment(name: str) -> None:

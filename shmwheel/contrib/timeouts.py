@@ -738,32 +738,42 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=_LOG_FORMAT)
+    """Run the driver command; return the exit status.
+
+    As ``shmwheel``'s command line does: a usage error is argparse's (exit
+    status 2), any other error one line "shmwheel.contrib.timeouts: ..." on
+    stderr and exit status 1.
+    """
+    from .._cli import _message  # an OSError without its "[Errno n]"
+
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
+        _wheel._segment_name(args.name)
         actions = TimeoutActions.from_args(args)
     except (TypeError, ValueError) as exc:
-        _parser().error(str(exc))
-    driver = Driver(args.name, TimeoutHandler(args.name, actions))
-    signal.signal(signal.SIGTERM, lambda *_: driver.stop())
-    signal.signal(signal.SIGINT, lambda *_: driver.stop())
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=_LOG_FORMAT)
     parent_gone = threading.Event()
-    if args.parent is not None:
-
-        def orphaned() -> None:
-            parent_gone.set()
-            driver.stop()
-
-        _watch_parent(args.parent, orphaned)
     owns = False
     try:
+        driver = Driver(args.name, TimeoutHandler(args.name, actions))
+        signal.signal(signal.SIGTERM, lambda *_: driver.stop())
+        signal.signal(signal.SIGINT, lambda *_: driver.stop())
+        if args.parent is not None:
+
+            def orphaned() -> None:
+                parent_gone.set()
+                driver.stop()
+
+            _watch_parent(args.parent, orphaned)
         if args.create:
             create_wheel(args.name)
             owns = True
         _dedicated_process()
         driver.run()
-    except ShmwheelError as exc:
-        print(f"shmwheel.contrib.timeouts: {exc}", file=sys.stderr)
+    except (ShmwheelError, OSError, ValueError, TypeError) as exc:
+        print(f"shmwheel.contrib.timeouts: {_message(exc)}", file=sys.stderr)
         return 1
     finally:
         if parent_gone.is_set():
