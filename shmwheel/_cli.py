@@ -126,8 +126,10 @@ def _octal(text: str) -> int:
 
 
 def _message(exc: BaseException) -> str:
-    """One line for stderr: an OSError without its "[Errno n]" prefix."""
-    if isinstance(exc, OSError) and exc.strerror:
+    """One line for stderr: an OSError without its "[Errno n]" prefix.
+
+    shmwheel's own errors already say which segment, in their message."""
+    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ShmwheelError):
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
     return str(exc)
 
