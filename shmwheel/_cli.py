@@ -105,10 +105,53 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- option values ----------------------------------------------------------------
+#
+# argparse types: a value out of range is a usage error (exit status 2, with
+# the usage), checked against the limits the C core defines, before anything
+# is created.  create() checks the same again for callers of the library.
+
+
 def _positive(text: str) -> float:
     value = float(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+
+
+def _int_between(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = _int(text)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be between {lo} and {hi}, not {value}")
+        return value
+
+    return parse
+
+
+def _wheel_size(text: str) -> int:
+    lo, hi = 1 << lib.SHMW_MIN_WHEEL_BITS, 1 << lib.SHMW_MAX_WHEEL_BITS
+    value = _int(text)
+    if not lo <= value <= hi or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two from {lo} to {hi}, not {value}")
+    return value
+
+
+def _tick(text: str) -> float:
+    lo, hi = lib.SHMW_MIN_TICK_NS / 1e9, lib.SHMW_MAX_TICK_NS / 1e9
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
+    if not lo <= value <= hi:  # NaN fails it too
+        raise argparse.ArgumentTypeError(f"must be between {lo:g} and {hi:g} seconds, not {text}")
     return value
 
 
@@ -391,15 +434,23 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     demo = command("demo", _demo, "run worker processes with per-request timeouts and show the fires", named=False)
-    demo.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
+    # Each worker takes a slot in the segment's producer table; the demo and its driver take two more.
+    workers = _int_between(1, lib.SHMW_MAX_PRODUCERS - 2)
+    demo.add_argument("--workers", type=workers, default=3, metavar="N", help="worker processes (default 3)")
     demo.add_argument("--duration", type=_positive, default=5.0, help="seconds to run (default 5)")
 
     p = command("create", _create, "create a wheel's segment and leave it in /dev/shm")
-    p.add_argument("--capacity", type=int, required=True, metavar="N", help="timers that can be pending at once")
-    p.add_argument("--tick", type=float, default=0.001, metavar="SECONDS", help="resolution (default 0.001)")
-    p.add_argument("--payload-size", type=int, default=64, metavar="N", help="bytes of payload a timer (default 64)")
+    capacity = _int_between(1, lib.SHMW_MAX_CAPACITY)
+    p.add_argument("--capacity", type=capacity, required=True, metavar="N", help="timers that can be pending at once")
+    p.add_argument("--tick", type=_tick, default=0.001, metavar="SECONDS", help="resolution (default 0.001)")
+    payload = _int_between(0, lib.SHMW_MAX_PAYLOAD)
+    p.add_argument(
+        "--payload-size", type=payload, default=64, metavar="N", help="bytes of payload a timer (default 64)"
+    )
     p.add_argument("--mode", type=_octal, default=0o600, metavar="OCTAL", help="permissions (default 600)")
-    p.add_argument("--wheel-size", type=int, default=256, metavar="N", help="buckets a level, a power of two (256)")
+    p.add_argument(
+        "--wheel-size", type=_wheel_size, default=256, metavar="N", help="buckets a level, a power of two (256)"
+    )
 
     p = command("driver", _driver, "drive a wheel: advance its clock and run a handler for each fire")
     how = p.add_mutually_exclusive_group()

@@ -129,18 +129,37 @@ def test_create_over_an_existing_name_fails(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "status", "says"),
+    ("args", "says"),
     [
-        (["--capacity", "0"], 1, "capacity must be between 1 and"),
-        (["--capacity", "many"], 2, "argument --capacity: invalid int value: 'many'"),
-        (["--capacity", "10", "--wheel-size", "100"], 1, "wheel_size must be a power of two"),
-        (["--capacity", "10", "--tick", "0"], 1, "tick must be between"),
-        (["--capacity", "10", "--mode", "800"], 2, "argument --mode: must be an octal mode"),
+        (["--capacity", "0"], f"argument --capacity: must be between 1 and {lib.SHMW_MAX_CAPACITY}, not 0"),
+        (["--capacity", "many"], "argument --capacity: invalid int value: 'many'"),
+        (["--capacity", "10", "--wheel-size", "100"], "argument --wheel-size: must be a power of two from 16 to"),
+        (["--capacity", "10", "--wheel-size", "8192"], "argument --wheel-size: must be a power of two from 16 to"),
+        (["--capacity", "10", "--tick", "0"], "argument --tick: must be between 1e-06 and 60 seconds, not 0"),
+        (["--capacity", "10", "--tick", "nan"], "argument --tick: must be between 1e-06 and 60 seconds, not nan"),
+        (["--capacity", "10", "--tick", "soon"], "argument --tick: invalid number of seconds: 'soon'"),
+        (["--capacity", "10", "--payload-size", "999999"], "argument --payload-size: must be between 0 and 65536"),
+        (["--capacity", "10", "--payload-size", "-1"], "argument --payload-size: must be between 0 and 65536"),
+        (["--capacity", "10", "--mode", "800"], "argument --mode: must be an octal mode"),
     ],
 )
-def test_create_bad_values_fail_with_a_clear_message(name: str, args: list[str], status: int, says: str) -> None:
-    assert says in one_line_error(run("create", name, *args), status)
+def test_create_bad_values_are_usage_errors(name: str, args: list[str], says: str) -> None:
+    """Out of range is a usage error as much as not a number: exit 2, the usage, the message."""
+    proc = run("create", name, *args)
+    assert says in one_line_error(proc, 2)
+    assert proc.stderr.startswith("usage: shmwheel create ")
     assert not (SHM / name).exists()
+
+
+def test_create_accepts_the_limits(name: str) -> None:
+    """The parser's bounds are the library's own: the extremes it accepts, create() accepts."""
+    proc = run(
+        "create", name, "--capacity", "1", "--tick", "60", "--payload-size", str(lib.SHMW_MAX_PAYLOAD),
+        "--wheel-size", str(1 << lib.SHMW_MIN_WHEEL_BITS),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    with shmwheel.attach(name) as w:
+        assert (w.capacity, w.tick, w.payload_size, w.wheel_size) == (1, 60, lib.SHMW_MAX_PAYLOAD, 16)
 
 
 # -- errors common to the commands that take a NAME --------------------------------
@@ -323,3 +342,12 @@ def test_unlink_leaves_another_programs_segment_alone(name: str) -> None:
     foreign_segment(name, b"someone else's")
     assert "not a shmwheel segment" in one_line_error(run("unlink", name))
     assert (SHM / name).exists()
+
+
+# -- demo -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", ["-2", "0", str(lib.SHMW_MAX_PRODUCERS)])
+def test_demo_refuses_a_number_of_workers_it_cannot_run(workers: str) -> None:
+    proc = run("demo", "--workers", workers, "--duration", "0.1")
+    assert "argument --workers: must be between 1 and" in one_line_error(proc, 2)
