@@ -37,6 +37,7 @@ __all__ = ["main"]
 def _request_worker(wheel: Wheel, seed: int, until: float) -> None:
     """A stand-in for a web worker: every request runs under its own timeout."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_OVER_FORK)  # held by the parent while it forked us
     rng = random.Random(seed)
     n = 0
     while time.monotonic() < until:
@@ -62,6 +63,12 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     sys.exit(128 + signum)  # unwinds through the finally blocks that clean up
 
 
+# The exception a signal handler raises inside os.fork() is raised in the
+# fork hooks, which print it as "Exception ignored" and carry on: a Ctrl-C
+# there would be lost.  The demo holds these signals while it forks.
+_HELD_OVER_FORK = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ._driver import start_driver
 
@@ -71,17 +78,23 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"created wheel {name!r} in /dev/shm: capacity 10000, tick 1 ms, {wheel.levels} levels")
     driver = None
     workers = []
+    status = 0
     try:
         driver = start_driver(name, _print_timeout)
         print(f"started its driver, pid {driver.pid}")
         print(f"{args.workers} worker processes run requests under per-request timeouts for {args.duration:g} s;")
         print("the driver prints each timeout as it fires:\n", flush=True)
         until = time.monotonic() + args.duration
-        workers = [
-            mp.Process(target=_request_worker, args=(wheel, seed, until), daemon=True) for seed in range(args.workers)
-        ]
-        for p in workers:
-            p.start()
+        signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_OVER_FORK)
+        try:
+            workers = [
+                mp.Process(target=_request_worker, args=(wheel, seed, until), daemon=True)
+                for seed in range(args.workers)
+            ]
+            for p in workers:
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_OVER_FORK)  # one that came meanwhile lands here
         for p in workers:
             p.join()
         # Let the last timeouts fire and their handlers finish.
@@ -90,7 +103,11 @@ def _demo(args: argparse.Namespace) -> int:
             time.sleep(0.01)
     except KeyboardInterrupt:
         print("\ninterrupted")
+        status = 128 + signal.SIGINT  # as the shell reports a command Ctrl-C ended
     finally:
+        for p in workers:
+            if p.is_alive():  # interrupted: end the requests now, cancelling their timers on the way out
+                p.terminate()
         for p in workers:
             p.join(timeout=2)
             if p.is_alive():
@@ -102,7 +119,7 @@ def _demo(args: argparse.Namespace) -> int:
         unlink(name)
     print(f"\n{st.added} timers added, {st.cancelled} cancelled by finished requests, {st.fired} fired")
     print(f"stopped the driver and removed {name!r} from /dev/shm")
-    return 0
+    return status
 
 
 # -- option values ----------------------------------------------------------------

@@ -351,3 +351,33 @@ def test_unlink_leaves_another_programs_segment_alone(name: str) -> None:
 def test_demo_refuses_a_number_of_workers_it_cannot_run(workers: str) -> None:
     proc = run("demo", "--workers", workers, "--duration", "0.1")
     assert "argument --workers: must be between 1 and" in one_line_error(proc, 2)
+
+
+def test_demo_ctrl_c_cleans_up_and_exits_130() -> None:
+    """Ctrl-C as a terminal sends it, to the whole process group, while the workers start."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmwheel", "demo", "--workers", "4", "--duration", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_as_in_the_foreground,
+        start_new_session=True,  # its own process group, as a shell gives a job
+    )
+    segment = SHM / f"shmwheel-demo-{proc.pid}"
+    # The driver and the workers hold the pipes too: a hung demo is killed with its whole group.
+    watchdog = threading.Timer(20, os.killpg, (proc.pid, signal.SIGKILL))
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        while "the driver prints each timeout" not in (line := proc.stdout.readline()):
+            assert line, "the demo ended before it started its workers"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate()
+    finally:
+        watchdog.cancel()
+        if segment.exists():  # left behind by a demo that failed
+            shmwheel.unlink(segment.name)
+    assert proc.returncode == 128 + signal.SIGINT, (out, err)
+    assert "Traceback" not in err
+    assert "interrupted" in out and "removed" in out
+    assert not segment.exists()
