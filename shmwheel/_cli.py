@@ -471,7 +471,12 @@ def _parser() -> argparse.ArgumentParser:
 
     p = command("driver", _driver, "drive a wheel: advance its clock and run a handler for each fire")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--handler", metavar="MODULE:FUNCTION", help="call this function with each fire")
+    how.add_argument(
+        "--handler",
+        metavar="MODULE:FUNCTION",
+        help="call this function with each fire; MODULE is looked for in the current directory first, "
+        "as python -m and uvicorn do",
+    )
     how.add_argument("--jsonl", action="store_true", help="print each fire as a line of JSON")
 
     p = command(

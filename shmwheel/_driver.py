@@ -468,9 +468,19 @@ def start_driver(name: str, handler: Handler | None = None, *, timeout: float = 
 
 
 def _load_handler(spec: str) -> Handler:
+    """The function ``--handler pkg.module:function`` names.
+
+    The module is looked for in the current directory first, as uvicorn and
+    gunicorn do: ``python -m shmwheel`` has it on sys.path, the installed
+    ``shmwheel`` script would not.  It stays there, so that the handler's own
+    imports find their neighbours as they would under ``python -m``.
+    """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--handler takes pkg.module:function, not {spec!r}")
+    cwd = os.getcwd()
+    if sys.path[:1] != [cwd]:
+        sys.path.insert(0, cwd)
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:

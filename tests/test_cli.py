@@ -13,7 +13,9 @@ import signal
 import struct
 import subprocess
 import sys
+import sysconfig
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -33,6 +35,13 @@ def run(*args: str, prefix: Sequence[str] = ()) -> subprocess.CompletedProcess[s
     return subprocess.run(
         [*prefix, sys.executable, "-m", "shmwheel", *args], capture_output=True, text=True, timeout=30
     )
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], status: int = 1) -> str:
@@ -342,6 +351,54 @@ def test_unlink_leaves_another_programs_segment_alone(name: str) -> None:
     foreign_segment(name, b"someone else's")
     assert "not a shmwheel segment" in one_line_error(run("unlink", name))
     assert (SHM / name).exists()
+
+
+# -- driver -----------------------------------------------------------------------
+
+
+def _console_script() -> str:
+    """The installed ``shmwheel`` entry point of the Python running the tests."""
+    path = shutil.which("shmwheel", path=sysconfig.get_path("scripts"))
+    if path is None:
+        pytest.skip("the shmwheel console script is not installed (pip install -e .)")
+    return path
+
+
+def test_console_script_driver_imports_the_handler_from_the_current_directory(
+    make_wheel: MakeWheel, tmp_path: Path
+) -> None:
+    """As `python -m shmwheel` (and uvicorn, gunicorn) do, `shmwheel driver --handler` finds cwd's modules."""
+    wheel = make_wheel(capacity=10)
+    module = f"handler_in_cwd_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text(
+        "def on_fire(fire):\n    with open('fires.txt', 'a') as f:\n        f.write(f'{fire.handle}\\n')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen(
+        [_console_script(), "driver", wheel.name, "--handler", f"{module}:on_fire"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: wheel.stats().driver_pid == proc.pid or proc.poll() is not None)
+        assert proc.poll() is None, proc.communicate()
+        h = wheel.add(0.001)
+        wait_for(lambda: wheel.stats().acked == 1)
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "fires.txt").read_text() == f"{h}\n"
+    assert wheel.stats().handler_errors == 0
+
+
+def test_driver_help_says_where_the_handler_module_is_looked_for() -> None:
+    proc = run("driver", "--help")
+    assert proc.returncode == 0
+    assert "current directory" in " ".join(proc.stdout.split())
 
 
 # -- demo -------------------------------------------------------------------------
