@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import gc
 import importlib
+import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -85,7 +86,6 @@ class Driver:
         *,
         fd: int | None = None,
         fifo: str | os.PathLike[str] | None = None,
-        after_batch: Callable[[], object] | None = None,
         ack_timeout: float = 10.0,
     ) -> None:
         if fd is not None and fifo is not None:
@@ -99,7 +99,6 @@ class Driver:
         self._external = fd is not None or fifo is not None
         self._fd = fd
         self._fifo = fifo
-        self._after_batch = after_batch
         self._ack_timeout = ack_timeout
         # stop() sets the flag and writes a byte to the pipe, which the
         # main loop waits on.  Not a threading.Event: stop() is called from
@@ -200,6 +199,11 @@ class Driver:
         def dispatch() -> None:
             try:
                 self._dispatch(wheel)
+            except _OutputFailed as exc:
+                # How a pipeline ends (`--jsonl | head -1`), not a failure of ours: no traceback.
+                _log.info("driver %d: stopping: writing the fires failed (%s)", me, exc.error.strerror)
+                errors.append(exc.error)
+                self.stop()
             except BaseException as exc:
                 _log.exception("driver %d: the dispatcher failed", me)
                 errors.append(exc)
@@ -288,20 +292,43 @@ class Driver:
         view = memoryview(ffi.buffer(buf))
         while (n := lib.shmw_drive_take(wheel._w, self._send_stop, buf, _SEND_BATCH)) > 0:
             fires = decode_records(rec, view[: n * rec.size])
-            errors = 0
-            for fire in fires:
-                try:
-                    self._handler(fire)
-                except Exception:
-                    errors += 1
-                    _log.exception("handler failed on timer %d", fire.handle)
             self.fired += len(fires)
+            try:
+                errors = self._handle(fires)
+            except _OutputFailed as exc:
+                # The fire it failed on and those after it stay in flight:
+                # the next driver (or poll()) hands them out again.
+                _ack(wheel, [f.handle for f in fires[: exc.delivered]], 0)
+                raise
             self.handler_errors += errors
             _ack(wheel, [f.handle for f in fires], errors)
-            if self._after_batch is not None:
-                self._after_batch()
         if n < 0:
             raise_for(n, name=self.name)
+
+    def _handle(self, fires: list[Fire]) -> int:
+        """Call the handler on each fire of a batch; return how many failed.
+
+        Raises _OutputFailed, with how many fires got out, when the rest of
+        the batch cannot be delivered and the driver must stop.
+        """
+        errors = 0
+        for fire in fires:
+            try:
+                self._handler(fire)
+            except Exception:
+                errors += 1
+                _log.exception("handler failed on timer %d", fire.handle)
+        return errors
+
+
+class _OutputFailed(Exception):
+    """Where a driver writes its fires failed for good (stdout's reader has
+    gone): the first ``delivered`` fires of the batch got out, the rest did not."""
+
+    def __init__(self, delivered: int, error: OSError) -> None:
+        super().__init__(delivered, error)
+        self.delivered = delivered
+        self.error = error
 
 
 def _read_batches(wheel: Wheel, fd: int) -> Iterator[list[Fire]]:
@@ -496,20 +523,44 @@ def _load_handler(spec: str) -> Handler:
     return handler
 
 
-def _jsonl(fire: Fire) -> None:
-    sys.stdout.write(
-        json.dumps(
-            {
-                "handle": fire.handle,
-                "deadline": fire.deadline,
-                "fired_at": fire.fired_at,
-                "payload_hex": fire.payload.hex(),
-                "owner_pid": fire.owner_pid,
-                "redelivered": fire.redelivered,
-            }
-        )
-        + "\n"
-    )
+def _json_line(fire: Fire) -> bytes:
+    obj = {
+        "handle": fire.handle,
+        "deadline": fire.deadline,
+        "fired_at": fire.fired_at,
+        "payload_hex": fire.payload.hex(),
+        "owner_pid": fire.owner_pid,
+        "redelivered": fire.redelivered,
+    }
+    return (json.dumps(obj) + "\n").encode()
+
+
+class _JsonLinesDriver(Driver):
+    """``driver --jsonl``: a line of JSON a fire on stdout.
+
+    A fire counts as handled once its line is written, so a batch is written
+    before it is acknowledged, with write(2) straight to the fd (one call for
+    the batch, as a flush would be): on an error it is known which lines got
+    out.  When the reader has gone (EPIPE) or the output fails otherwise,
+    the driver stops and leaves the fire whose line did not get out, and
+    those after it, in flight for the next driver.
+    """
+
+    def __init__(self, name: str, fd: int) -> None:
+        super().__init__(name)
+        self._out = fd
+
+    def _handle(self, fires: list[Fire]) -> int:
+        lines = [_json_line(fire) for fire in fires]
+        data = memoryview(b"".join(lines))
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(self._out, data[written:])
+        except OSError as exc:
+            ends = itertools.accumulate(len(line) for line in lines)
+            raise _OutputFailed(sum(1 for end in ends if end <= written), exc) from None
+        return 0
 
 
 def driver_main(name: str, handler: str | None, jsonl: bool) -> int:
@@ -517,7 +568,8 @@ def driver_main(name: str, handler: str | None, jsonl: bool) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     _dedicated_process()
     if jsonl:
-        driver = Driver(name, _jsonl, after_batch=sys.stdout.flush)
+        sys.stdout.flush()  # the lines go straight to the fd, past this buffer
+        driver: Driver = _JsonLinesDriver(name, sys.stdout.fileno())
     else:
         driver = Driver(name, _load_handler(handler) if handler else None)
     signal.signal(signal.SIGTERM, lambda *_: driver.stop())

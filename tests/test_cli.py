@@ -356,6 +356,44 @@ def test_unlink_leaves_another_programs_segment_alone(name: str) -> None:
 # -- driver -----------------------------------------------------------------------
 
 
+def test_driver_jsonl_whose_reader_goes_away_exits_141_and_leaves_the_rest_in_flight(make_wheel: MakeWheel) -> None:
+    """`shmwheel driver NAME --jsonl | head -1`: the fires that could not be
+    written are not acknowledged; the driver deregisters and the next one
+    gets them, marked redelivered."""
+    wheel = make_wheel(capacity=100)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmwheel", "driver", wheel.name, "--jsonl"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    watchdog = threading.Timer(30, proc.kill)  # a driver that never notices fails the test instead of hanging it
+    watchdog.start()
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        wait_for(lambda: wheel.stats().driver_pid == proc.pid)
+        first = wheel.add(0.001, b"first")
+        assert json.loads(proc.stdout.readline())["handle"] == first
+        wait_for(lambda: wheel.stats().acked == 1)
+        proc.stdout.close()  # the reader goes away, as head does after one line
+        due = time.monotonic() + 0.005  # one deadline: all due in the same tick, fired together
+        rest = {wheel.add_at(due, b"rest") for _ in range(20)}
+        status = proc.wait(timeout=30)
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert status == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "Error" not in err
+    st = wheel.stats()
+    assert (st.acked, st.handler_errors, st.in_flight, st.driver_pid) == (1, 0, 20, None)
+    fires = wheel.poll()
+    assert {f.handle for f in fires} == rest
+    assert all(f.redelivered and f.payload == b"rest" for f in fires)
+
+
 def _console_script() -> str:
     """The installed ``shmwheel`` entry point of the Python running the tests."""
     path = shutil.which("shmwheel", path=sysconfig.get_path("scripts"))

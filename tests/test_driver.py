@@ -7,7 +7,9 @@ test reads back.
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import itertools
 import json
 import os
 import random
@@ -24,6 +26,7 @@ import pytest
 
 import shmwheel
 from shmwheel._binding import lib
+from shmwheel._driver import _json_line, _JsonLinesDriver, _OutputFailed
 from shmwheel._process import start_time
 
 # -- handlers (run in the driver process) -------------------------------------------
@@ -311,6 +314,27 @@ def test_cli_driver_prints_json_lines_and_stops_on_sigterm(make_wheel) -> None:
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert wheel.stats().driver_pid is None
+
+
+def test_jsonl_output_cut_short_delivers_only_the_lines_written_whole() -> None:
+    """A write the reader's leaving cuts short counts the lines before the cut, not the one it cut."""
+    r, w = os.pipe()
+    size = fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)  # the write fills this much, then blocks
+    fires = [shmwheel.Fire(h, 10**9, 2 * 10**9, b"payload", 1) for h in range(200)]
+    ends = list(itertools.accumulate(len(_json_line(f)) for f in fires))
+    assert ends[-1] > size
+    driver = _JsonLinesDriver("unused", w)
+    leave = threading.Timer(0.2, os.close, (r,))  # the reader goes away while the write waits for it
+    leave.start()
+    try:
+        with pytest.raises(_OutputFailed) as failed:
+            driver._handle(fires)
+    finally:
+        leave.join()
+        os.close(w)
+    delivered = failed.value.delivered
+    assert ends[delivered - 1] <= size < ends[delivered]
+    assert isinstance(failed.value.error, BrokenPipeError)
 
 
 def test_external_consumer_reads_a_fifo_and_acknowledges(make_wheel, tmp_path: Path) -> None:
