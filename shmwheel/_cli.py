@@ -19,17 +19,15 @@ import pwd
 import random
 import signal
 import stat
-import struct
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from ._binding import lib
 from ._errors import IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError
 from ._process import alive
-from ._wheel import Fire, Wheel, WheelStats, _attach, _bare, create, unlink
+from ._wheel import _SHM, Fire, Wheel, WheelStats, _attach, _bare, _wheel_stat, create, unlink
 
 __all__ = ["main"]
 
@@ -246,23 +244,6 @@ def _print_json(obj: object) -> None:
 
 
 # -- the segments in /dev/shm -------------------------------------------------
-
-_SHM = Path("/dev/shm")
-_MAGIC = struct.pack("<Q", lib.SHMW_MAGIC)
-
-
-def _wheel_stat(name: str) -> os.stat_result | None:
-    """The stat of /dev/shm/NAME if it begins with the shmwheel magic, else None.
-
-    Reads 8 bytes through a file descriptor and maps nothing, so it is safe to
-    point at any other program's segment.  OSError if it cannot be read.
-    """
-    fd = os.open(_SHM / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        return st if stat.S_ISREG(st.st_mode) and os.pread(fd, 8, 0) == _MAGIC else None
-    finally:
-        os.close(fd)
 
 
 def _owner(uid: int) -> str:

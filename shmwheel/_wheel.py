@@ -19,10 +19,12 @@ import mmap
 import numbers
 import os
 import re
+import stat
 import struct
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 import posix_ipc
@@ -797,8 +799,37 @@ def _attach(name: str, producer: bool) -> Wheel:
         time.sleep(0.005)
 
 
+# Where Linux keeps POSIX shared memory, and how a wheel's segment begins
+# (the magic, stored in host byte order, last at create).
+_SHM = Path("/dev/shm")
+_MAGIC = struct.pack("=Q", lib.SHMW_MAGIC)
+
+
+def _wheel_stat(name: str) -> os.stat_result | None:
+    """The stat of /dev/shm/NAME (a bare name) if it begins with the
+    shmwheel magic, else None: what the command line and the servers'
+    ``create_wheel`` ask before they remove a segment.
+
+    Reads 8 bytes through a file descriptor and maps nothing, so it is safe to
+    point at any other program's segment.  OSError if it cannot be read.
+    """
+    fd = os.open(_SHM / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        return st if stat.S_ISREG(st.st_mode) and os.pread(fd, 8, 0) == _MAGIC else None
+    finally:
+        os.close(fd)
+
+
 def unlink(name: str) -> None:
-    """Remove a wheel's segment by name.  Processes that have it open keep it."""
+    """Remove the segment ``name``.  Processes that have it open keep it.
+
+    The segment is not opened first, so this also removes a wheel too
+    damaged to attach, or one whose creator died half-way - which is what
+    clean-up code needs - and equally any other program's segment of that
+    name.  ``shmwheel unlink NAME`` on the command line looks first, and
+    refuses a segment that is not a wheel.
+    """
     shm_name = _segment_name(name)
     try:
         posix_ipc.unlink_shared_memory(shm_name)

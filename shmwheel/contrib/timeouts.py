@@ -61,7 +61,13 @@ from typing import Any, NamedTuple
 
 from .. import _wheel
 from .._driver import Driver, _dedicated_process
-from .._errors import DriverRunningError, SegmentExistsError, SegmentNotFoundError, ShmwheelError
+from .._errors import (
+    DriverRunningError,
+    DriverStartError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    ShmwheelError,
+)
 from .._process import alive, start_time
 from .._wheel import Fire, Wheel, attach, create, unlink
 
@@ -517,11 +523,9 @@ def _dropped(st: _wheel.WheelStats) -> str:
 
 def _not_replaced(name: str, exc: ShmwheelError) -> ShmwheelError:
     """create_wheel's error for a segment it cannot read as a wheel, which it leaves alone."""
-    from .._cli import _wheel_stat  # the test `shmwheel unlink` makes before it removes a segment
-
     bare = _wheel._bare(name)
     try:
-        ours = _wheel_stat(bare) is not None
+        ours = _wheel._wheel_stat(bare) is not None  # the test `shmwheel unlink` makes first
     except OSError:
         ours = False
     how = f"shmwheel unlink {bare}" if ours else f"rm /dev/shm/{bare}"  # `shmwheel unlink` refuses the others
@@ -618,11 +622,13 @@ class DriverSupervisor:
         with _wheel._attach(self.name, producer=False) as wheel:
             while wheel._raw_stats().driver_pid != proc.pid:
                 if proc.poll() is not None:
-                    raise ShmwheelError(f"the driver of wheel {self.name!r} exited on start (status {proc.returncode})")
+                    raise DriverStartError(
+                        f"the driver of wheel {self.name!r} exited on start (status {proc.returncode})"
+                    )
                 if time.monotonic() > give_up:
                     proc.kill()
                     proc.wait()
-                    raise ShmwheelError(f"the driver of wheel {self.name!r} did not start in {self.start_timeout} s")
+                    raise DriverStartError(f"the driver of wheel {self.name!r} did not start in {self.start_timeout} s")
                 time.sleep(0.01)
         _log.info("wheel %r: driver running, pid %d", self.name, proc.pid)
 
