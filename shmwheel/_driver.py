@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._binding import error_for, ffi, lib, raise_for
-from ._errors import DriverRunningError, ShmwheelError
+from ._errors import DriverRunningError, DriverStartError
 from ._process import alive, start_time
 from ._wheel import Fire, Wheel, attach, decode_records
 
@@ -480,11 +480,11 @@ def start_driver(name: str, handler: Handler | None = None, *, timeout: float = 
             break
         except queue.Empty:
             if not proc.is_alive():
-                raise ShmwheelError(f"the driver for {name!r} exited with status {proc.exitcode} on start") from None
+                raise DriverStartError(f"the driver for {name!r} exited with status {proc.exitcode} on start") from None
             if time.monotonic() > give_up:
                 proc.kill()
                 proc.join()
-                raise ShmwheelError(f"the driver for {name!r} did not start within {timeout} s") from None
+                raise DriverStartError(f"the driver for {name!r} did not start within {timeout} s") from None
     if isinstance(result, BaseException):
         proc.join()
         raise result

@@ -248,6 +248,25 @@ def test_a_second_driver_is_refused(make_wheel, start) -> None:
     assert wheel.stats().driver_pid == d.pid
 
 
+class _ExitsWhenUnpickled:
+    """A handler whose unpickling ends the driver's process before it runs:
+    a start that fails with no exception to send back."""
+
+    def __call__(self, fire: shmwheel.Fire) -> None:  # pragma: no cover - never runs
+        raise AssertionError("unreachable")
+
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        return (os._exit, (3,))
+
+
+def test_a_driver_that_dies_before_it_runs_is_a_driver_start_error(make_wheel) -> None:
+    wheel = make_wheel(capacity=10)
+    with pytest.raises(shmwheel.DriverStartError, match=r"exited with status 3 on start") as info:
+        shmwheel.start_driver(wheel.name, _ExitsWhenUnpickled())
+    assert type(info.value) is shmwheel.DriverStartError and isinstance(info.value, shmwheel.ShmwheelError)
+    assert wheel.stats().driver_pid is None
+
+
 def test_poll_is_refused_while_a_driver_runs_and_takes_over_from_a_dead_one(make_wheel, start, tmp_path: Path) -> None:
     wheel = make_wheel(capacity=10)
     out = tmp_path / "fires.jsonl"
