@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+import posix_ipc
 import pytest
 
 import shmwheel
@@ -54,6 +55,15 @@ def name() -> Iterator[str]:
         shmwheel.unlink(n)
     except shmwheel.SegmentNotFoundError:
         pass
+
+
+def foreign_segment(name: str, data: bytes) -> None:
+    """A segment some other program made: ``data`` at its start (the ``name`` fixture removes it)."""
+    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
+    try:
+        os.pwrite(shm.fd, data, 0)
+    finally:
+        shm.close_fd()
 
 
 @pytest.fixture

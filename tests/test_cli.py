@@ -21,7 +21,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from conftest import fresh_name
+from conftest import foreign_segment, fresh_name
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -61,15 +61,6 @@ def table(stdout: str) -> dict[str, str]:
     rows = [re.fullmatch(r"(\S+(?: \S+)*)(\s{2,})(.*)", line) for line in stdout.splitlines()]
     assert all(rows) and len({len(m[1] + m[2]) for m in rows if m}) == 1, stdout
     return {m[1]: m[3] for m in rows if m}
-
-
-def foreign_segment(name: str, data: bytes) -> None:
-    """A segment some other program made: ``data`` at its start."""
-    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
-    try:
-        os.pwrite(shm.fd, data, 0)
-    finally:
-        shm.close_fd()
 
 
 def _as_in_the_foreground() -> None:

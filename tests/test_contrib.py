@@ -16,8 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import posix_ipc
 import pytest
+from conftest import foreign_segment
 
 import shmwheel
 from shmwheel._binding import lib
@@ -420,15 +420,6 @@ def test_a_wheel_whose_driver_died_is_replaced_with_a_warning_that_counts_its_ti
         f"wheel {name!r}: replacing a segment left over from a server that is gone "
         f"(its driver, pid {gone.pid}, died); dropping its 1 pending timer"
     )
-
-
-def foreign_segment(name: str, data: bytes) -> None:
-    """A segment some other program made: ``data`` at its start (the ``name`` fixture removes it)."""
-    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
-    try:
-        os.pwrite(shm.fd, data, 0)
-    finally:
-        shm.close_fd()
 
 
 @pytest.mark.parametrize(
