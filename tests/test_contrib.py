@@ -362,6 +362,21 @@ def test_supervisor_restarts_a_dead_driver_and_cleans_up(name: str) -> None:
     assert last is not None and not os.path.exists(f"/proc/{last}")
 
 
+def test_supervisor_keeps_the_driver_out_of_the_servers_process_group(name: str) -> None:
+    # A terminal's Ctrl-C goes to the foreground process group: the server's.
+    # The driver must not get it behind the server's back (the watcher would
+    # log its death and start another while the server shuts down); the
+    # server's stop() stops it.
+    sup = DriverSupervisor(name, TimeoutActions(tracebacks=False))
+    sup.start()
+    try:
+        assert sup.pid is not None
+        assert os.getpgid(sup.pid) == sup.pid != os.getpgid(0)
+    finally:
+        sup.stop()
+    assert sup.restarts == 0 and not Path("/dev/shm", name).exists()
+
+
 def test_supervisor_refuses_a_wheel_with_a_live_driver_and_replaces_a_stale_one(name: str, caplog) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()

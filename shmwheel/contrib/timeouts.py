@@ -537,11 +537,13 @@ class DriverSupervisor:
     restarts the driver if it dies, and removes the wheel on :meth:`stop`.
 
     For servers that do not supervise processes of their own (Gunicorn's
-    master runs one).  The driver is ``python -m shmwheel.contrib.timeouts``;
-    if the process that started it dies without calling stop() (SIGKILL),
-    the driver notices, stops, and removes the wheel itself.  (Linux ties
-    that to the *thread* that started the driver: call start() from a
-    thread that lives as long as the server, its main thread say.)
+    master runs one).  The driver is ``python -m shmwheel.contrib.timeouts
+    --parent=PID``: if the process that started it dies without calling
+    stop() (SIGKILL), the driver notices (through a pidfd on that process,
+    whichever thread started it), stops, and removes the wheel itself.  It
+    runs in a process group of its own, so that a Ctrl-C at the terminal
+    reaches the server, whose stop() then stops the driver, and not the
+    driver behind the server's back.
     """
 
     #: Seconds between two looks at the driver; and the longest wait
@@ -615,7 +617,10 @@ class DriverSupervisor:
 
     def _spawn(self) -> None:
         cmd = [sys.executable, "-m", __name__, self.name, f"--parent={os.getpid()}", *self.actions.as_args()]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        # Out of the server's process group: the terminal's Ctrl-C (SIGINT to
+        # the foreground group) would stop the driver while the server still
+        # runs, and the watcher would log its death and start another.
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
         self._proc = proc
         self._started = time.monotonic()
         give_up = self._started + self.start_timeout
