@@ -3,9 +3,10 @@
     GET /             answers at once
     GET /sleep?s=N    sleeps N seconds (default 10) before answering
     GET /spin?s=N     keeps a CPU busy in Python for N seconds
-    GET /stuck?s=N    sleeps N seconds and will not be stopped: it swallows
-                      the exception a graceful signal raises, so only
-                      SIGKILL ends it
+    GET /stuck?s=N    sleeps N seconds and will not be stopped from Python:
+                      it swallows the exception a graceful signal raises
+                      (Gunicorn's SIGABRT), so there SIGKILL ends it; a
+                      uWSGI worker exits on SIGTERM without raising one
 
 Run it under Gunicorn or uWSGI with the configurations beside it (see
 README.md there).

@@ -29,8 +29,9 @@ The ``shmwheel-*`` options (uWSGI hands every process the whole config):
 ``shmwheel-capacity``       requests in progress at once (default 65536)
 ==========================  =================================================
 
-The master creates the wheel when it loads the application (a worker
-attaches on its first request); the mule drives it, and uWSGI restarts the
+The master creates the wheel when it loads the application (each worker
+attaches right after it is forked, in a postfork hook, and registers the
+traceback signal then); the mule drives it, and uWSGI restarts the
 mule if it dies or is reloaded, which takes the same wheel over.  The mule
 removes the wheel when uWSGI shuts down; on a reload of the whole server,
 the master replaces it.  With ``lazy-apps`` the mule creates the wheel
