@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 
 import shmwheel
 from shmwheel._binding import ffi, lib
+from shmwheel._process import start_time
 
 PREFIX = f"shmwheel-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -118,6 +121,30 @@ def mutex_span() -> tuple[int, int]:
     head follows it (40 bytes with glibc on x86-64)."""
     hi = ffi.offsetof("struct shmw_header", "free_head")
     return hi - hi % 64, hi
+
+
+def put_in_flight(w: shmwheel.Wheel, at_least: int) -> None:
+    """Fire what is due into the in-flight list, as a driver's clock does, and
+    step back: this process registers as the driver, runs the clock until
+    ``at_least`` timers are in flight, and deregisters (they stay there, to
+    be handed out again)."""
+    me = os.getpid()
+    me_start = start_time(me)
+    assert me_start is not None
+    assert lib.shmw_driver_register(w._w, me, me_start, 0, 0) == 0
+    stop = ffi.new("int *")
+    result: list[int] = []
+    clock = threading.Thread(target=lambda: result.append(lib.shmw_drive_clock(w._w, stop, 8)))
+    clock.start()
+    give_up = time.monotonic() + 10
+    while w.stats().in_flight < at_least and time.monotonic() < give_up:
+        time.sleep(0.0005)
+    stop[0] = 1
+    lib.shmw_wake(w._w)
+    clock.join()
+    assert result == [0]
+    assert lib.shmw_driver_register(w._w, 0, 0, me, me_start) == 0
+    assert w.stats().in_flight >= at_least, "the clock put too few in flight"
 
 
 @pytest.fixture

@@ -21,12 +21,10 @@ import signal
 import time
 
 import hypothesis.strategies as st
-from conftest import fresh_name, layout, mutex_span
+from conftest import fresh_name, layout, mutex_span, put_in_flight
 from hypothesis import HealthCheck, given, settings
 
 import shmwheel
-from shmwheel._binding import ffi, lib
-from shmwheel._process import start_time
 
 ALLOWED = (shmwheel.ShmwheelError, ValueError, OSError)
 
@@ -36,12 +34,9 @@ def populated_wheel() -> shmwheel.Wheel:
     now = w.stats().clock
     for k, d in enumerate([0.0, 0.001, 0.02, 0.5, 3, 60, 3600, 86400 * 30]):
         w.add_at(now + d, b"p%d" % k)
-    me = os.getpid()
-    # Put a few in flight, as a driver would, then step back.
-    assert lib.shmw_driver_register(w._w, me, start_time(me), 0, 0) == 0
-    stop = ffi.new("int *", 1)
-    lib.shmw_drive_clock(w._w, stop, 8)  # stop already set: registers nothing more
-    assert lib.shmw_driver_register(w._w, 0, 0, me, start_time(me)) == 0
+    # The due ones go in flight, as a driver's clock would put them: the
+    # scribbles must meet the in-flight list too, not only the buckets.
+    put_in_flight(w, 2)
     return w
 
 
