@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 import os
 import pickle
 import random
 import stat
+import sys
 import threading
 import time
 from pathlib import Path
@@ -689,12 +691,23 @@ def test_threads_share_a_wheel_and_the_gil_is_released(make_wheel) -> None:
             ticks.append(time.monotonic())
 
     t = threading.Thread(target=counter)
+    # The arguments are built first, so that the window below is the call
+    # into C and nothing else.  Python runs in it either way - the GIL
+    # changes hands around the call, up to a switch interval each side - so
+    # what tells a released GIL from a held one is the longest stretch in
+    # which the counter did not run: a held GIL makes it the whole call.
+    n = 390_000
+    delays, handles = ffi.new("double[]", [60.0] * n), ffi.new("int64_t[]", n)
     t.start()
     time.sleep(0.01)
     start = time.monotonic()
-    w.add_many([60.0] * 300_000)
+    rc = lib.shmw_add_many(w._w, delays, n, ffi.NULL, ffi.NULL, handles)
     end = time.monotonic()
     stop.set()
     t.join()
-    inside = [x for x in ticks if start < x < end]
-    assert len(inside) > 10, f"no Python ran during a {end - start:.3f} s C call"
+    assert rc == 0 and len(w) == n
+    switch = sys.getswitchinterval()
+    assert end - start > 2 * switch, f"a {end - start:.4f} s call is too short to tell"
+    seen = [start, *(x for x in ticks if start < x < end), end]
+    longest = max(b - a for a, b in itertools.pairwise(seen))
+    assert longest < switch, f"no Python ran for {longest:.4f} s of a {end - start:.4f} s call into C"

@@ -298,9 +298,17 @@ def test_middleware_times_the_whole_response_and_cancels_on_close(make_wheel) ->
     body = mw({"REQUEST_METHOD": "GET", "PATH_INFO": "/caf\xc3\xa9"}, lambda *a: None)
     assert len(wheel) == 1  # the app has returned, the body is not sent yet
     assert b"".join(body) == b"ab"
-    assert len(wheel) == 1
+    assert len(wheel) == 1  # sent, but the server has not closed it yet
+    body.close()  # PEP 3333: the server closes the body once it is sent
+    assert len(wheel) == 0 and wheel.stats().cancelled == 1
+
+    # The timer carries the request, path and all, should it fire.
+    body = mw({"REQUEST_METHOD": "GET", "PATH_INFO": "/caf\xc3\xa9"}, lambda *a: None)
+    assert b"".join(body) == b"ab"
     [fire_payload] = [decode_request(f.payload) for f in wheel.poll(time.monotonic() + 3600)]
     assert fire_payload is not None and fire_payload.path == "/café"  # PEP 3333's latin-1, read back as UTF-8
+    body.close()  # after the fire: nothing left to cancel
+    assert len(wheel) == 0 and wheel.stats().cancelled == 1
 
 
 def test_middleware_cancels_when_the_body_is_closed_or_the_app_raises(make_wheel) -> None:
