@@ -22,14 +22,31 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ._binding import lib
 from ._errors import IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError
 from ._process import alive
-from ._wheel import _SHM, Fire, Wheel, WheelStats, _attach, _bare, _wheel_stat, create, unlink
+from ._wheel import (
+    _SHM,
+    CAPACITIES,
+    PAYLOAD_SIZES,
+    Fire,
+    Wheel,
+    WheelStats,
+    _attach,
+    _bare,
+    _not_a_tick,
+    _not_a_wheel_size,
+    _not_between,
+    _wheel_stat,
+    create,
+    unlink,
+)
 
 __all__ = ["main"]
+
+_V = TypeVar("_V", int, float)
 
 
 def _request_worker(wheel: Wheel, seed: int, until: float) -> None:
@@ -123,8 +140,8 @@ def _demo(args: argparse.Namespace) -> int:
 # -- option values ----------------------------------------------------------------
 #
 # argparse types: a value out of range is a usage error (exit status 2, with
-# the usage), checked against the limits the C core defines, before anything
-# is created.  create() checks the same again for callers of the library.
+# the usage), found by the same checks create() makes, before anything is
+# created.
 
 
 def _positive(text: str) -> float:
@@ -141,33 +158,27 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
 
 
-def _int_between(lo: int, hi: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = _int(text)
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be between {lo} and {hi}, not {value}")
-        return value
-
-    return parse
-
-
-def _wheel_size(text: str) -> int:
-    lo, hi = 1 << lib.SHMW_MIN_WHEEL_BITS, 1 << lib.SHMW_MAX_WHEEL_BITS
-    value = _int(text)
-    if not lo <= value <= hi or value & (value - 1):
-        raise argparse.ArgumentTypeError(f"must be a power of two from {lo} to {hi}, not {value}")
-    return value
-
-
-def _tick(text: str) -> float:
-    lo, hi = lib.SHMW_MIN_TICK_NS / 1e9, lib.SHMW_MAX_TICK_NS / 1e9
+def _seconds(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
-    if not lo <= value <= hi:  # NaN fails it too
-        raise argparse.ArgumentTypeError(f"must be between {lo:g} and {hi:g} seconds, not {text}")
-    return value
+
+
+def _option(parse: Callable[[str], _V], problem: Callable[[_V], str | None]) -> Callable[[str], _V]:
+    """An argparse type: ``parse``, then the library's own check of the value."""
+
+    def check(text: str) -> _V:
+        value = parse(text)
+        if found := problem(value):
+            raise argparse.ArgumentTypeError(found)
+        return value
+
+    return check
+
+
+def _int_between(lo: int, hi: int) -> Callable[[str], int]:
+    return _option(_int, lambda value: _not_between(value, lo, hi))
 
 
 def _octal(text: str) -> int:
@@ -438,16 +449,21 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--duration", type=_positive, default=5.0, help="seconds to run (default 5)")
 
     p = command("create", _create, "create a wheel's segment and leave it in /dev/shm")
-    capacity = _int_between(1, lib.SHMW_MAX_CAPACITY)
+    capacity = _int_between(*CAPACITIES)
     p.add_argument("--capacity", type=capacity, required=True, metavar="N", help="timers that can be pending at once")
-    p.add_argument("--tick", type=_tick, default=0.001, metavar="SECONDS", help="resolution (default 0.001)")
-    payload = _int_between(0, lib.SHMW_MAX_PAYLOAD)
+    tick = _option(_seconds, _not_a_tick)
+    p.add_argument("--tick", type=tick, default=0.001, metavar="SECONDS", help="resolution (default 0.001)")
+    payload = _int_between(*PAYLOAD_SIZES)
     p.add_argument(
         "--payload-size", type=payload, default=64, metavar="N", help="bytes of payload a timer (default 64)"
     )
     p.add_argument("--mode", type=_octal, default=0o600, metavar="OCTAL", help="permissions (default 600)")
     p.add_argument(
-        "--wheel-size", type=_wheel_size, default=256, metavar="N", help="buckets a level, a power of two (256)"
+        "--wheel-size",
+        type=_option(_int, _not_a_wheel_size),
+        default=256,
+        metavar="N",
+        help="buckets a level, a power of two (256)",
     )
 
     p = command("driver", _driver, "drive a wheel: advance its clock and run a handler for each fire")

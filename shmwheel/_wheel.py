@@ -14,7 +14,6 @@ import collections
 import contextlib
 import errno
 import logging
-import math
 import mmap
 import numbers
 import os
@@ -91,12 +90,41 @@ def _bare(name: str) -> str:
     return _segment_name(name)[1:]
 
 
+# The limits of create()'s parameters, as the C core defines them.  Each
+# check below says what is wrong with a value (None: nothing), in words that
+# create() puts after the parameter's name and the command line after its
+# option's: both parse against the same limits, stated once.
+CAPACITIES = (1, lib.SHMW_MAX_CAPACITY)
+PAYLOAD_SIZES = (0, lib.SHMW_MAX_PAYLOAD)
+WHEEL_SIZES = (1 << lib.SHMW_MIN_WHEEL_BITS, 1 << lib.SHMW_MAX_WHEEL_BITS)
+TICKS = (lib.SHMW_MIN_TICK_NS / 1e9, lib.SHMW_MAX_TICK_NS / 1e9)
+
+
+def _not_between(value: float, lo: float, hi: float, unit: str = "") -> str | None:
+    if lo <= value <= hi:  # NaN is not
+        return None
+    if isinstance(value, float) or isinstance(lo, float):
+        return f"must be between {lo:g} and {hi:g}{unit}, not {value:g}"
+    return f"must be between {lo} and {hi}{unit}, not {value}"
+
+
+def _not_a_wheel_size(value: int) -> str | None:
+    lo, hi = WHEEL_SIZES
+    if lo <= value <= hi and not value & (value - 1):
+        return None
+    return f"must be a power of two from {lo} to {hi}, not {value}"
+
+
+def _not_a_tick(value: float) -> str | None:
+    return _not_between(value, *TICKS, " seconds")
+
+
 def _check_int(value: object, what: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
     value = int(value)
-    if not lo <= value <= hi:
-        raise ValueError(f"{what} must be between {lo} and {hi}, not {value}")
+    if problem := _not_between(value, lo, hi):
+        raise ValueError(f"{what} {problem}")
     return value
 
 
@@ -700,16 +728,15 @@ def create(
     ``mode`` is applied as given, whatever the umask.
     """
     shm_name = _segment_name(name)
-    capacity = _check_int(capacity, "capacity", 1, lib.SHMW_MAX_CAPACITY)
-    payload_size = _check_int(payload_size, "payload_size", 0, lib.SHMW_MAX_PAYLOAD)
+    capacity = _check_int(capacity, "capacity", *CAPACITIES)
+    payload_size = _check_int(payload_size, "payload_size", *PAYLOAD_SIZES)
     mode = _check_int(mode, "mode", 0, 0o777)
-    wheel_size = _check_int(wheel_size, "wheel_size", 1 << lib.SHMW_MIN_WHEEL_BITS, 1 << lib.SHMW_MAX_WHEEL_BITS)
-    if wheel_size & (wheel_size - 1):
-        raise ValueError(f"wheel_size must be a power of two, not {wheel_size}")
+    wheel_size = _check_int(wheel_size, "wheel_size", *WHEEL_SIZES)
+    if problem := _not_a_wheel_size(wheel_size):
+        raise ValueError(f"wheel_size {problem}")
     tick = _check_seconds(tick, "tick")
-    lo, hi = lib.SHMW_MIN_TICK_NS / 1e9, lib.SHMW_MAX_TICK_NS / 1e9
-    if not (math.isfinite(tick) and lo <= tick <= hi):
-        raise ValueError(f"tick must be between {lo} and {hi} seconds, not {tick}")
+    if problem := _not_a_tick(tick):
+        raise ValueError(f"tick {problem}")
 
     params = ffi.new(
         "struct shmw_params *",
