@@ -292,14 +292,15 @@ class Driver:
         view = memoryview(ffi.buffer(buf))
         while (n := lib.shmw_drive_take(wheel._w, self._send_stop, buf, _SEND_BATCH)) > 0:
             fires = decode_records(rec, view[: n * rec.size])
-            self.fired += len(fires)
             try:
                 errors = self._handle(fires)
             except _OutputFailed as exc:
                 # The fire it failed on and those after it stay in flight:
                 # the next driver (or poll()) hands them out again.
+                self.fired += exc.delivered
                 _ack(wheel, [f.handle for f in fires[: exc.delivered]], 0)
                 raise
+            self.fired += len(fires)
             self.handler_errors += errors
             _ack(wheel, [f.handle for f in fires], errors)
         if n < 0:
