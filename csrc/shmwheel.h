@@ -277,10 +277,11 @@ struct shmw_header {
      * add or a cancel writes in the header every time (40 + 24 bytes with
      * glibc on x86-64), so that a producer pulls one header line from the
      * last one's CPU, not four.  (heap_len, on another line, is written
-     * too when an add makes a bucket non-empty or a cancel empties one.)  What used to be counted on every operation
-     * besides - timers pending, in all and per level - is worked out when
-     * asked for: pending = capacity - free - retired - in flight, and the
-     * levels from the counts of the non-empty buckets. */
+     * too when an add makes a bucket non-empty or a cancel empties one.)
+     * What used to be counted on every operation besides - timers
+     * pending, in all and per level - is worked out when asked for:
+     * pending = capacity - free - retired - in flight, and the levels from
+     * the counts of the non-empty buckets. */
     pthread_mutex_t mutex __attribute__((aligned(64)));
     uint32_t free_head;         /* the shared free list: first slot or NIL */
     uint32_t free_count;        /* free slots in all: the shared list and the magazines */
