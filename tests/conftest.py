@@ -123,6 +123,14 @@ def mutex_span() -> tuple[int, int]:
     return hi - hi % 64, hi
 
 
+def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    """Wait until predicate() holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
 def put_in_flight(w: shmwheel.Wheel, at_least: int) -> None:
     """Fire what is due into the in-flight list, as a driver's clock does, and
     step back: this process registers as the driver, runs the clock until

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from conftest import foreign_segment, fresh_name
+from conftest import foreign_segment, fresh_name, wait_for
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -35,13 +35,6 @@ def run(*args: str, prefix: Sequence[str] = ()) -> subprocess.CompletedProcess[s
     return subprocess.run(
         [*prefix, sys.executable, "-m", "shmwheel", *args], capture_output=True, text=True, timeout=30
     )
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], status: int = 1) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 import shmwheel
 from shmwheel._binding import lib
@@ -80,13 +81,6 @@ def read_records(path: Path) -> list[dict]:
         return []
     text = path.read_text()
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
 
 
 @pytest.fixture
