@@ -81,7 +81,7 @@ static void produce(void *base, uint64_t size, double seconds, uint32_t gap, str
     int slot;
 
     /* A producer slot of its own, as shmwheel.attach takes: its lane. */
-    if (shmw_open(base, size, &w) != SHMW_OK || (slot = shmw_producer_attach(w, getpid(), 0)) < 0)
+    if (shmw_open(base, size, &w) != SHMW_OK || (slot = shmw_producer_attach(w, getpid(), 0, 0)) < 0)
         _exit(1);
     end = now_ns() + (int64_t)(seconds * 1e9);
     while (now_ns() < end) {

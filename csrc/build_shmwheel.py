@@ -39,6 +39,7 @@ struct shmw_header {
     uint32_t payload_size;
     uint32_t levels;
     uint32_t stride;
+    uint64_t handle_key;
     uint64_t elapsed;
     uint32_t free_head;
     uint32_t free_count;

@@ -12,12 +12,14 @@
 
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 #include <linux/futex.h>
+#include <sys/random.h>
 #include <sys/syscall.h>
 
 #define ALIGN_UP(x, a) (((x) + (uint64_t)(a) - 1) & ~((uint64_t)(a) - 1))
@@ -42,6 +44,8 @@ struct shmw {
     uint32_t             slot_bits;
     uint32_t             stride;
     uint64_t             max_generation;
+    uint64_t             handle_key;    /* the header's, masked to the generation bits */
+    int64_t              lock_timeout_ns;
     uint32_t             producer;      /* this process's producer slot, or SHMW_NO_PRODUCER */
     pid_t                producer_pid;  /* the pid that slot was taken for (fork changes it) */
 };
@@ -60,11 +64,20 @@ struct shmw {
  * in registers. */
 
 static long crash_countdown;
+static int crash_stops;         /* SIGSTOP instead of _exit: a holder frozen mid-operation */
+
+static void crash_now(void)
+{
+    if (crash_stops)
+        raise(SIGSTOP);         /* and carries on when continued */
+    else
+        _exit(SHMW_CRASH_EXIT);
+}
 
 static inline void crash_point(void)
 {
     if (__builtin_expect(crash_countdown > 0, 0) && --crash_countdown == 0)
-        _exit(SHMW_CRASH_EXIT);
+        crash_now();
 }
 
 #define STORE(lhs, rhs) do {                    \
@@ -80,6 +93,13 @@ static inline void crash_point(void)
 void shmw_test_crash_after(long n)
 {
     crash_countdown = n > 0 ? n : 0;
+    crash_stops = 0;
+}
+
+void shmw_test_stop_after(long n)
+{
+    crash_countdown = n > 0 ? n : 0;
+    crash_stops = 1;
 }
 
 /* ---- process identity ---------------------------------------------------
@@ -285,6 +305,10 @@ int shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t no
     h->created_ns = now_ns;
     pthread_once(&pid_once, pid_init);
     h->creator_pid = cached_pid;
+    /* Not secret, only different from wheel to wheel: without getrandom
+     * (before Linux 3.17) the creation time and pid will do. */
+    if (getrandom(&h->handle_key, sizeof(h->handle_key), GRND_NONBLOCK) != (ssize_t)sizeof(h->handle_key))
+        h->handle_key = (uint64_t)now_ns * 0x9e3779b97f4a7c15ULL ^ (uint64_t)cached_pid;
 
     h->elapsed = shmw_ticks_ceil(now_ns, p->tick_ns);
     for (i = 0; i < l.levels; i++)
@@ -388,6 +412,8 @@ int shmw_open(void *base, uint64_t size, shmw_t **out)
     w->slot_bits = shmw_slot_bits(p.capacity);
     w->stride = l.stride;
     w->max_generation = (1ULL << (63 - w->slot_bits)) - 1;
+    w->handle_key = h->handle_key & w->max_generation;
+    w->lock_timeout_ns = SHMW_LOCK_TIMEOUT_NS;
     w->producer = SHMW_NO_PRODUCER;
     pthread_once(&pid_once, pid_init);
     *out = w;
@@ -415,8 +441,6 @@ int shmw_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t *
 
 static int check_locked(shmw_t *w, char *reason, uint32_t reason_len);
 
-static int repair_locked(shmw_t *w);
-
 static inline void cpu_relax(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
@@ -443,7 +467,11 @@ static inline int mutex_may_be_free(pthread_mutex_t *m)
 #endif
 }
 
-static int lock(shmw_t *w)
+static int repair_locked(shmw_t *w, int64_t clock_limit_ns, char *reason, uint32_t reason_len);
+
+/* Takes the lock, repairing what a holder that died left; does not look at
+ * the damaged flag (lock() does). */
+static int lock_raw(shmw_t *w)
 {
     /* Uncontended, trylock is the whole cost.  Contended, spin briefly
      * first: a producer's hold is a few dozen nanoseconds, and sleeping on
@@ -465,7 +493,7 @@ static int lock(shmw_t *w)
             rc = pthread_mutex_trylock(m);
     }
     if (rc == EBUSY) {
-        int64_t until = shmw_now_ns() + SHMW_LOCK_TIMEOUT_NS;
+        int64_t until = shmw_now_ns() + w->lock_timeout_ns;
         struct timespec ts = { until / 1000000000LL, until % 1000000000LL };
         rc = pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &ts);
     }
@@ -476,13 +504,20 @@ static int lock(shmw_t *w)
          * that nobody ever sees ENOTRECOVERABLE.  If the repairer dies
          * too, the next locker gets EOWNERDEAD and repairs again.  Only a
          * segment repair cannot make sense of stays flagged damaged. */
-        if (repair_locked(w) != SHMW_OK)
+        if (repair_locked(w, -1, NULL, 0) != SHMW_OK)
             STORE(w->hdr->flags, w->hdr->flags | SHMW_F_DAMAGED);
         pthread_mutex_consistent(&w->hdr->mutex);
         rc = 0;
     }
+    return rc ? SHMW_ELOCK : SHMW_OK;
+}
+
+static int lock(shmw_t *w)
+{
+    int rc = lock_raw(w);
+
     if (rc)
-        return SHMW_ELOCK;
+        return rc;
     if (w->hdr->flags & SHMW_F_DAMAGED) {
         pthread_mutex_unlock(&w->hdr->mutex);
         return SHMW_ECORRUPT;
@@ -493,6 +528,30 @@ static int lock(shmw_t *w)
 static inline void unlock(shmw_t *w)
 {
     pthread_mutex_unlock(&w->hdr->mutex);
+}
+
+int shmw_set_lock_timeout(shmw_t *w, int64_t timeout_ns)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    if (timeout_ns <= 0)
+        return SHMW_EINVAL;
+    w->lock_timeout_ns = timeout_ns;
+    return SHMW_OK;
+}
+
+int32_t shmw_lock_holder(shmw_t *w)
+{
+    /* The thread ID glibc keeps in a robust mutex's lock word, as the
+     * holder's own PID namespace numbers it; read without the lock, so it
+     * may be stale by the time the caller looks the thread up. */
+    if (!w)
+        return 0;
+#ifdef __GLIBC__
+    return (int32_t)(__atomic_load_n(&w->hdr->mutex.__data.__lock, __ATOMIC_RELAXED) & FUTEX_TID_MASK);
+#else
+    return 0;
+#endif
 }
 
 /* ---- futexes -------------------------------------------------------------- */
@@ -541,8 +600,10 @@ static void heap_place(shmw_t *w, uint32_t pos, uint32_t b)
 
 static int sift_up(shmw_t *w, uint32_t pos)
 {
-    uint32_t b = w->heap[pos];
+    uint32_t b;
 
+    if (pos >= w->nbuckets || (b = w->heap[pos]) >= w->nbuckets)
+        return SHMW_ECORRUPT;
     while (pos > 0) {
         uint32_t parent = (pos - 1) / 2;
         uint32_t pb = w->heap[parent];
@@ -617,7 +678,10 @@ static int heap_remove(shmw_t *w, uint32_t b)
         return SHMW_ECORRUPT;
     heap_place(w, pos, last);
     rc = sift_down(w, pos, len);
-    return rc ? rc : sift_up(w, w->buckets[last].heap_pos);
+    if (rc)
+        return rc;
+    pos = w->buckets[last].heap_pos;    /* read back: where sift_down left it */
+    return pos < len ? sift_up(w, pos) : SHMW_ECORRUPT;
 }
 
 /* ---- buckets --------------------------------------------------------------- */
@@ -773,23 +837,51 @@ static int bucket_unlink(shmw_t *w, uint32_t i)
 
 /* ---- the slab ------------------------------------------------------------------ */
 
+/* A handle from a slab index and the generation bits, and back.  The
+ * caller has checked that the entry's generation is at most max_generation
+ * (entry_sane), which keeps the handle below 2^63. */
 static inline int64_t handle_of(const shmw_t *w, uint32_t i)
 {
-    return (int64_t)(entry_at(w, i)->generation << w->slot_bits | i);
+    return (int64_t)((entry_at(w, i)->generation ^ w->handle_key) << w->slot_bits | i);
 }
 
-/* The pending entry a handle names, or NIL. */
-static uint32_t lookup(const shmw_t *w, int64_t handle)
+/* The slab index a handle names (maybe out of bounds: the caller checks),
+ * and the generation it expects there. */
+static inline uint32_t handle_index(const shmw_t *w, int64_t handle)
 {
-    uint32_t i = (uint32_t)((uint64_t)handle & ((1ULL << w->slot_bits) - 1));
+    return (uint32_t)((uint64_t)handle & ((1ULL << w->slot_bits) - 1));
+}
+
+static inline uint64_t handle_generation(const shmw_t *w, int64_t handle)
+{
+    return ((uint64_t)handle >> w->slot_bits) ^ w->handle_key;
+}
+
+/* The entry a handle names if it is in `state`, or NIL. */
+static uint32_t lookup(const shmw_t *w, int64_t handle, uint8_t state)
+{
+    uint32_t i = handle_index(w, handle);
     struct shmw_entry *e;
 
     if (i >= w->capacity)
         return SHMW_NIL;
     e = entry_at(w, i);
-    if (e->state != SHMW_PENDING || e->generation != (uint64_t)handle >> w->slot_bits)
+    if (e->state != state || e->generation != handle_generation(w, handle))
         return SHMW_NIL;
     return i;
+}
+
+/* Whether what a pending or in-flight entry says about itself can be
+ * turned into a fire: a generation that makes a handle, a payload length
+ * within the slot, a deadline that is a time, known flags, a producer slot
+ * that exists.  An entry that fails is never handed out: the operation
+ * that meets it reports SHMW_ECORRUPT, and a repair retires it. */
+static int entry_sane(const shmw_t *w, const struct shmw_entry *e)
+{
+    return e->generation != 0 && e->generation <= w->max_generation
+        && e->payload_len <= w->payload_size && e->deadline_ns >= 0
+        && !(e->flags & ~(SHMW_REDELIVERED | SHMW_CANCEL_ON_EXIT | SHMW_SENT))
+        && (e->producer < SHMW_MAX_PRODUCERS || e->producer == SHMW_NO_PRODUCER);
 }
 
 /* ---- free slots ------------------------------------------------------------
@@ -1032,7 +1124,9 @@ static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, 
         return SHMW_EPRODUCER;
     if ((rc = lock(w)))
         return rc;
-    rc = insert_new(w, deadline_ns, payload, len, flags, &handle, &wake);
+    /* Read under the lock: an add that takes it after the mark fails, so
+     * no timer goes into a segment after its remover looked. */
+    rc = w->hdr->removed ? SHMW_EREMOVED : insert_new(w, deadline_ns, payload, len, flags, &handle, &wake);
     unlock(w);
     if (wake)
         wake_clock(w);
@@ -1076,9 +1170,10 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
     }
     if ((rc = lock(w)))
         return rc;
-    if (w->hdr->free_count < n) {
+    if (w->hdr->removed || w->hdr->free_count < n) {
+        rc = w->hdr->removed ? SHMW_EREMOVED : SHMW_EFULL;
         unlock(w);
-        return SHMW_EFULL;
+        return rc;
     }
     for (k = 0; k < n; k++) {
         uint32_t len = lens ? lens[k] : 0;
@@ -1095,7 +1190,7 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
 
 static int cancel_locked(shmw_t *w, int64_t handle)
 {
-    uint32_t i = lookup(w, handle);
+    uint32_t i = lookup(w, handle, SHMW_PENDING);
     int rc;
 
     if (i == SHMW_NIL)
@@ -1157,7 +1252,7 @@ static int reset_checked(shmw_t *w, int64_t handle, int64_t deadline_ns)
         return SHMW_EHANDLE;
     if ((rc = lock(w)))
         return rc;
-    i = lookup(w, handle);
+    i = lookup(w, handle, SHMW_PENDING);
     if (i == SHMW_NIL) {
         unlock(w);
         return 0;
@@ -1232,7 +1327,7 @@ static void write_record(const shmw_t *w, uint32_t i, char *rec)
     f->fired_at_ns = e->fired_at_ns;
     f->owner_pid = e->owner_pid;
     f->payload_len = len;
-    f->flags = e->flags;
+    f->flags = e->flags & SHMW_REDELIVERED;
     f->_pad = 0;
     if (len)
         memcpy(rec + sizeof(*f), (char *)(e + 1), len);
@@ -1341,7 +1436,7 @@ static int advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, c
             break;
         }
         e = entry_at(w, i);
-        if (e->state != SHMW_PENDING || e->bucket != b) {
+        if (e->state != SHMW_PENDING || e->bucket != b || !entry_sane(w, e)) {
             rc = SHMW_ECORRUPT;
             break;
         }
@@ -1391,7 +1486,7 @@ static int drain_inflight(shmw_t *w, uint32_t max, char *records, uint32_t *n)
     *n = 0;
     while (*n < max && h->inflight_head != SHMW_NIL) {
         uint32_t i = h->inflight_head;
-        if (i >= w->capacity || entry_at(w, i)->state != SHMW_INFLIGHT)
+        if (i >= w->capacity || entry_at(w, i)->state != SHMW_INFLIGHT || !entry_sane(w, entry_at(w, i)))
             return SHMW_ECORRUPT;
         write_record(w, i, records + (uint64_t)*n * stride);
         if ((rc = inflight_unlink(w, i)))
@@ -1469,10 +1564,9 @@ int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_p
             return SHMW_ECORRUPT;
         }
         e = entry_at(w, i);
-        if (!(e->flags & SHMW_REDELIVERED)) {
-            STORE(e->flags, e->flags | SHMW_REDELIVERED);
+        if (!(e->flags & SHMW_REDELIVERED))
             STORE(h->redelivered, h->redelivered + 1);
-        }
+        STORE(e->flags, (uint8_t)((e->flags | SHMW_REDELIVERED) & ~SHMW_SENT));
         i = e->next;
     }
     if (i != SHMW_NIL) {
@@ -1617,13 +1711,18 @@ int shmw_drive_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t cap
         stopping = __atomic_load_n(stop, __ATOMIC_SEQ_CST);
         i = h->inflight_unsent;
         while (n < cap && i != SHMW_NIL) {
-            if (i >= w->capacity || entry_at(w, i)->state != SHMW_INFLIGHT) {
+            struct shmw_entry *e;
+            /* An entry marked sent is one the cursor should be past: a
+             * scribbled cursor, which would hand it out twice. */
+            if (i >= w->capacity || (e = entry_at(w, i))->state != SHMW_INFLIGHT || !entry_sane(w, e)
+                || (e->flags & SHMW_SENT)) {
                 unlock(w);
                 return SHMW_ECORRUPT;
             }
             write_record(w, i, buf + (uint64_t)n * stride);
+            STORE(e->flags, e->flags | SHMW_SENT);
             n++;
-            i = entry_at(w, i)->next;
+            i = e->next;
         }
         STORE(h->inflight_unsent, i);
         unlock(w);
@@ -1668,13 +1767,8 @@ int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors
         return rc;
     STORE(w->hdr->handler_errors, w->hdr->handler_errors + errors);
     for (k = 0; k < n; k++) {
-        uint64_t hd = (uint64_t)handles[k];
-        uint32_t i = (uint32_t)(hd & ((1ULL << w->slot_bits) - 1));
-        struct shmw_entry *e;
-        if (i >= w->capacity)
-            continue;
-        e = entry_at(w, i);
-        if (e->state != SHMW_INFLIGHT || e->generation != hd >> w->slot_bits)
+        uint32_t i = lookup(w, handles[k], SHMW_INFLIGHT);
+        if (i == SHMW_NIL)
             continue;
         if ((rc = inflight_unlink(w, i)))
             break;
@@ -1759,13 +1853,16 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     out->advanced_ns = h->advanced_ns;
     out->clock_ns = (int64_t)(h->elapsed * (uint64_t)w->tick_ns);
     out->recoveries = h->recoveries;
+    out->repairs = h->repairs;
+    out->quarantined = h->quarantined;
+    out->removed = h->removed != 0;
     unlock(w);
     return SHMW_OK;
 }
 
 /* ---- producers ------------------------------------------------------------ */
 
-int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start)
+int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns)
 {
     struct shmw_header *h;
     uint32_t k, slot = SHMW_NO_PRODUCER;
@@ -1779,7 +1876,7 @@ int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start)
         return rc;
     h = w->hdr;
     for (k = 0; k < SHMW_MAX_PRODUCERS; k++) {
-        if (h->producers[k].pid == pid && h->producers[k].start == start) {
+        if (h->producers[k].pid == pid && h->producers[k].start == start && h->producers[k].pidns == pidns) {
             slot = k;           /* this process attached before */
             break;
         }
@@ -1788,6 +1885,7 @@ int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start)
     }
     if (slot != SHMW_NO_PRODUCER && h->producers[slot].pid != pid) {
         STORE(h->producers[slot].start, start);
+        STORE(h->producers[slot].pidns, pidns);
         COMMIT(h->producers[slot].pid, pid);      /* commits the slot */
     }
     unlock(w);
@@ -1798,7 +1896,7 @@ int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start)
     return (int)slot;
 }
 
-int shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t max)
+int shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t *pidns, uint32_t max)
 {
     /* The whole table, slot by slot (pid 0: free); returns the slots in use. */
     uint32_t k, n = 0;
@@ -1813,6 +1911,7 @@ int shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t max)
     for (k = 0; k < SHMW_MAX_PRODUCERS; k++) {
         pids[k] = w->hdr->producers[k].pid;
         starts[k] = w->hdr->producers[k].start;
+        pidns[k] = w->hdr->producers[k].pidns;
         n += pids[k] != 0;
     }
     unlock(w);
@@ -1866,6 +1965,7 @@ int shmw_producer_release(shmw_t *w, uint32_t slot, int32_t pid, int64_t start)
     if (producer_is(w, slot, pid, start)) {
         STORE(w->hdr->producers[slot].pid, 0);
         STORE(w->hdr->producers[slot].start, 0);
+        STORE(w->hdr->producers[slot].pidns, 0);
     } else {
         rc = SHMW_EPRODUCER;
     }
@@ -1878,20 +1978,25 @@ int shmw_producer_release(shmw_t *w, uint32_t slot, int32_t pid, int64_t start)
  * says about itself (state, generation, deadline, payload) is written before
  * the one store that commits it, its state, so it is authoritative; the
  * free list, the buckets and their heap and the counters are derived from
- * it and rebuilt here, in O(capacity + buckets), without allocating.  The
- * in-flight FIFO is kept if it still walks cleanly, since its order and
- * its unsent cursor say what the driver has sent; otherwise it is rebuilt
- * in slot order with everything in it marked redelivered and unsent (only
- * a driver, or a consumer acknowledging, changes it, and a driver that
- * died redelivers anyway).  Repair rewrites nothing an entry says about
- * itself but links and flags, so it can be repeated: a repairer that dies
- * too leaves the next locker the same job. */
+ * it and rebuilt here, in O(capacity + buckets), without allocating.  An
+ * entry whose own fields make no sense (a scribble: an unknown state, a
+ * generation that makes no handle, a payload longer than its slot) is
+ * quarantined - retired, never handed out again - so that a repair always
+ * succeeds and the healthy timers go on firing.  The in-flight FIFO is kept
+ * if it still walks cleanly and its unsent cursor sits between the entries
+ * handed out (SHMW_SENT) and the rest; otherwise it is rebuilt in slot
+ * order, the entries handed out first and the cursor after them, so that a
+ * live driver hands nothing out twice (a driver that died redelivers all of
+ * it anyway, marked, when the next one registers).  Repair rewrites nothing
+ * an entry says about itself but links and the state of a quarantined one,
+ * so it can be repeated: a repairer that dies too leaves the next locker
+ * the same job. */
 
 static int inflight_walks(const shmw_t *w, uint32_t count)
 {
     const struct shmw_header *h = w->hdr;
     uint32_t i = h->inflight_head, prev = SHMW_NIL, k;
-    int unsent_found = h->inflight_unsent == SHMW_NIL;
+    int past_cursor = 0;
 
     if (h->inflight != count)
         return 0;
@@ -1902,36 +2007,70 @@ static int inflight_walks(const shmw_t *w, uint32_t count)
         e = entry_at(w, i);
         if (e->state != SHMW_INFLIGHT || e->prev != prev)
             return 0;
-        unsent_found |= i == h->inflight_unsent;
+        past_cursor |= i == h->inflight_unsent;
+        if (((e->flags & SHMW_SENT) != 0) == past_cursor)
+            return 0;           /* sent after the cursor, or unsent before it */
         prev = i;
         i = e->next;
     }
-    return i == SHMW_NIL && h->inflight_tail == prev && unsent_found;
+    return i == SHMW_NIL && h->inflight_tail == prev && (past_cursor || h->inflight_unsent == SHMW_NIL);
 }
 
-static int repair_locked(shmw_t *w)
+/* Retires entry i for good, whatever it was: a repair found it nonsensical. */
+static void quarantine(shmw_t *w, uint32_t i)
+{
+    struct shmw_entry *e = entry_at(w, i);
+
+    STORE(e->next, SHMW_NIL); STORE(e->prev, SHMW_NIL); STORE(e->bucket, SHMW_NIL);
+    STORE(e->flags, 0);
+    COMMIT(e->state, SHMW_RETIRED);
+    STORE(w->hdr->quarantined, w->hdr->quarantined + 1);
+}
+
+#define SAY(...) do { \
+        if (reason && !said) { snprintf(reason, reason_len, __VA_ARGS__); said = 1; } \
+    } while (0)
+
+/* clock_limit_ns >= 0: a wheel clock past that time is set back to it (a
+ * scribbled clock would fire every timer early).  The first thing found
+ * wrong goes into reason, if it is not NULL and nothing is there yet. */
+static int repair_locked(shmw_t *w, int64_t clock_limit_ns, char *reason, uint32_t reason_len)
 {
     struct shmw_header *h = w->hdr;
     uint32_t i, b, inflight = 0;
-    int rc;
+    uint64_t expires;
+    int rc, said = reason && reason_len && reason[0];
 
-    /* What an entry says about itself must make sense on its own. */
+    if (clock_limit_ns >= 0 && h->elapsed > (uint64_t)clock_limit_ns / (uint64_t)w->tick_ns) {
+        SAY("header: the wheel clock, tick %llu, is ahead of the real clock",
+            (unsigned long long)h->elapsed);
+        STORE(h->elapsed, (uint64_t)clock_limit_ns / (uint64_t)w->tick_ns);
+    }
+
+    /* What an entry says about itself must make sense on its own, and a
+     * pending one must have a place on the wheel. */
     for (i = 0; i < w->capacity; i++) {
         struct shmw_entry *e = entry_at(w, i);
         switch (e->state) {
         case SHMW_FREE:
         case SHMW_RETIRED:
-            break;
+            continue;
         case SHMW_PENDING:
         case SHMW_INFLIGHT:
-            if (e->generation == 0 || e->generation > w->max_generation
-                || e->payload_len > w->payload_size)
-                return SHMW_ECORRUPT;
-            inflight += e->state == SHMW_INFLIGHT;
+            if (entry_sane(w, e)
+                && (e->state == SHMW_INFLIGHT
+                    || place(w, h->elapsed, shmw_ticks_ceil(e->deadline_ns, w->tick_ns), &b, &expires) == SHMW_OK)) {
+                inflight += e->state == SHMW_INFLIGHT;
+                continue;
+            }
+            SAY("slab: entry %u in state %u makes no sense (generation %llu, payload_len %u, flags %#x)", i,
+                e->state, (unsigned long long)e->generation, e->payload_len, e->flags);
             break;
         default:
-            return SHMW_ECORRUPT;
+            SAY("slab: entry %u has unknown state %u", i, e->state);
+            break;
         }
+        quarantine(w, i);
     }
 
     for (b = 0; b < w->nbuckets; b++) {
@@ -1964,7 +2103,6 @@ static int repair_locked(shmw_t *w)
     STORE(h->retired, 0);
     for (i = w->capacity; i-- > 0;) {
         struct shmw_entry *e = entry_at(w, i);
-        uint64_t expires;
         switch (e->state) {
         case SHMW_FREE:
             if (e->generation >= w->max_generation) {
@@ -1981,23 +2119,23 @@ static int repair_locked(shmw_t *w)
             break;
         case SHMW_PENDING:
             if ((rc = place(w, h->elapsed, shmw_ticks_ceil(e->deadline_ns, w->tick_ns), &b, &expires)))
-                return rc;
+                return rc;      /* checked above: not reached */
             if ((rc = bucket_append(w, b, expires, i)))
                 return rc;
             break;
         }
     }
-    /* A broken in-flight FIFO: relink it in slot order, all of it to be
-     * sent again. */
-    for (i = 0; inflight > 0 && i < w->capacity; i++) {
-        struct shmw_entry *e = entry_at(w, i);
-        if (e->state != SHMW_INFLIGHT)
-            continue;
-        if (!(e->flags & SHMW_REDELIVERED)) {
-            STORE(e->flags, e->flags | SHMW_REDELIVERED);
-            STORE(h->redelivered, h->redelivered + 1);
+    /* A broken in-flight FIFO: relink it in slot order, what was handed
+     * out first, the unsent cursor on the first of the rest. */
+    for (b = 0; b < 2 && inflight > 0; b++) {
+        for (i = 0; i < w->capacity; i++) {
+            struct shmw_entry *e = entry_at(w, i);
+            if (e->state != SHMW_INFLIGHT || ((e->flags & SHMW_SENT) != 0) == b)
+                continue;
+            inflight_append(w, i);
+            if (b == 0)
+                STORE(h->inflight_unsent, SHMW_NIL);
         }
-        inflight_append(w, i);
     }
     /* The registration is written in three stores; make them agree. */
     if (h->driver_pid == 0) {
@@ -2008,6 +2146,50 @@ static int repair_locked(shmw_t *w)
     }
     STORE(h->flags, h->flags & ~SHMW_F_DAMAGED);
     STORE(h->recoveries, h->recoveries + 1);
+    return SHMW_OK;
+}
+
+#undef SAY
+
+int shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len)
+{
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (now_ns < 0)
+        return SHMW_EINVAL;
+    if (reason && reason_len)
+        reason[0] = '\0';
+    if ((rc = lock_raw(w)))
+        return rc;
+    if (check_locked(w, reason, reason_len) == SHMW_OK
+        && w->hdr->elapsed <= (uint64_t)now_ns / (uint64_t)w->tick_ns) {
+        unlock(w);
+        return 0;
+    }
+    rc = repair_locked(w, now_ns, reason, reason_len);
+    if (rc == SHMW_OK) {
+        /* Counted as a repair, not as a recovery from a dead holder. */
+        STORE(w->hdr->recoveries, w->hdr->recoveries - 1);
+        STORE(w->hdr->repairs, w->hdr->repairs + 1);
+    } else {
+        STORE(w->hdr->flags, w->hdr->flags | SHMW_F_DAMAGED);
+    }
+    unlock(w);
+    return rc ? rc : 1;
+}
+
+int shmw_mark_removed(shmw_t *w)
+{
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if ((rc = lock_raw(w)))
+        return rc;
+    STORE(w->hdr->removed, 1);
+    unlock(w);
     return SHMW_OK;
 }
 
@@ -2059,7 +2241,7 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
 {
     struct shmw_header *h = w->hdr;
     uint64_t free_seen = 0, pending_seen = 0, retired_seen = 0, inflight_seen = 0, in_buckets = 0, nonempty = 0;
-    int unsent_found;
+    int unsent_found, past_cursor = 0;
     uint32_t i, b, l, k;
 
     if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHMW_MAGIC)
@@ -2068,7 +2250,7 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
         FAIL("header: a process died holding the lock and left the segment inconsistent");
     if (h->capacity != w->capacity || h->tick_ns != w->tick_ns || h->payload_size != w->payload_size
         || h->wheel_bits != w->wheel_bits || h->levels != w->levels || h->stride != w->stride
-        || h->slot_bits != w->slot_bits)
+        || h->slot_bits != w->slot_bits || (h->handle_key & w->max_generation) != w->handle_key)
         FAIL("header: parameters changed since open");
     for (l = 0; l < w->levels; l++)
         if (h->level_clock[l] != shmw_bucket_expiry(h->elapsed, l, w->wheel_bits))
@@ -2077,19 +2259,16 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
 
     for (i = 0; i < w->capacity; i++) {
         struct shmw_entry *e = entry_at(w, i);
-        if (e->generation > w->max_generation
+        if ((e->state != SHMW_RETIRED && e->generation > w->max_generation)  /* a retired one's is unused */
             || (e->state == SHMW_FREE && e->generation == w->max_generation)
             || ((e->state == SHMW_PENDING || e->state == SHMW_INFLIGHT) && e->generation == 0))
             FAIL("slab: entry %u in state %u has generation %llu out of range", i, e->state,
                  (unsigned long long)e->generation);
+        if ((e->state == SHMW_PENDING || e->state == SHMW_INFLIGHT) && !entry_sane(w, e))
+            FAIL("slab: entry %u in state %u makes no sense (payload_len %u, deadline %lld, flags %#x, "
+                 "producer %u)", i, e->state, e->payload_len, (long long)e->deadline_ns, e->flags, e->producer);
         if (e->state == SHMW_PENDING) {
             pending_seen++;
-            if (e->payload_len > w->payload_size)
-                FAIL("slab: entry %u has payload_len %u > %u", i, e->payload_len, w->payload_size);
-            if (e->deadline_ns < 0)
-                FAIL("slab: entry %u has negative deadline", i);
-            if (e->producer != SHMW_NO_PRODUCER && e->producer >= SHMW_MAX_PRODUCERS)
-                FAIL("slab: entry %u names producer slot %u", i, e->producer);
         } else if (e->state == SHMW_FREE) {
             free_seen++;
         } else if (e->state == SHMW_RETIRED) {
@@ -2127,7 +2306,10 @@ static int check_locked(shmw_t *w, char *reason, uint32_t reason_len)
             if (e->state != SHMW_INFLIGHT || e->prev != prev)
                 FAIL("in-flight list: entry %u is not linked as in flight", i);
             if (i == h->inflight_unsent)
-                unsent_found = 1;
+                unsent_found = past_cursor = 1;
+            if (((e->flags & SHMW_SENT) != 0) == past_cursor)
+                FAIL("in-flight list: entry %u is %s the unsent cursor", i,
+                     past_cursor ? "marked sent after" : "not marked sent before");
             prev = i;
             i = e->next;
         }

@@ -63,7 +63,11 @@
  *
  *     handle = generation << slot_bits | index     (always < 2^63)
  *
- * where slot_bits is just enough bits for capacity - 1.  The generation
+ * where slot_bits is just enough bits for capacity - 1, and the generation
+ * bits are XORed with the segment's handle key, a random number drawn at
+ * create: a handle of another wheel names a generation that its slot here
+ * has with a chance of 1 in 2^(63 - slot_bits), at most 1 in 2^32, so it
+ * cancels nothing (cancel returns 0 as for a stale handle).  The generation
  * goes up every time an entry is freed, so a stale handle (fired,
  * cancelled, slot reused) never matches again and can never cancel
  * another process's timer.  An entry whose generation would wrap is
@@ -136,7 +140,7 @@
 #include <stdint.h>
 
 #define SHMW_MAGIC          0x6c656568776d6873ULL  /* "shmwheel", little-endian */
-#define SHMW_LAYOUT_VERSION 5
+#define SHMW_LAYOUT_VERSION 6
 
 /* Geometry. */
 #define SHMW_MIN_WHEEL_BITS 4                 /* 16 buckets a level */
@@ -177,6 +181,7 @@
 #define SHMW_EDRIVER    -15  /* a driver is registered (poll), or another took over */
 #define SHMW_EIO        -16  /* writing to the driver's fd failed (errno is kept) */
 #define SHMW_EPRODUCER  -17  /* this process has no producer slot (full table, or forked since) */
+#define SHMW_EREMOVED   -18  /* the segment was removed from its name or replaced: adds are refused */
 
 /* The exit status of a process stopped by shmw_test_crash_after. */
 #define SHMW_CRASH_EXIT 86
@@ -192,6 +197,8 @@
 #define SHMW_INFLIGHT 3   /* fired by the driver, not yet acknowledged */
 #define SHMW_REDELIVERED 1 /* entry and fire flag: sent again after a driver died */
 #define SHMW_CANCEL_ON_EXIT 2 /* entry and add flag: cancelled when its producer exits */
+#define SHMW_SENT        4 /* entry flag: in flight and handed to the driver's dispatcher or
+                            * writer, so a rebuilt in-flight list does not hand it out again */
 
 /* Driver states. */
 #define SHMW_DRIVER_NONE     0
@@ -227,6 +234,7 @@ struct shmw_header {
     int64_t  created_ns;        /* CLOCK_MONOTONIC at create */
     int32_t  creator_pid;
     uint32_t _pad1;
+    uint64_t handle_key;        /* XORed into the generation bits of every handle */
 
     /* Mutable state: read and written under the mutex only. */
     uint64_t elapsed;                      /* wheel clock, in ticks */
@@ -234,9 +242,13 @@ struct shmw_header {
     uint32_t retired;           /* slots whose generations ran out */
     uint32_t heap_len;          /* buckets in the delay-heap */
     uint32_t flags;             /* SHMW_F_* */
-    uint32_t _pad2;
+    uint32_t removed;           /* 1 once the segment is removed from its name or
+                                 * replaced: adds fail with SHMW_EREMOVED, so that
+                                 * producers attach to the wheel the name has now */
     uint64_t fired;             /* counters since create (added and */
     uint64_t resets;            /* cancelled are next to the mutex) */
+    uint64_t quarantined;       /* entries a repair found nonsensical and retired */
+    uint64_t repairs;           /* repairs after a check or an operation found corruption */
 
     /* The driver (under the mutex).  A fired timer stays in its slot, in
      * state SHMW_INFLIGHT on a FIFO list, until its handler has run and it
@@ -261,8 +273,8 @@ struct shmw_header {
      * driver - so that stat can list them and the driver can cancel the
      * SHMW_CANCEL_ON_EXIT timers of one that is gone.  pid 0: a free slot. */
     struct {
-        int32_t  pid;
-        uint32_t _pad;
+        int32_t  pid;           /* as its own PID namespace numbers it */
+        uint32_t pidns;         /* that namespace: the inode of /proc/PID/ns/pid (0: unknown) */
         int64_t  start;
     } producers[SHMW_MAX_PRODUCERS];
 
@@ -315,7 +327,7 @@ struct shmw_entry {
     uint32_t prev;              /* bucket or in-flight list */
     uint32_t bucket;            /* bucket index while pending, else NIL */
     uint8_t  state;             /* SHMW_FREE, _PENDING, _RETIRED or _INFLIGHT */
-    uint8_t  flags;             /* SHMW_REDELIVERED, SHMW_CANCEL_ON_EXIT */
+    uint8_t  flags;             /* SHMW_REDELIVERED, SHMW_CANCEL_ON_EXIT, SHMW_SENT */
     uint16_t producer;          /* the adder's slot in the producer table, or SHMW_NO_PRODUCER;
                                  * its lane (producer % SHMW_LANES) is the entry's lane */
     int32_t  owner_pid;         /* process that added the timer */
@@ -370,6 +382,9 @@ struct shmw_stats {
     int64_t  advanced_ns;       /* when the clock last advanced */
     int64_t  clock_ns;          /* the wheel clock, elapsed * tick_ns */
     uint64_t recoveries;
+    uint64_t repairs;
+    uint64_t quarantined;
+    uint64_t removed;           /* 1: removed from its name or replaced */
 };
 
 /* What create is asked for. */
@@ -398,10 +413,20 @@ int  shmw_segment_size(const struct shmw_params *p, uint64_t *size);
 int  shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t now_ns);
 int  shmw_open(void *base, uint64_t size, shmw_t **out);
 void shmw_close(shmw_t *w);
+/* Marks the segment removed (before its name is unlinked or given to another
+ * segment): every later add fails with SHMW_EREMOVED.  Timers already in it
+ * stay, and cancel, reset and the driver go on working on them. */
+int  shmw_mark_removed(shmw_t *w);
 int  shmw_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t *lists_off,
                  uint64_t *slab_off);
 
-/* Operations.  Add returns a handle (> 0) or a negative code; cancel and
+/* The lock.  A lock not taken within the timeout (SHMW_LOCK_TIMEOUT_NS
+ * unless set) fails with SHMW_ELOCK; lock_holder then names the thread
+ * that holds it, as the robust mutex records it (0: none, or not known). */
+int     shmw_set_lock_timeout(shmw_t *w, int64_t timeout_ns);
+int32_t shmw_lock_holder(shmw_t *w);
+
+/* Operations.  Add returns a handle (>= 0) or a negative code; cancel and
  * reset return 1 (done), 0 (not pending) or a negative code. */
 int64_t shmw_add(shmw_t *w, double delay_s, const char *payload, uint32_t len, uint32_t flags);
 int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t len, uint32_t flags);
@@ -438,17 +463,26 @@ void    shmw_wake(shmw_t *w);
  * release frees its slot - both only if the slot still holds that pid and
  * start, so a stale caller changes nothing.  Reap returns the number
  * cancelled. */
-int     shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start);
-int     shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t max);
+int     shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns);
+int     shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t *pidns, uint32_t max);
 int     shmw_producer_reap(shmw_t *w, uint32_t slot, int32_t pid, int64_t start, uint32_t from, uint32_t count);
 int     shmw_producer_release(shmw_t *w, uint32_t slot, int32_t pid, int64_t start);
 
 /* Tests only: _exit(SHMW_CRASH_EXIT) before this process's n-th store to
  * any segment from now on (0: never). */
 void    shmw_test_crash_after(long n);
+/* Tests only: the same, but the process stops itself (SIGSTOP) there, holding
+ * the lock, and carries on when it is continued. */
+void    shmw_test_stop_after(long n);
 int     shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors);
 int     shmw_stats(shmw_t *w, struct shmw_stats *out);
 int     shmw_check(shmw_t *w, char *reason, uint32_t reason_len);
+/* Checks the segment as shmw_check does, and the wheel clock against now_ns;
+ * if anything fails, rebuilds it as after a dead lock holder, retiring every
+ * entry whose own fields make no sense (counted in `quarantined`) and setting
+ * a clock that ran ahead of now_ns back.  Returns 0 if it was sound, 1 if it
+ * was repaired (reason says what was wrong first), or a negative code. */
+int     shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len);
 int     shmw_pending(shmw_t *w);
 
 /* ---- cffi end ------------------------------------------------------------ */

@@ -15,7 +15,9 @@
  * reach by taking from another's magazine.  Part two scribbles random bytes
  * over a populated segment (never the mutex) and runs every operation: the
  * return codes do not matter, only that nothing reads or writes out of
- * bounds, overflows or loops.  Exit status 0 on success; a sanitizer
+ * bounds, overflows or loops; then shmw_repair, after which the checker
+ * must find the segment sound unless the scribble hit the parameters,
+ * which no repair rewrites.  Exit status 0 on success; a sanitizer
  * report and a non-zero status otherwise.
  */
 #include "shmwheel.h"
@@ -94,7 +96,7 @@ static void model_run(void)
     for (k = 0; k < HANDLES; k++) {
         if (k > 0 && shmw_open(base, size, &ws[k]))
             abort();
-        if (k < HANDLES - 1 && shmw_producer_attach(ws[k], (int32_t)getpid(), k + 1) != k)
+        if (k < HANDLES - 1 && shmw_producer_attach(ws[k], (int32_t)getpid(), k + 1, 0) != k)
             abort();
     }
     for (step = 0; step < STEPS; step++) {
@@ -175,7 +177,7 @@ static void scribble_run(void)
         int64_t now_ns = 1000000000LL;
         shmw_t *w;
         char *base = make(&p, &size, &w, now_ns);
-        int k, more;
+        int k, more, params_hit = 0, rc;
         int64_t handles[8];
         for (k = 0; k < 8; k++)
             handles[k] = shmw_add_at(w, (double)(now_ns + (1LL << (3 * k)) * 1000000LL) / 1e9, "x", 1, 0);
@@ -183,6 +185,7 @@ static void scribble_run(void)
             uint64_t off = rnd() % size;
             if (off >= mutex_lo && off < mutex_hi)
                 continue;
+            params_hit |= off < offsetof(struct shmw_header, elapsed);
             base[off] = (char)rnd();
         }
         /* Every operation; any result is fine, a sanitizer report is not. */
@@ -197,6 +200,11 @@ static void scribble_run(void)
             (void)shmw_stats(w, &st);
         }
         (void)shmw_check(w, reason, sizeof(reason));
+        rc = shmw_repair(w, now_ns + (1LL << 45), reason, sizeof(reason));
+        if (!params_hit) {
+            EXPECT(rc == 0 || rc == 1, "repair failed: %d", rc);
+            EXPECT(shmw_check(w, reason, sizeof(reason)) == 0, "check after repair: %s", reason);
+        }
         shmw_close(w);
         free(base);
     }

@@ -13,12 +13,14 @@ from ._errors import (
     DriverRunningError,
     DriverStartError,
     IncompatibleSegmentError,
+    LockTimeoutError,
     SegmentExistsError,
     SegmentNotFoundError,
+    SegmentRemovedError,
     ShmwheelError,
     WheelFullError,
 )
-from ._wheel import Fire, Wheel, WheelStats, attach, create, unlink
+from ._wheel import Fire, Producer, Wheel, WheelStats, attach, create, unlink
 
 __version__ = "0.1.0"
 
@@ -32,8 +34,11 @@ __all__ = [
     "Fire",
     "FireReader",
     "IncompatibleSegmentError",
+    "LockTimeoutError",
+    "Producer",
     "SegmentExistsError",
     "SegmentNotFoundError",
+    "SegmentRemovedError",
     "ShmwheelError",
     "Wheel",
     "WheelFullError",

@@ -14,6 +14,8 @@ from ._errors import (
     CorruptSegmentError,
     DriverRunningError,
     IncompatibleSegmentError,
+    LockTimeoutError,
+    SegmentRemovedError,
     WheelFullError,
 )
 from ._shmwheel import ffi, lib
@@ -44,19 +46,19 @@ _MESSAGES: dict[int, tuple[type[Exception], str]] = {
         "segment {name!r} was made by a build with other struct sizes",
     ),
     lib.SHMW_ESIZE: (IncompatibleSegmentError, "segment {name!r} is smaller than its header says"),
-    lib.SHMW_ELOCK: (
-        CorruptSegmentError,
-        f"the lock of segment {{name!r}} cannot be taken (not released in {lib.SHMW_LOCK_TIMEOUT_NS // 10**9} s: "
-        "a holder is stuck, or the lock word is scribbled)",
-    ),
+    lib.SHMW_ELOCK: (LockTimeoutError, "the lock of segment {name!r} was not released in {lock_timeout} s{holder}"),
     lib.SHMW_ENOMEM: (MemoryError, "out of memory"),
     lib.SHMW_ECLOSED: (ValueError, "operation on a closed Wheel"),
     lib.SHMW_EDRIVER: (DriverRunningError, "a driver is registered on segment {name!r}"),
     lib.SHMW_EIO: (OSError, "writing fires to the driver's fd or FIFO failed"),
     lib.SHMW_EPRODUCER: (
         WheelFullError,
-        f"segment {{name!r}} records {lib.SHMW_MAX_PRODUCERS} attached processes, all alive: "
-        "none is left for cancel_on_exit",
+        f"segment {{name!r}} records {lib.SHMW_MAX_PRODUCERS} attached processes: none is left for "
+        "cancel_on_exit (a driver frees the slots of those that have exited once a second)",
+    ),
+    lib.SHMW_EREMOVED: (
+        SegmentRemovedError,
+        "segment {name!r} was removed or replaced: it takes no new timers (attach the name again)",
     ),
 }
 

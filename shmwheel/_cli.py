@@ -32,6 +32,7 @@ from ._wheel import (
     CAPACITIES,
     PAYLOAD_SIZES,
     Fire,
+    Producer,
     Wheel,
     WheelStats,
     _attach,
@@ -324,7 +325,7 @@ def _driver(args: argparse.Namespace) -> int:
 
 
 def _report(
-    name: str, before: WheelStats, after: WheelStats, seconds: float, producers: list[tuple[int, int, bool]]
+    name: str, before: WheelStats, after: WheelStats, seconds: float, producers: list[Producer]
 ) -> dict[str, Any]:
     """What ``stat`` shows: every WheelStats field of the second sample under
     its own name, plus the rates between the two samples."""
@@ -339,9 +340,11 @@ def _report(
         "fired_per_s": (after.fired - before.fired) / seconds,
         # A registration can outlive its driver (SIGKILL); say which it is.
         "driver_alive": after.driver_pid is not None and alive(after.driver_pid, after.driver_start or 0),
-        "producers_alive": sum(1 for p in producers if p[2]),
-        "producers_gone": sum(1 for p in producers if not p[2]),
-        "producer_pids": [p[0] for p in producers if p[2]],
+        "producers_alive": sum(1 for p in producers if p.alive),
+        "producers_gone": sum(1 for p in producers if p.alive is False),
+        # In another PID namespace (container): their pids mean nothing here.
+        "producers_unseen": sum(1 for p in producers if p.alive is None),
+        "producer_pids": [p.pid for p in producers if p.alive],
     }
 
 

@@ -16,8 +16,10 @@ __all__ = [
     "DriverRunningError",
     "DriverStartError",
     "IncompatibleSegmentError",
+    "LockTimeoutError",
     "SegmentExistsError",
     "SegmentNotFoundError",
+    "SegmentRemovedError",
     "ShmwheelError",
     "WheelFullError",
 ]
@@ -41,6 +43,26 @@ class SegmentExistsError(_NamedSegmentError, FileExistsError):
 
 class SegmentNotFoundError(_NamedSegmentError, FileNotFoundError):
     """``attach`` or ``unlink`` found no segment of that name."""
+
+
+class SegmentRemovedError(ShmwheelError):
+    """The segment this Wheel maps was removed from its name, or replaced by
+    another: it takes no new timers.  ``attach`` the name again for the
+    wheel it names now."""
+
+
+class LockTimeoutError(ShmwheelError, TimeoutError):
+    """The segment's lock was not released within the lock timeout.  The
+    message names the process that holds it and what state it is in (a
+    stopped process: SIGSTOP, a debugger, a frozen cgroup); ``holder_pid``
+    is that pid, or None if no such process can be seen from here."""
+
+    def __init__(self, message: str, holder_pid: int | None = None) -> None:
+        super().__init__(message)
+        self.holder_pid = holder_pid
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.holder_pid))
 
 
 class IncompatibleSegmentError(ShmwheelError):

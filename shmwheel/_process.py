@@ -10,7 +10,9 @@ driver would be declared dead.
 
 from __future__ import annotations
 
-__all__ = ["alive", "start_time"]
+import os
+
+__all__ = ["alive", "pid_namespace", "start_time"]
 
 
 def start_time(pid: int) -> int | None:
@@ -34,3 +36,12 @@ def start_time(pid: int) -> int | None:
 def alive(pid: int, start: int) -> bool:
     """Whether ``pid`` is still the process that started at ``start``."""
     return start_time(pid) == start
+
+
+def pid_namespace() -> int:
+    """This process's PID namespace: the inode of /proc/self/ns/pid (0 if
+    the kernel has none to show).  Pids mean something only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import errno
 import logging
+import math
 import mmap
 import numbers
 import os
@@ -27,12 +28,21 @@ from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 import posix_ipc
+import psutil
 
-from ._binding import MAX_DELAY, ffi, lib, raise_for
-from ._errors import IncompatibleSegmentError, SegmentExistsError, SegmentNotFoundError, WheelFullError
-from ._process import alive, start_time
+from ._binding import MAX_DELAY, error_for, ffi, lib, raise_for
+from ._errors import (
+    CorruptSegmentError,
+    IncompatibleSegmentError,
+    LockTimeoutError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    ShmwheelError,
+    WheelFullError,
+)
+from ._process import alive, pid_namespace, start_time
 
-__all__ = ["Fire", "Wheel", "WheelStats", "attach", "create", "unlink"]
+__all__ = ["Fire", "Producer", "Wheel", "WheelStats", "attach", "create", "unlink"]
 
 #: What a payload may be; its bytes are copied into the timer's slot.
 Payload = bytes | bytearray | memoryview
@@ -65,6 +75,12 @@ _pending = lib.shmw_pending
 _CANCEL_ON_EXIT = lib.SHMW_CANCEL_ON_EXIT
 _EPRODUCER = lib.SHMW_EPRODUCER
 _REAP_CHUNK = 65536  # slots a reap looks at per lock hold
+#: Seconds a Wheel waits before it asks again for a producer slot the
+#: table had none of: the ask is one lock hold, but an add that needs the
+#: slot should not make it every time while the table is full.
+_PRODUCER_RETRY = 1.0
+#: The default of create()'s and attach()'s lock_timeout, seconds.
+LOCK_TIMEOUT = lib.SHMW_LOCK_TIMEOUT_NS / 1e9
 
 # This process's producer slot in a segment stays taken while any Wheel on
 # that segment is open here, and after that while timers it added with
@@ -149,6 +165,20 @@ def _check_payload(payload: object) -> bytes:
         raise TypeError(f"payload must be bytes or another bytes-like object, not {type(payload).__name__}") from None
 
 
+def _check_lock_timeout(value: object) -> float:
+    seconds = _check_seconds(value, "lock_timeout")
+    if not 0 < seconds <= 86400 * 365:  # NaN is not
+        raise ValueError(f"lock_timeout must be a positive number of seconds up to a year, not {value!r}")
+    return seconds
+
+
+def _too_big(value: object, what: str) -> ValueError:
+    """A number too big even for a double (an int of over 308 digits): the
+    same words as for one that is merely beyond the maximum delay."""
+    shown = f"{value!r}" if len(repr(value)) <= 40 else f"of {len(str(value))} digits"
+    return ValueError(f"{what} {shown} is beyond the maximum delay of {MAX_DELAY:.0f} s (about 146 years)")
+
+
 def _check_handle(handle: object) -> int:
     if not isinstance(handle, int):  # a bool too: see _check_seconds
         raise TypeError(f"a handle is an int, not {type(handle).__name__}")
@@ -186,6 +216,17 @@ class Fire(NamedTuple):
     def lateness(self) -> float:
         """``fired_at - deadline`` in seconds; never negative."""
         return (self.fired_at_ns - self.deadline_ns) / 1e9
+
+
+class Producer(NamedTuple):
+    """A process attached to a wheel, as its producer table records it."""
+
+    pid: int  #: as the producer's own PID namespace numbers it
+    start: int  #: its start time, clock ticks since boot: with the pid, its identity
+    #: True or False as seen from this process; None when the producer runs
+    #: in another PID namespace (another container), where its pid means
+    #: nothing here, so nobody here can tell or act on it.
+    alive: bool | None
 
 
 # Fire records (struct shmw_fire, then the payload padded to 8) are decoded
@@ -244,6 +285,9 @@ class WheelStats:
     redelivered: int
     handler_errors: int
     recoveries: int  #: times a lock holder died and the next locker repaired the segment
+    repairs: int  #: times a driver found the segment corrupt and repaired it
+    quarantined: int  #: entries a repair found nonsensical (scribbled) and retired for good
+    removed: bool  #: removed from its name or replaced: it takes no new timers
     #: How long the earliest due bucket has been waiting for the clock, in
     #: seconds: 0 while whoever drives the wheel keeps up.  (Not part of
     #: equality: it grows while you look at it.)
@@ -274,6 +318,9 @@ class Wheel:
         "_poll_buffers",
         "_record",
         "_producer",
+        "_producer_retry_at",
+        "_lock_timeout",
+        "_fd",
     )
 
     _name: str
@@ -288,25 +335,40 @@ class Wheel:
     _poll_buffers: list[Any]  # record buffers reused by poll(); pop/append are atomic under the GIL
     _record: struct.Struct
     _producer: int  # this process's slot in the producer table, or -1
+    _producer_retry_at: float  # no new ask for a producer slot before this time.monotonic()
+    _lock_timeout: float
+    _fd: int  # the segment's file, kept open: fstat tells whether it was shrunk
 
     def __init__(self) -> None:
         raise TypeError("use shmwheel.create() or shmwheel.attach() to get a Wheel")
 
     @classmethod
-    def _open(cls, name: str, mm: mmap.mmap, producer: bool = True) -> Wheel:
+    def _open(cls, name: str, mm: mmap.mmap, fd: int, lock_timeout: float, producer: bool = True) -> Wheel:
+        """Takes over ``mm`` and ``fd``: they are closed here if this fails."""
         buf = ffi.from_buffer(mm)
         out = ffi.new("shmw_t **")
         rc = lib.shmw_open(buf, len(mm), out)
         if rc:
             ffi.release(buf)
             mm.close()
+            os.close(fd)
             raise_for(rc, name=name)
         self = object.__new__(cls)
         self._name = name
         self._mm = mm
         self._buf = buf
+        self._fd = fd
         self._w = ffi.gc(out[0], lib.shmw_close)
-        st = self._raw_stats()
+        self._lock_timeout = lock_timeout
+        lib.shmw_set_lock_timeout(self._w, round(lock_timeout * 1e9))
+        try:
+            st = self._raw_stats()
+        except BaseException:  # the lock not taken in time
+            self._w = ffi.NULL
+            ffi.release(buf)
+            mm.close()
+            os.close(fd)
+            raise
         self._capacity = st.capacity
         self._payload_size = st.payload_size
         self._tick = st.tick_ns / 1e9
@@ -315,6 +377,7 @@ class Wheel:
         self._poll_buffers = []
         self._record = record_struct(lib.shmw_record_size(self._w))
         self._producer = -1
+        self._producer_retry_at = -math.inf
         _open_here[name] += 1
         if producer:
             self._attach_producer()
@@ -346,10 +409,20 @@ class Wheel:
         ffi.release(w)
         ffi.release(self._buf)
         self._mm.close()
+        os.close(self._fd)
 
     def unlink(self) -> None:
-        """Remove the segment's name; processes that have it open keep it."""
-        unlink(self._name)
+        """Mark the segment removed and remove its name (see :func:`unlink`)."""
+        self.mark_removed()
+        unlink(self._name, mark=False)
+
+    def mark_removed(self) -> None:
+        """Refuse new timers from now on (:class:`SegmentRemovedError`), so
+        that producers attach to whatever the name holds next; the timers
+        already in it stay, can be cancelled, and fire if it is driven."""
+        rc = lib.shmw_mark_removed(self._w)
+        if rc < 0:
+            self._raise(rc)
 
     def __enter__(self) -> Wheel:
         return self
@@ -358,7 +431,7 @@ class Wheel:
         self.close()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (attach, (self._name,))
+        return (_reattach, (self._name, self._lock_timeout))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"capacity={self._capacity}"
@@ -402,6 +475,8 @@ class Wheel:
             h: int = _add(self._w, delay, payload, len(payload), cancel_on_exit and _CANCEL_ON_EXIT)
         except TypeError:
             return self.add(_check_seconds(delay, "delay"), _check_payload(payload), cancel_on_exit=cancel_on_exit)
+        except OverflowError:
+            raise _too_big(delay, "delay") from None
         if h < 0:
             if h == _EPRODUCER and self._attach_producer():  # first use, or forked since
                 h = _add(self._w, delay, payload, len(payload), _CANCEL_ON_EXIT)
@@ -419,6 +494,8 @@ class Wheel:
             return self.add_at(
                 _check_seconds(deadline, "deadline"), _check_payload(payload), cancel_on_exit=cancel_on_exit
             )
+        except OverflowError:
+            raise _too_big(deadline, "deadline") from None
         if h < 0:
             if h == _EPRODUCER and self._attach_producer():  # first use, or forked since
                 h = _add_at(self._w, deadline, payload, len(payload), _CANCEL_ON_EXIT)
@@ -426,17 +503,19 @@ class Wheel:
                 self._raise(h, "deadline", deadline)
         return h
 
-    def producers(self) -> list[tuple[int, int, bool]]:
-        """The processes attached to the wheel: (pid, start time, alive)."""
-        return [(pid, start, alive(pid, start)) for _, pid, start in self._producer_table()]
+    def producers(self) -> list[Producer]:
+        """The processes attached to the wheel, each with whether it is alive
+        (None for one in another PID namespace: see :class:`Producer`)."""
+        return [Producer(pid, start, _alive_here(pid, start, ns)) for _, pid, start, ns in self._producer_table()]
 
     def reap_dead_producers(self) -> int:
         """Cancel the cancel-on-exit timers of attached processes that are gone
         and free their slots; return how many timers were cancelled.  A
-        running driver does this about once a second."""
+        running driver does this about once a second.  A producer in another
+        PID namespace is never judged: its pid means nothing here."""
         cancelled = 0
-        for slot, pid, start in self._producer_table():
-            if alive(pid, start):
+        for slot, pid, start, ns in self._producer_table():
+            if _alive_here(pid, start, ns) is not False:
                 continue
             for first in range(0, self._capacity, _REAP_CHUNK):  # short lock holds
                 n = lib.shmw_producer_reap(self._w, slot, pid, start, first, _REAP_CHUNK)
@@ -451,25 +530,32 @@ class Wheel:
                     self._raise(rc)
         return cancelled
 
-    def _producer_table(self) -> list[tuple[int, int, int]]:
+    def _producer_table(self) -> list[tuple[int, int, int, int]]:
+        """(slot, pid, start, PID namespace) of every producer."""
         pids = ffi.new("int32_t[]", lib.SHMW_MAX_PRODUCERS)
         starts = ffi.new("int64_t[]", lib.SHMW_MAX_PRODUCERS)
-        rc = lib.shmw_producers(self._w, pids, starts, lib.SHMW_MAX_PRODUCERS)
+        spaces = ffi.new("uint32_t[]", lib.SHMW_MAX_PRODUCERS)
+        rc = lib.shmw_producers(self._w, pids, starts, spaces, lib.SHMW_MAX_PRODUCERS)
         if rc < 0:
             self._raise(rc)
-        return [(k, pids[k], starts[k]) for k in range(lib.SHMW_MAX_PRODUCERS) if pids[k]]
+        return [(k, pids[k], starts[k], spaces[k]) for k in range(lib.SHMW_MAX_PRODUCERS) if pids[k]]
 
     def _attach_producer(self) -> bool:
-        """Take this process's slot in the producer table; False if it is full."""
+        """Take this process's slot in the producer table; False if it is full.
+
+        One lock hold: a full table is not swept here (judging a thousand
+        processes takes a thousand reads of /proc); the driver frees the
+        slots of the processes that have exited once a second, and this
+        Wheel asks again at most once a second meanwhile.
+        """
+        if time.monotonic() < self._producer_retry_at:
+            return False
         me = os.getpid()
-        start = start_time(me) or 0
-        rc: int = lib.shmw_producer_attach(self._w, me, start)
-        if rc == _EPRODUCER:  # full: free the slots of processes that are gone
-            self.reap_dead_producers()
-            rc = lib.shmw_producer_attach(self._w, me, start)
+        rc: int = lib.shmw_producer_attach(self._w, me, start_time(me) or 0, pid_namespace())
         if rc < 0 and rc != _EPRODUCER:
             self._raise(rc)
         self._producer = rc
+        self._producer_retry_at = -math.inf if rc >= 0 else time.monotonic() + _PRODUCER_RETRY
         return rc >= 0
 
     def cancel(self, handle: int) -> bool:
@@ -654,16 +740,48 @@ class Wheel:
             redelivered=st.redelivered,
             handler_errors=st.handler_errors,
             recoveries=st.recoveries,
+            repairs=st.repairs,
+            quarantined=st.quarantined,
+            removed=bool(st.removed),
             lag=0.0 if st.next_expiry_ns < 0 else max(0.0, (lib.shmw_now_ns() - st.next_expiry_ns) / 1e9),
         )
 
     def check(self) -> None:
-        """Run the C invariant checker; raise CorruptSegmentError naming what is broken."""
+        """Run the C invariant checker; raise CorruptSegmentError naming what is broken.
+
+        Also a file shorter than the segment it holds: shrunk under the
+        processes that map it, which die of SIGBUS as soon as they touch
+        the part that is gone (as with LMDB, that is beyond what they survive).
+        """
+        if short := self._short_by():
+            raise CorruptSegmentError(
+                f"segment {self._name!r} is corrupt: its file was shrunk to {len(self._mm) - short} of its "
+                f"{len(self._mm)} bytes; a process that touches the rest dies of SIGBUS"
+            )
         reason = ffi.new("char[]", 512)
         rc = lib.shmw_check(self._w, reason, len(reason))
         if rc < 0:
             text = ffi.string(reason).decode("utf-8", "replace")
             self._raise(rc, detail=text)
+
+    def repair(self) -> str | None:
+        """Check the segment and, if anything is wrong, rebuild it: what a
+        running driver does once a second and whenever an operation finds
+        corruption.  Entries whose own fields make no sense are retired for
+        good (``stats().quarantined``); the healthy timers stay.  Returns
+        what was found wrong first, or None if the segment was sound.
+        """
+        if self._short_by():
+            self.check()  # raises: nothing in the segment can make up for a shrunk file
+        reason = ffi.new("char[]", 512)
+        rc = lib.shmw_repair(self._w, lib.shmw_now_ns(), reason, len(reason))
+        if rc < 0:
+            self._raise(rc)
+        return ffi.string(reason).decode("utf-8", "replace") if rc else None
+
+    def _short_by(self) -> int:
+        """By how many bytes the segment's file is shorter than the mapping."""
+        return max(0, len(self._mm) - os.fstat(self._fd).st_size)
 
     # -- internals ----------------------------------------------------------
 
@@ -686,6 +804,15 @@ class Wheel:
             self._raise(rc)
         return True
 
+    def _lock_timeout_error(self) -> LockTimeoutError:
+        """The lock was not released in time: say who holds it, and in what state."""
+        tid = lib.shmw_lock_holder(self._w)
+        holder, pid = _describe_holder(tid)
+        exc = error_for(lib.SHMW_ELOCK, name=self._name, lock_timeout=f"{self._lock_timeout:g}", holder=holder)
+        assert isinstance(exc, LockTimeoutError)
+        exc.holder_pid = pid
+        return exc
+
     def _raw_stats(self) -> Any:
         st = ffi.new("struct shmw_stats *")
         rc = lib.shmw_stats(self._w, st)
@@ -696,6 +823,8 @@ class Wheel:
     def _raise(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> NoReturn:
         if rc in (lib.SHMW_ETIME, lib.SHMW_ERANGE) and value is not None:
             what = f"{what} {value!r}"
+        if rc == lib.SHMW_ELOCK:
+            raise self._lock_timeout_error()
         try:
             raise_for(
                 rc,
@@ -718,6 +847,7 @@ def create(
     payload_size: int = 64,
     mode: int = 0o600,
     wheel_size: int = 256,
+    lock_timeout: float = LOCK_TIMEOUT,
 ) -> Wheel:
     """Create a wheel in a new shared-memory segment and open it.
 
@@ -725,9 +855,11 @@ def create(
     ``payload_size`` bytes.  ``tick`` (seconds) is the resolution: a timer
     fires at the first tick boundary at or after its deadline.  The memory
     is reserved now, so a full ``/dev/shm`` fails here and not later.
-    ``mode`` is applied as given, whatever the umask.
+    ``mode`` is applied as given, whatever the umask.  ``lock_timeout``:
+    see :func:`attach`.
     """
     shm_name = _segment_name(name)
+    lock_timeout = _check_lock_timeout(lock_timeout)
     capacity = _check_int(capacity, "capacity", *CAPACITIES)
     payload_size = _check_int(payload_size, "payload_size", *PAYLOAD_SIZES)
     mode = _check_int(mode, "mode", 0, 0o777)
@@ -780,7 +912,7 @@ def create(
         if rc:
             mm.close()
             raise_for(rc, name=shm_name[1:])
-        wheel = Wheel._open(shm_name[1:], mm)
+        wheel = Wheel._open(shm_name[1:], mm, os.dup(shm.fd), lock_timeout)
     except BaseException:
         shm.unlink()
         raise
@@ -790,35 +922,52 @@ def create(
     return wheel
 
 
-def attach(name: str) -> Wheel:
+def attach(name: str, *, lock_timeout: float = LOCK_TIMEOUT) -> Wheel:
     """Open an existing wheel by name.
 
-    The process is recorded in the segment's producer table (pid and start
-    time), which stat lists and through which the driver cancels its
-    cancel-on-exit timers once it has gone.
+    The process is recorded in the segment's producer table (pid, start
+    time and PID namespace), which stat lists and through which the driver
+    cancels its cancel-on-exit timers once it has gone.  An operation that
+    cannot take the segment's lock within ``lock_timeout`` seconds raises
+    :class:`LockTimeoutError`, naming the process that holds it.
     """
-    return _attach(name, producer=True)
+    return _attach(name, producer=True, lock_timeout=lock_timeout)
 
 
-def _attach(name: str, producer: bool) -> Wheel:
+def _reattach(name: str, lock_timeout: float) -> Wheel:
+    """How a pickled Wheel comes back."""
+    return attach(name, lock_timeout=lock_timeout)
+
+
+def observe(name: str, *, lock_timeout: float = LOCK_TIMEOUT) -> Wheel:
+    """Open an existing wheel to look at or drive it, without being recorded
+    as one of its producers (the command line, a driver, a supervisor)."""
+    return _attach(name, producer=False, lock_timeout=lock_timeout)
+
+
+def _attach(name: str, producer: bool, lock_timeout: float = LOCK_TIMEOUT) -> Wheel:
     """attach(), or with producer=False an observer's attach that is not recorded."""
     shm_name = _segment_name(name)
+    lock_timeout = _check_lock_timeout(lock_timeout)
     deadline = time.monotonic() + _ATTACH_WAIT
     while True:
+        shm = _open_segment(shm_name)
+        fd = os.dup(shm.fd)
+        shm.close_fd()
         try:
-            shm = posix_ipc.SharedMemory(shm_name)
-        except posix_ipc.ExistentialError:
-            raise SegmentNotFoundError(errno.ENOENT, f"no shmwheel segment named {shm_name[1:]!r}", shm_name) from None
-        except posix_ipc.PermissionsError as exc:
-            raise PermissionError(errno.EACCES, f"cannot open segment {shm_name[1:]!r}: {exc}") from None
-        try:
-            size = os.fstat(shm.fd).st_size
-            mm = mmap.mmap(shm.fd, size) if size else None
-        finally:
-            shm.close_fd()
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO, a device: shm_open opens anything
+                raise IncompatibleSegmentError(
+                    f"segment {shm_name[1:]!r} is not a shmwheel segment: not a regular file"
+                )
+            mm = mmap.mmap(fd, st.st_size) if st.st_size else None
+        except BaseException:
+            os.close(fd)
+            raise
         # A segment being created has no size or no magic yet; wait a little.
-        if mm is not None and (size < 8 or any(mm[:8])):
-            return Wheel._open(shm_name[1:], mm, producer)
+        if mm is not None and (st.st_size < 8 or any(mm[:8])):
+            return Wheel._open(shm_name[1:], mm, fd, lock_timeout, producer)
+        os.close(fd)
         if mm is not None:
             mm.close()
         if time.monotonic() >= deadline:
@@ -848,17 +997,86 @@ def _wheel_stat(name: str) -> os.stat_result | None:
         os.close(fd)
 
 
-def unlink(name: str) -> None:
+def _open_segment(shm_name: str) -> posix_ipc.SharedMemory:
+    """shm_open(3) of an existing segment, its errors in shmwheel's words."""
+    try:
+        return posix_ipc.SharedMemory(shm_name)
+    except posix_ipc.ExistentialError:
+        raise SegmentNotFoundError(errno.ENOENT, f"no shmwheel segment named {shm_name[1:]!r}", shm_name) from None
+    except posix_ipc.PermissionsError as exc:
+        raise PermissionError(errno.EACCES, f"cannot open segment {shm_name[1:]!r}: {exc}") from None
+    except posix_ipc.Error as exc:  # EISDIR, ELOOP...: posix_ipc says only "Invalid parameter(s)"
+        kind = "not a regular file" if (_SHM / shm_name[1:]).exists() else str(exc)
+        raise IncompatibleSegmentError(f"segment {shm_name[1:]!r} is not a shmwheel segment: {kind}") from None
+    except ValueError as exc:
+        kind = "not a regular file" if not (_SHM / shm_name[1:]).is_file() else str(exc)
+        raise IncompatibleSegmentError(f"segment {shm_name[1:]!r} is not a shmwheel segment: {kind}") from None
+
+
+def unlink(name: str, *, mark: bool = True) -> None:
     """Remove the segment ``name``.  Processes that have it open keep it.
 
-    The segment is not opened first, so this also removes a wheel too
-    damaged to attach, or one whose creator died half-way - which is what
-    clean-up code needs - and equally any other program's segment of that
-    name.  ``shmwheel unlink NAME`` on the command line looks first, and
-    refuses a segment that is not a wheel.
+    If it is a wheel this process can open, it is first marked removed
+    (:meth:`Wheel.mark_removed`), so that its producers stop adding to it
+    and attach the name again; ``mark=False`` skips that.  A segment that
+    cannot be opened as a wheel - too damaged, a creator that died
+    half-way, any other program's segment of that name - is removed all
+    the same, which is what clean-up code needs.  ``shmwheel unlink NAME``
+    on the command line looks first: it refuses a segment that is not a
+    wheel, and a wheel that is in use, unless told ``--force``.
     """
     shm_name = _segment_name(name)
+    if mark:
+        _mark_removed(shm_name[1:])
     try:
         posix_ipc.unlink_shared_memory(shm_name)
     except posix_ipc.ExistentialError:
         raise SegmentNotFoundError(errno.ENOENT, f"no shmwheel segment named {shm_name[1:]!r}", shm_name) from None
+
+
+def _mark_removed(name: str) -> None:
+    """Mark ``name`` removed if it is a wheel this process can open; never raises."""
+    try:
+        if _wheel_stat(name) is None:
+            return
+        with _attach(name, producer=False, lock_timeout=1.0) as wheel:
+            wheel.mark_removed()
+    except (OSError, ShmwheelError) as exc:  # gone meanwhile, not ours to open, damaged, jammed
+        _log.debug("wheel %r: not marked removed before its unlink: %s", name, exc)
+
+
+def _alive_here(pid: int, start: int, pidns: int) -> bool | None:
+    """Whether a producer is alive, or None if it runs in another PID namespace."""
+    if pidns and pidns != pid_namespace():
+        return None
+    return alive(pid, start)
+
+
+# How the state of a process that holds a lock too long reads, and what it suggests.
+_HOLDER_STATES = {
+    psutil.STATUS_STOPPED: "stopped (SIGSTOP or a job-control stop; `kill -CONT {pid}` resumes it)",
+    psutil.STATUS_TRACING_STOP: "stopped in a debugger",
+    psutil.STATUS_DISK_SLEEP: "in uninterruptible sleep (a frozen cgroup or a paused container?)",
+    psutil.STATUS_SLEEPING: "asleep (a frozen cgroup or a paused container?)",
+    psutil.STATUS_RUNNING: "running",
+    psutil.STATUS_ZOMBIE: "exiting",
+    psutil.STATUS_DEAD: "exiting",
+}
+
+
+def _describe_holder(tid: int) -> tuple[str, int | None]:
+    """The end of a lock timeout's message, and the holder's pid if it can be seen."""
+    if tid <= 0:
+        return ": no holder is recorded in it (its lock word is scribbled)", None
+    try:
+        status = psutil.Process(tid).status()
+        with open(f"/proc/{tid}/status") as f:
+            pid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
+    except (psutil.Error, OSError, StopIteration, ValueError):
+        return (
+            f": it names thread {tid}, which does not exist in this PID namespace (the lock word is scribbled, "
+            "or its holder runs in another PID namespace)",
+            None,
+        )
+    who = f"process {pid}" if pid == tid else f"process {pid} (thread {tid})"
+    return f": held by {who}, which is " + _HOLDER_STATES.get(status, status).format(pid=pid), pid

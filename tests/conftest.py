@@ -123,6 +123,13 @@ def mutex_span() -> tuple[int, int]:
     return hi - hi % 64, hi
 
 
+def handle_of(w: shmwheel.Wheel, index: int, generation: int) -> int:
+    """The handle of slab slot ``index`` at ``generation``, as the C core makes it."""
+    slot_bits = (w.capacity - 1).bit_length()
+    key = ffi.cast("struct shmw_header *", w._buf).handle_key & ((1 << (63 - slot_bits)) - 1)
+    return (generation ^ key) << slot_bits | index
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
     """Wait until predicate() holds; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from conftest import fresh_name, layout
+from conftest import fresh_name, handle_of, layout
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -223,11 +223,20 @@ def test_wheel_pickles_by_name_and_reattaches(make_wheel) -> None:
         copy.close()
 
 
-def test_unlink_keeps_open_mappings_working(make_wheel) -> None:
+def test_unlink_keeps_open_mappings_working_and_refuses_new_timers(make_wheel) -> None:
+    """The timers in a removed wheel can still be cancelled; a new one is
+    refused, so that its adder attaches the name again instead of adding
+    to a wheel that nothing will drive."""
     w = make_wheel(capacity=4)
+    h = w.add(60)
     w.unlink()
     assert not Path("/dev/shm", w.name).exists()
-    h = w.add(60)
+    assert w.stats().removed
+    with pytest.raises(shmwheel.SegmentRemovedError, match="attach the name again"):
+        w.add(60)
+    with pytest.raises(shmwheel.SegmentRemovedError):
+        w.add_many([60, 60])
+    assert len(w) == 1
     assert w.cancel(h)
     w.check()
 
@@ -604,7 +613,7 @@ def test_retired_slot_is_never_handed_out_again(make_wheel) -> None:
     max_gen = (1 << (63 - 1)) - 1  # capacity 2: one slot bit
     entry(w, 0).generation = max_gen - 1  # handed out once more, at max_gen
     h = w.add(60)
-    assert h == (max_gen << 1) | 0
+    assert h == handle_of(w, 0, max_gen)
     assert w.cancel(h)
     st = w.stats()
     assert (st.retired, st.free) == (1, 1)

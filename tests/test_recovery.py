@@ -16,9 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
-from conftest import fresh_name, layout
+from conftest import fresh_name, handle_of, layout
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -197,15 +198,14 @@ def test_driver_fire_killed_at_every_store() -> None:
 
 def in_flight(w: shmwheel.Wheel) -> list[int]:
     """The handles of the entries in flight, read off the slab."""
+    return [handle_of(w, i, e.generation) for i, e in entries(w) if e.state == lib.SHMW_INFLIGHT]
+
+
+def entries(w: shmwheel.Wheel) -> list[tuple[int, Any]]:
+    """(index, struct shmw_entry *) for every slot of the slab."""
     slab = layout(w).slab
     stride = ffi.cast("struct shmw_header *", w._buf).stride
-    slot_bits = (w.capacity - 1).bit_length()
-    out = []
-    for i in range(w.capacity):
-        e = ffi.cast("struct shmw_entry *", w._buf + slab + i * stride)
-        if e.state == lib.SHMW_INFLIGHT:
-            out.append(e.generation << slot_bits | i)
-    return out
+    return [(i, ffi.cast("struct shmw_entry *", w._buf + slab + i * stride)) for i in range(w.capacity)]
 
 
 def case_with_fires_sent() -> Case:
@@ -218,7 +218,10 @@ def case_with_fires_sent() -> Case:
     hd = ffi.cast("struct shmw_header *", case.wheel._buf)
     case.extra["in_flight"] = sorted(in_flight(case.wheel))
     assert len(case.extra["in_flight"]) == hd.inflight >= 5
-    hd.inflight_unsent = lib.SHMW_NIL
+    hd.inflight_unsent = lib.SHMW_NIL  # all of it taken, as shmw_drive_take marks it
+    for _, e in entries(case.wheel):
+        if e.state == lib.SHMW_INFLIGHT:
+            e.flags |= lib.SHMW_SENT
     return case
 
 
