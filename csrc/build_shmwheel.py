@@ -45,6 +45,7 @@ struct shmw_header {
     uint32_t free_count;
     uint32_t heap_len;
     uint32_t flags;
+    uint32_t removed;
     int32_t  driver_pid;
     uint32_t driver_state;
     int64_t  driver_start;

@@ -153,7 +153,10 @@ def _check_seconds(value: object, what: str) -> float:
     """
     if not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past the range of a double
+        raise _too_big(value, what) from None
 
 
 def _check_payload(payload: object) -> bytes:
@@ -172,10 +175,12 @@ def _check_lock_timeout(value: object) -> float:
     return seconds
 
 
-def _too_big(value: object, what: str) -> ValueError:
+def _too_big(value: Any, what: str) -> ValueError:
     """A number too big even for a double (an int of over 308 digits): the
-    same words as for one that is merely beyond the maximum delay."""
-    shown = f"{value!r}" if len(repr(value)) <= 40 else f"of {len(str(value))} digits"
+    same words as for one that is merely out of range."""
+    shown = f"{value!r}" if len(repr(value)) <= 40 else f"of {len(str(abs(value)))} digits"
+    if value < 0:
+        return ValueError(f"{what} {shown} must be a finite, non-negative number of seconds")
     return ValueError(f"{what} {shown} is beyond the maximum delay of {MAX_DELAY:.0f} s (about 146 years)")
 
 
@@ -576,7 +581,7 @@ class Wheel:
         except (TypeError, OverflowError):
             _check_handle(handle)
             _check_seconds(delay, "delay")
-            raise
+            raise _too_big(delay, "delay") from None
         if rc < 0:
             self._raise(rc, "delay", delay)
         return rc == 1
@@ -588,7 +593,7 @@ class Wheel:
         except (TypeError, OverflowError):
             _check_handle(handle)
             _check_seconds(deadline, "deadline")
-            raise
+            raise _too_big(deadline, "deadline") from None
         if rc < 0:
             self._raise(rc, "deadline", deadline)
         return rc == 1
@@ -605,10 +610,10 @@ class Wheel:
             return []
         try:
             c_delays = ffi.new("double[]", delays)
-        except TypeError:
+        except (TypeError, OverflowError):
             for d in delays:
                 _check_seconds(d, "delay")
-            raise
+            raise _too_big(next(d for d in delays if abs(d) > 1e300), "delay") from None
         joined, lens = ffi.NULL, ffi.NULL
         if payloads is not None:
             if not isinstance(payloads, (list, tuple)):
@@ -1005,12 +1010,18 @@ def _open_segment(shm_name: str) -> posix_ipc.SharedMemory:
         raise SegmentNotFoundError(errno.ENOENT, f"no shmwheel segment named {shm_name[1:]!r}", shm_name) from None
     except posix_ipc.PermissionsError as exc:
         raise PermissionError(errno.EACCES, f"cannot open segment {shm_name[1:]!r}: {exc}") from None
-    except posix_ipc.Error as exc:  # EISDIR, ELOOP...: posix_ipc says only "Invalid parameter(s)"
-        kind = "not a regular file" if (_SHM / shm_name[1:]).exists() else str(exc)
-        raise IncompatibleSegmentError(f"segment {shm_name[1:]!r} is not a shmwheel segment: {kind}") from None
-    except ValueError as exc:
-        kind = "not a regular file" if not (_SHM / shm_name[1:]).is_file() else str(exc)
-        raise IncompatibleSegmentError(f"segment {shm_name[1:]!r} is not a shmwheel segment: {kind}") from None
+    except (posix_ipc.Error, ValueError, OSError):
+        # A directory (posix_ipc says only "Invalid parameter(s)"), a
+        # symbolic link (ELOOP: shm_open does not follow them)...
+        try:
+            regular = stat.S_ISREG(os.lstat(_SHM / shm_name[1:]).st_mode)
+        except OSError:
+            regular = True  # gone meanwhile: the error as it was
+        if regular:
+            raise
+        raise IncompatibleSegmentError(
+            f"segment {shm_name[1:]!r} is not a shmwheel segment: not a regular file"
+        ) from None
 
 
 def unlink(name: str, *, mark: bool = True) -> None:

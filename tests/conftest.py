@@ -123,6 +123,12 @@ def mutex_span() -> tuple[int, int]:
     return hi - hi % 64, hi
 
 
+def entry(w: shmwheel.Wheel, index: int):  # type: ignore[no-untyped-def]
+    """Slab slot ``index`` as a ``struct shmw_entry *``, to read or scribble on."""
+    stride = ffi.cast("struct shmw_header *", w._buf).stride
+    return ffi.cast("struct shmw_entry *", w._buf + layout(w).slab + index * stride)
+
+
 def handle_of(w: shmwheel.Wheel, index: int, generation: int) -> int:
     """The handle of slab slot ``index`` at ``generation``, as the C core makes it."""
     slot_bits = (w.capacity - 1).bit_length()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from conftest import fresh_name, handle_of, layout
+from conftest import entry, fresh_name, handle_of
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -24,10 +24,6 @@ from shmwheel._binding import ffi, lib
 
 def header(w: shmwheel.Wheel):
     return ffi.cast("struct shmw_header *", w._buf)
-
-
-def entry(w: shmwheel.Wheel, index: int):
-    return ffi.cast("struct shmw_entry *", w._buf + layout(w).slab + index * header(w).stride)
 
 
 def to_ns(seconds: float) -> int:
@@ -174,6 +170,21 @@ def test_attach_refuses_a_foreign_segment(name: str) -> None:
         shmwheel.attach(name)
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink"])
+def test_attach_refuses_what_is_not_a_regular_file(name: str, kind: str) -> None:
+    """shm_open opens whatever /dev/shm holds under the name; posix_ipc's own
+    error for a directory is a bare "Invalid parameter(s)"."""
+    path = Path("/dev/shm", name)
+    {"directory": os.mkdir, "fifo": os.mkfifo, "symlink": lambda p: os.symlink("/etc/hostname", p)}[kind](path)
+    try:
+        with pytest.raises(shmwheel.IncompatibleSegmentError, match="is not a shmwheel segment: not a regular file"):
+            shmwheel.attach(name)
+        with pytest.raises(shmwheel.SegmentExistsError):
+            shmwheel.create(name, capacity=4)
+    finally:
+        (os.rmdir if kind == "directory" else os.unlink)(path)
+
+
 def test_attach_gives_up_on_a_segment_that_never_gets_initialised(name: str) -> None:
     shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
     shm.close_fd()
@@ -299,6 +310,20 @@ def test_stale_handle_never_touches_the_slot_reuser(make_wheel) -> None:
     assert w.cancel(new) is True
 
 
+def test_a_handle_of_another_wheel_cancels_nothing_here(make_wheel) -> None:
+    """Two fresh wheels hand out the same slots in the same order: without a
+    key of its own in each handle, B's first handle named A's first timer."""
+    a, b = make_wheel(capacity=8), make_wheel(capacity=8)
+    mine = [a.add(60) for _ in range(4)]
+    theirs = [b.add(60) for _ in range(4)]
+    for h in theirs:
+        assert a.cancel(h) is False
+        assert a.reset(h, 1) is False
+    assert a.cancel_many(theirs) == 0
+    assert len(a) == 4 and len(b) == 4
+    assert a.cancel_many(mine) == 4 and b.cancel_many(theirs) == 4
+
+
 def test_handles_are_never_reused(make_wheel) -> None:
     w = make_wheel(capacity=2)
     seen = set()
@@ -353,6 +378,21 @@ def test_delay_beyond_the_maximum_names_it(wheel: shmwheel.Wheel) -> None:
     with pytest.raises(ValueError, match="maximum"):
         wheel.add_at(time.monotonic() + shmwheel.MAX_DELAY * 1.001)
     assert len(wheel) == 0
+
+
+@pytest.mark.parametrize(
+    "huge, words",
+    [(2**1024, "maximum delay of 4611686018 s"), (10**400, "maximum"), (-(2**1024), "non-negative")],
+    ids=["2**1024", "10**400", "-2**1024"],
+)
+def test_a_number_too_big_for_a_double_is_out_of_range(wheel: shmwheel.Wheel, huge: int, words: str) -> None:
+    """An int past the range of a double: the same ValueError as any delay out of range, not an OverflowError."""
+    h = wheel.add(60)
+    calls = (wheel.add, wheel.add_at, lambda d: wheel.reset(h, d), lambda d: wheel.reset_at(h, d))
+    for call in (*calls, lambda d: wheel.add_many([1, d])):
+        with pytest.raises(ValueError, match=words):
+            call(huge)
+    assert len(wheel) == 1
 
 
 def test_ten_years_and_the_maximum_are_accepted(wheel: shmwheel.Wheel) -> None:

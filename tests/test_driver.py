@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import entry, wait_for
 
 import shmwheel
 from shmwheel._binding import lib
@@ -125,6 +126,31 @@ def test_every_surviving_timer_fires_once_and_never_early(make_wheel, start, tmp
     assert all(f["owner_pid"] == os.getpid() for f in fires)
     st = wheel.stats()
     assert (st.pending, st.in_flight, st.fired, st.acked) == (0, 0, len(expected), len(expected))
+
+
+def test_a_scribbled_generation_is_retired_and_the_driver_goes_on(make_wheel, start, tmp_path: Path) -> None:
+    """High bits scribbled into a pending entry's generation would make a
+    negative handle: the driver must not hand that out (whose acknowledgement
+    would fail and stop it, and every restart with it), but retire the entry,
+    say so, and deliver every healthy timer exactly once."""
+    wheel = make_wheel(capacity=100)
+    out = tmp_path / "fires.jsonl"
+    handles = [wheel.add(0.5, b"t%d" % i) for i in range(10)]
+    victim = handles[3] & ((1 << (wheel.capacity - 1).bit_length()) - 1)
+    entry(wheel, victim).generation |= 1 << 62
+    driver = start(wheel.name, functools.partial(record, str(out)))
+    wait_for(lambda: len(read_records(out)) >= 9)
+    later = wheel.add(0.05, b"after")  # and it goes on firing
+    wait_for(lambda: any(f["handle"] == later for f in read_records(out)))
+    time.sleep(0.1)  # room for a duplicate, or the damaged one, to show up
+    fired = [f["handle"] for f in read_records(out)]
+    assert sorted(fired) == sorted([h for h in handles if h != handles[3]] + [later])
+    assert all(h >= 0 for h in fired)
+    assert driver.is_alive()
+    st = wheel.stats()
+    assert (st.quarantined, st.pending, st.in_flight) == (1, 0, 0)
+    assert st.repairs >= 1 and st.retired == 1
+    assert driver.stop() == 0
 
 
 def test_an_earlier_timer_wakes_a_driver_sleeping_for_an_hour(make_wheel, start, tmp_path: Path) -> None:
@@ -461,3 +487,53 @@ def test_stop_from_a_signal_handler_wakes_the_main_loop_at_once(make_wheel, monk
         signal.signal(signal.SIGUSR1, old)
     # Woken by the stop, not by the end of the 60 s wait it interrupted.
     assert time.monotonic() - stopped_at[0] < 30
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
+def test_a_producer_in_another_pid_namespace_is_never_judged_by_its_pid(make_wheel) -> None:
+    """A container sharing /dev/shm but not the PID namespace: its producer is
+    pid 1 in there, which names init out here.  It must not be taken for dead
+    (its cancel_on_exit timers cancelled while it lives); the driver says
+    once what it cannot do for it."""
+    wheel = make_wheel(capacity=16)
+    script = (
+        "import sys, shmwheel\n"
+        f"w = shmwheel.attach({wheel.name!r})\n"
+        "w.add(3600, b'contained', cancel_on_exit=True)\n"
+        "print('added', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    contained = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    driver = None
+    try:
+        assert contained.stdout is not None and contained.stdout.readline() == "added\n"
+        (theirs,) = [p for p in wheel.producers() if p.pid != os.getpid()]
+        assert theirs.pid == 1 and theirs.alive is None
+        assert wheel.reap_dead_producers() == 0
+        assert len(wheel) == 1, "the timer of a live process was cancelled"
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "shmwheel", "driver", wheel.name], stderr=subprocess.PIPE, text=True
+        )
+        assert driver.stderr is not None
+        lines = []
+        while not any("another PID namespace" in line for line in lines):
+            line = driver.stderr.readline()
+            assert line, "the driver exited: " + "".join(lines)
+            lines.append(line)
+        time.sleep(2.5)  # two more rounds of the driver's once-a-second look
+        assert len(wheel) == 1
+    finally:
+        if driver is not None:
+            driver.terminate()
+            rest = driver.communicate(timeout=30)[1]
+            assert driver.returncode == 0
+            assert sum("another PID namespace" in line for line in lines + rest.splitlines()) == 1, (
+                "said more than once"
+            )
+        contained.communicate("\n", timeout=30)
+    assert contained.returncode == 0

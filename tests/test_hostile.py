@@ -3,7 +3,9 @@ instead of crashing, the driver recovers instead of stalling."""
 
 from __future__ import annotations
 
+import collections
 import errno
+import functools
 import inspect
 import multiprocessing
 import os
@@ -15,7 +17,7 @@ import threading
 import time
 
 import pytest
-from conftest import layout, mutex_span, put_in_flight
+from conftest import entry, layout, mutex_span, put_in_flight, wait_for
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -87,10 +89,6 @@ def test_scribbled_bucket_expiry_fails_an_add_without_changing_anything(make_whe
         buckets[used].expires -= 1
     assert w.stats() == st, "a failed add changed the segment"
     w.check()
-
-
-def entry(w: shmwheel.Wheel, index: int):
-    return ffi.cast("struct shmw_entry *", w._buf + layout(w).slab + index * header(w).stride)
 
 
 def my_lane(w: shmwheel.Wheel):
@@ -466,3 +464,117 @@ def test_a_stopped_lock_holder_is_named_not_blamed_on_the_segment(make_wheel) ->
     assert os.waitstatus_to_exitcode(status) == 0, "the add went on once the holder was resumed"
     w.check()
     assert len(w) == 1
+
+
+def _record_fire(path: str, fire: shmwheel.Fire) -> None:  # runs in the driver
+    with open(path, "a") as f:
+        f.write(f"{fire.handle} {fire.payload.hex()} {int(fire.redelivered)}\n")
+
+
+def test_live_scribbles_never_stop_the_driver_and_spare_the_healthy_timers(make_wheel, tmp_path) -> None:
+    """Random bytes scribbled all over a segment while a driver fires and a
+    producer adds: no crash, no hang; every timer whose slot was never hit is
+    delivered exactly once; a damaged one at most once or twice.
+
+    Spared: the parameters (which no repair can rewrite: every process has
+    its own copies, and a new attacher refuses the segment), the mutex (a
+    jammed lock is test_a_jammed_lock_word...'s case), the driver's
+    registration (scribbled, it reads as another driver taking over, which
+    stops this one on purpose) and the removed mark (it is meant to stick).
+    """
+    w = make_wheel(capacity=2048, payload_size=8)
+    out = tmp_path / "fires.txt"
+    driver = shmwheel.start_driver(w.name, functools.partial(_record_fire, str(out)), audit_interval=0.2)
+    hd = header(w)
+    lay = layout(w)
+    spared = [
+        (0, ffi.offsetof("struct shmw_header", "elapsed")),
+        (ffi.offsetof("struct shmw_header", "removed"), ffi.offsetof("struct shmw_header", "removed") + 4),
+        (ffi.offsetof("struct shmw_header", "driver_pid"), ffi.offsetof("struct shmw_header", "sleep_until")),
+        mutex_span(),
+    ]
+    size = lay.slab + w.capacity * hd.stride
+    hit_slots: set[int] = set()
+    rng = random.Random(15)
+    stop = threading.Event()
+
+    def scribble() -> None:
+        while not stop.wait(0.002):
+            off = rng.randrange(size)
+            if any(lo <= off < hi for lo, hi in spared):
+                continue
+            if off >= lay.slab:
+                hit_slots.add((off - lay.slab) // hd.stride)
+            w._buf[off] = bytes([rng.randrange(256)])
+
+    added: dict[int, bytes] = {}
+    scribbler = threading.Thread(target=scribble)
+    try:
+        scribbler.start()
+        until = time.monotonic() + 2.0
+        seq = 0
+        while time.monotonic() < until:
+            payload = seq.to_bytes(8, "little")
+            seq += 1
+            try:
+                added[w.add(rng.uniform(0, 0.3), payload)] = payload
+            except (shmwheel.CorruptSegmentError, shmwheel.WheelFullError):
+                time.sleep(0.005)  # an add that met a scribble adds nothing; the driver repairs
+            if seq % 20 == 0:
+                time.sleep(0.002)
+    finally:
+        stop.set()
+        scribbler.join()
+    slot_mask = (1 << (w.capacity - 1).bit_length()) - 1
+    healthy = {h for h in added if h & slot_mask not in hit_slots}
+    assert len(healthy) > 1000, "too few timers came through to tell"
+
+    def fires() -> list[tuple[int, bytes]]:
+        text = out.read_text() if out.exists() else ""
+        return [(int(h), bytes.fromhex(p)) for h, p, _ in (line.split() for line in text.splitlines())]
+
+    try:
+        wait_for(lambda: healthy <= {h for h, _ in fires()}, timeout=30)
+    except AssertionError:
+        missing = healthy - {h for h, _ in fires()}
+        raise AssertionError(f"{len(missing)} healthy timers never fired; driver alive: {driver.is_alive()}") from None
+    time.sleep(0.5)  # an audit or two more: room for a duplicate to show up
+    got = fires()
+    counts = collections.Counter(h for h, _ in got)
+    assert all(counts[h] == 1 for h in healthy), "a healthy timer was delivered twice"
+    assert all(added[h] == p for h, p in got if h in healthy)
+    assert max(counts.values()) <= 2
+    assert driver.is_alive(), "the driver stopped"
+    assert driver.stop() == 0
+    st = w.stats()
+    assert st.repairs > 0, "no scribble was ever found: the test did not test"
+    w.repair()  # what the last scribbles may have left: the make_wheel fixture checks it
+
+
+def test_a_full_producer_table_fails_a_cancel_on_exit_add_in_one_lock_hold(make_wheel) -> None:
+    """The 1,025th attached process: its cancel_on_exit add fails at once
+    with WheelFullError.  It does not sweep the table for the dead itself
+    (a read of /proc for each of 1,024 processes, 17 ms): the driver does
+    that once a second, off every producer's path."""
+    w = make_wheel(capacity=16)  # this process: slot 0
+    other = shmwheel._wheel.observe(w.name)
+    gone = [(1 << 22) + k for k in range(lib.SHMW_MAX_PRODUCERS - 1)]  # above any pid_max: never alive
+    try:
+        for pid in gone:
+            assert lib.shmw_producer_attach(other._w, pid, 1, 0) >= 0
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                late = shmwheel.attach(w.name)
+                try:
+                    late.add(60, cancel_on_exit=True)
+                except shmwheel.WheelFullError as exc:
+                    code = 0 if "records 1024 attached processes" in str(exc) else 2
+            finally:
+                os._exit(code)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert len(w.producers()) == lib.SHMW_MAX_PRODUCERS, "the add swept the table itself"
+        assert w.reap_dead_producers() == 0 and len(w.producers()) == 1  # as the driver does
+    finally:
+        other.close()
