@@ -22,6 +22,22 @@ a pidfd for the pid, checks the start time, and signals through the pidfd,
 so a pid reused in the meantime is never hit, not even in the gap between
 the check and the signal.
 
+Who can write a wheel is who its driver trusts: anyone who can write it
+can put a record there.  So the driver believes no record on its word.
+Before any signal it checks that the process named is one of this wheel's
+own workers: a live process in the wheel's producer table (pid and start
+time), the one that added the timer (``Fire.owner_pid``, which the C core
+writes, not the record; a SIGKILL or kill_signal follow-up must have been
+added by this driver process), and one that runs as the driver's own
+effective uid (its real or saved uid), which is the kernel's rule for a
+sender without privileges.  Otherwise it logs one WARNING line and signals
+nothing.  A server that starts as root and runs its workers as another user
+hands the wheel to that user and runs the driver as that user too
+(``DriverSupervisor(owner=...)``, ``--user``/``--group``): the driver can
+then signal exactly what the workers could signal each other.  The
+command refuses to run as root on a wheel that another user can write
+unless told ``--allow-root``.
+
 The request record is a 24-byte head then the method, the request id and
 the path (little-endian)::
 
@@ -68,7 +84,7 @@ from .._errors import (
     SegmentNotFoundError,
     ShmwheelError,
 )
-from .._process import alive, start_time
+from .._process import alive, start_time, uids
 from .._wheel import Fire, Wheel, attach, create, unlink
 
 __all__ = [
@@ -190,6 +206,12 @@ def signal_process(pid: int, start: int, signum: int) -> bool:
     window in which the pid could be reused.  Kernels without pidfds
     (before 5.3) get a check and a kill(2), with that window.
     """
+    return _signal_if(pid, start, signum, None)
+
+
+def _signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None) -> bool:
+    """signal_process(), asking ``may()`` too once the process is known to be
+    the one that started at ``start``, right before the signal."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -197,7 +219,7 @@ def signal_process(pid: int, start: int, signum: int) -> bool:
     except OSError as exc:
         if exc.errno != errno.ENOSYS:
             raise
-        if not alive(pid, start):
+        if not alive(pid, start) or (may is not None and not may()):
             return False
         try:
             os.kill(pid, signum)
@@ -205,7 +227,7 @@ def signal_process(pid: int, start: int, signum: int) -> bool:
             return False
         return True
     try:
-        if not alive(pid, start):
+        if not alive(pid, start) or (may is not None and not may()):
             return False
         signal.pidfd_send_signal(fd, signum)
         return True
@@ -213,6 +235,28 @@ def signal_process(pid: int, start: int, signum: int) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _uid_refusal(pid: int) -> str | None:
+    """Why this process may not signal ``pid`` by the uid rule, or None if it may.
+
+    The rule is the kernel's for a sender without privileges: the target's
+    real or saved uid is the sender's effective uid.  Applied here to a
+    driver that runs as root too, so that root signals only root's
+    processes: a root driver whose workers are another user's has been
+    set up wrong, and says so instead of acting as root on their records.
+    """
+    me = os.geteuid()
+    ids = uids(pid)
+    if ids is None:
+        return None  # gone: the signal through the pidfd finds nothing to hit
+    real, _, saved = ids
+    if me in (real, saved):
+        return None
+    return (
+        f"pid {pid} runs as uid {real} and this driver as uid {me}: a driver signals only processes of "
+        "its own uid (run it as the workers' user)"
+    )
 
 
 def _signal_number(value: object, what: str) -> signal.Signals:
@@ -290,13 +334,28 @@ class TimeoutActions:
         return args
 
 
+_FOLLOW_UPS = {KIND_KILL: "SIGKILL", KIND_GRACEFUL: "kill_signal"}
+
+
 class TimeoutHandler:
-    """The driver's handler for a request-timeout wheel: ``Driver(name, TimeoutHandler(name, actions))``."""
+    """The driver's handler for a request-timeout wheel: ``Driver(name, TimeoutHandler(name, actions))``.
+
+    It signals only this wheel's own workers (see the module docs): a
+    record that names any other process is logged, in one WARNING line
+    saying why, and nothing is signalled.
+    """
+
+    #: Seconds a reading of the producer table is used for other fires; a
+    #: process not found in it is looked for in a fresh reading.
+    PRODUCERS_TTL = 1.0
 
     def __init__(self, name: str, actions: TimeoutActions | None = None) -> None:
+        _wheel._segment_name(name)
         self.name = name
         self.actions = actions or TimeoutActions()
-        self._wheel: Wheel | None = None  # for the SIGKILL timers, opened on first need
+        self._wheel: Wheel | None = None  # for the follow-up timers and the producer table, opened on first need
+        self._producers: dict[int, int] = {}  # pid: start time of the live producers, as last read
+        self._producers_read = -math.inf
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TimeoutHandler, (self.name, self.actions))
@@ -306,14 +365,20 @@ class TimeoutHandler:
         if record is None:
             _log.warning("timer %d carries no request record: payload %r", fire.handle, fire.payload[:64])
             return
-        if record.kind == KIND_KILL:
-            self._sigkill(record)
-            return
-        if record.kind == KIND_GRACEFUL:
-            self._graceful(record, fire.payload)
+        there = alive(record.pid, record.start)
+        if there:
+            why = self._refusal(fire, record)
+            if why is not None:
+                self._refuse(fire, record, why)
+                return
+        if record.kind in _FOLLOW_UPS:
+            if there:
+                if record.kind == KIND_KILL:
+                    self._sigkill(fire, record)
+                else:
+                    self._graceful(fire, record)
             return
         actions = self.actions
-        there = alive(record.pid, record.start)
         if actions.log:
             # One line, written before the worker is signalled, so that it
             # comes ahead of the tracebacks the worker writes.
@@ -335,7 +400,7 @@ class TimeoutHandler:
         if not there:
             return
         if actions.tracebacks:
-            if not signal_process(record.pid, record.start, actions.traceback_signal):
+            if not self._signal(fire, record, actions.traceback_signal):
                 return
             if actions.kill:
                 # The dump runs in the worker's signal handler; a kill_signal
@@ -343,20 +408,23 @@ class TimeoutHandler:
                 # (uWSGI's SIGTERM exits at once), so it follows a little later.
                 self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
         elif actions.kill:
-            self._graceful(record, fire.payload)
+            self._graceful(fire, record)
+
+    def _open(self) -> Wheel:
+        if self._wheel is None:
+            self._wheel = attach(self.name)
+        return self._wheel
 
     def _later(self, delay: float, kind: int, payload: bytes) -> None:
         """A timer of this wheel that will bring the record back as ``kind``."""
-        if self._wheel is None:
-            self._wheel = attach(self.name)
-        self._wheel.add(delay, bytes([kind]) + payload[1:])
+        self._open().add(delay, bytes([kind]) + payload[1:])
 
-    def _graceful(self, record: RequestRecord, payload: bytes) -> None:
-        if signal_process(record.pid, record.start, self.actions.kill_signal):
-            self._later(self.actions.kill_after, KIND_KILL, payload)
+    def _graceful(self, fire: Fire, record: RequestRecord) -> None:
+        if self._signal(fire, record, self.actions.kill_signal):
+            self._later(self.actions.kill_after, KIND_KILL, fire.payload)
 
-    def _sigkill(self, record: RequestRecord) -> None:
-        if signal_process(record.pid, record.start, signal.SIGKILL):
+    def _sigkill(self, fire: Fire, record: RequestRecord) -> None:
+        if self._signal(fire, record, signal.SIGKILL):
             _log.error(
                 "killed worker pid %d with SIGKILL: %s had run for %.3f s and it ignored %s",
                 record.pid,
@@ -364,6 +432,52 @@ class TimeoutHandler:
                 record.running_for(),
                 signal.Signals(self.actions.kill_signal).name,
             )
+
+    def _signal(self, fire: Fire, record: RequestRecord, signum: int) -> bool:
+        """``signum`` to the record's worker, if it is still there and still
+        passes the uid rule right before the signal; whether it was sent."""
+
+        def may() -> bool:
+            why = _uid_refusal(record.pid)
+            if why is not None:
+                self._refuse(fire, record, why)
+            return why is None
+
+        return _signal_if(record.pid, record.start, signum, may)
+
+    def _refusal(self, fire: Fire, record: RequestRecord) -> str | None:
+        """Why the live process a record names is not one this driver may
+        signal for it, or None if it is."""
+        if record.kind in _FOLLOW_UPS:
+            # Only this driver adds follow-ups, so only its own count; one
+            # an earlier driver left (it died or was restarted within the
+            # wait) is not told from a forgery, and is not acted on.
+            me = os.getpid()
+            if fire.owner_pid != me:
+                what = _FOLLOW_UPS[record.kind]
+                return (
+                    f"its {what} follow-up was added by pid {fire.owner_pid}, and only this driver's (pid {me}) count"
+                )
+        elif fire.owner_pid != record.pid:
+            return f"the timer was added by pid {fire.owner_pid}, not by the worker it names"
+        if not self._is_producer(record.pid, record.start):
+            return f"pid {record.pid} is not a process attached to wheel {self.name!r}"
+        return _uid_refusal(record.pid)
+
+    def _is_producer(self, pid: int, start: int) -> bool:
+        """Whether (pid, start) is a live producer of the wheel: from the
+        last reading of the table if it is recent and has it, else from a
+        fresh one, so that a miss is never the answer of stale data."""
+        if time.monotonic() - self._producers_read < self.PRODUCERS_TTL and self._producers.get(pid) == start:
+            return True
+        self._producers_read = time.monotonic()
+        self._producers = {p: s for p, s, live in self._open().producers() if live}
+        return self._producers.get(pid) == start
+
+    def _refuse(self, fire: Fire, record: RequestRecord, why: str) -> None:
+        _log.warning(
+            "timer %d names %s but is not acted on: %s; nothing was signalled", fire.handle, record.describe(), why
+        )
 
 
 # -- the worker's side ------------------------------------------------------------
