@@ -76,6 +76,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .. import _wheel
+from .._cli import _message  # an OSError without its "[Errno n]"
 from .._driver import Driver, _dedicated_process
 from .._errors import (
     DriverRunningError,
@@ -490,8 +491,9 @@ class RequestTimer:
     Safe to share between the threads of a worker and across fork (each
     process attaches on first use and is recorded as a producer of its
     own, so its timers are cancelled if it exits).  It never lets the
-    wheel break a request: if the wheel is missing or full, the request
-    runs without a timer and a warning is logged (at most once a minute).
+    wheel break a request: if the wheel is missing, full or not this
+    process's to open, the request runs without a timer and a warning is
+    logged (at most once a minute).
     """
 
     def __init__(self, name: str, timeout: float, *, traceback_signal: int | None = DEFAULT_TRACEBACK_SIGNAL) -> None:
@@ -530,9 +532,13 @@ class RequestTimer:
             if self._wheel is None and time.monotonic() >= self._retry_at:
                 try:
                     wheel = attach(self.name)
-                except ShmwheelError as exc:
+                except (ShmwheelError, OSError) as exc:  # PermissionError: the wheel is another user's
                     self._retry_at = time.monotonic() + 1.0
-                    self._warn(f"requests run without a timeout: {exc}")
+                    who = f" (this process runs as uid {os.geteuid()}, gid {os.getegid()})"
+                    self._warn(
+                        f"requests run without a timeout: {_message(exc)}"
+                        + (who if isinstance(exc, PermissionError) else "")
+                    )
                     return None
                 self._size = wheel.payload_size
                 self._wheel = wheel
@@ -869,8 +875,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     status 2), any other error one line "shmwheel.contrib.timeouts: ..." on
     stderr and exit status 1.
     """
-    from .._cli import _message  # an OSError without its "[Errno n]"
-
     parser = _parser()
     args = parser.parse_args(argv)
     try:
