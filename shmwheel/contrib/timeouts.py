@@ -59,13 +59,16 @@ import argparse
 import contextlib
 import errno
 import faulthandler
+import grp
 import itertools
 import logging
 import math
 import os
+import pwd
 import re
 import select
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -578,8 +581,14 @@ class RequestTimer:
 # -- the wheel and its driver --------------------------------------------------------
 
 
-def create_wheel(name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0.001) -> None:
+def create_wheel(
+    name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0.001, owner: tuple[int, int] | None = None
+) -> None:
     """Create a request-timeout wheel named ``name``, replacing a wheel no driver runs on.
+
+    ``owner`` (uid, gid) is who the wheel belongs to, when that is not who
+    creates it: the workers' user and group, when a server started as root
+    runs them as another user (see :func:`shmwheel.create`).
 
     What is there already under that name decides:
 
@@ -599,7 +608,7 @@ def create_wheel(name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0
     """
     for _ in range(2):
         try:
-            create(name, capacity=capacity, tick=tick, payload_size=PAYLOAD_SIZE).close()
+            create(name, capacity=capacity, tick=tick, payload_size=PAYLOAD_SIZE, owner=owner).close()
             return
         except SegmentExistsError:
             pass
@@ -664,6 +673,12 @@ class DriverSupervisor:
     runs in a process group of its own, so that a Ctrl-C at the terminal
     reaches the server, whose stop() then stops the driver, and not the
     driver behind the server's back.
+
+    ``owner``, a (uid, gid), is the user and group the server's workers run
+    as, when the server starts as root and drops privileges: the wheel is
+    made theirs and the driver runs as them (``--user``/``--group``), so
+    that it can signal what the workers could signal each other and nothing
+    else.
     """
 
     #: Seconds between two looks at the driver; and the longest wait
@@ -679,8 +694,10 @@ class DriverSupervisor:
         capacity: int = DEFAULT_CAPACITY,
         tick: float = 0.001,
         start_timeout: float = 30.0,
+        owner: tuple[int, int] | None = None,
     ) -> None:
         _wheel._segment_name(name)
+        self.owner = None if owner is None else _wheel._check_owner(owner)
         self.name = name
         self.actions = actions or TimeoutActions()
         self.capacity = capacity
@@ -702,7 +719,7 @@ class DriverSupervisor:
         """Create the wheel and start the driver; return once it drives."""
         if self._watcher is not None:
             raise RuntimeError("this supervisor has been started already")
-        create_wheel(self.name, capacity=self.capacity, tick=self.tick)
+        create_wheel(self.name, capacity=self.capacity, tick=self.tick, owner=self.owner)
         try:
             with self._lock:
                 self._spawn()
@@ -737,6 +754,8 @@ class DriverSupervisor:
 
     def _spawn(self) -> None:
         cmd = [sys.executable, "-m", __name__, self.name, f"--parent={os.getpid()}", *self.actions.as_args()]
+        if self.owner is not None:
+            cmd += [f"--user={self.owner[0]}", f"--group={self.owner[1]}"]
         # Out of the server's process group: the terminal's Ctrl-C (SIGINT to
         # the foreground group) would stop the driver while the server still
         # runs, and the watcher would log its death and start another.
@@ -865,7 +884,94 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kill", action="store_true", help="signal the worker, then SIGKILL it")
     p.add_argument("--kill-signal", default="SIGTERM", metavar="SIG")
     p.add_argument("--kill-after", type=float, default=DEFAULT_KILL_AFTER, metavar="SECONDS")
+    p.add_argument(
+        "--user",
+        type=_user,
+        metavar="NAME|UID",
+        help="started as root, run as this user (and --group, or the user's own group) from before the first fire: "
+        "the workers' user.  With --create the wheel is made theirs",
+    )
+    p.add_argument("--group", type=_group, metavar="NAME|GID", help="the group that goes with --user")
+    p.add_argument(
+        "--allow-root",
+        action="store_true",
+        help="run as root on a wheel that another user can write (logged as a WARNING): whoever can write the "
+        "wheel can then name processes for a root driver to signal",
+    )
     return p
+
+
+def _user(value: str) -> int:
+    """--user: a user name or a uid."""
+    if value.isdigit():
+        return int(value)
+    try:
+        return pwd.getpwnam(value).pw_uid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no user named {value!r}") from None
+
+
+def _group(value: str) -> int:
+    """--group: a group name or a gid."""
+    if value.isdigit():
+        return int(value)
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no group named {value!r}") from None
+
+
+def _target_ids(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int] | None:
+    """The (uid, gid) that --user and --group ask for, or None."""
+    if args.user is None:
+        if args.group is not None:
+            parser.error("--group goes with --user")
+        return None
+    if args.group is not None:
+        return args.user, args.group
+    try:
+        return args.user, pwd.getpwuid(args.user).pw_gid
+    except KeyError:
+        parser.error(f"uid {args.user} has no entry in the user database: give --group too")
+
+
+def _become(uid: int, gid: int) -> None:
+    """Run as ``uid``:``gid`` from now on, with no supplementary groups.
+
+    Groups first and the uid last: setgroups and setgid need root, and
+    setuid to another user gives it up for good (real, effective and saved
+    uid alike), so nothing the driver later reads can take it back.  The
+    driver needs no file but the wheel, which is the user's: no
+    supplementary groups.
+    """
+    if (os.getresuid(), os.getresgid()) == ((uid,) * 3, (gid,) * 3):
+        return  # already (a driver started by that user)
+    if os.geteuid() != 0:
+        raise PermissionError(
+            errno.EPERM, f"--user needs root: this driver runs as uid {os.geteuid()}, not as uid {uid} already"
+        )
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    if os.getresuid() != (uid,) * 3 or os.getresgid() != (gid,) * 3 or os.getgroups():
+        raise PermissionError(errno.EPERM, f"could not become uid {uid}, gid {gid}")
+
+
+def _other_writers(name: str) -> str | None:
+    """Who besides root can write the wheel ``name`` (in words), or None: the
+    users a root driver of it would take orders from."""
+    try:
+        st = os.stat(_wheel._SHM / _wheel._bare(name))
+    except FileNotFoundError:
+        return None  # the driver's attach says so
+    who = []
+    if st.st_uid != 0:  # an owner may chmod it whatever its mode says
+        who.append(f"its owner (uid {st.st_uid})")
+    if st.st_mode & stat.S_IWGRP:
+        who.append(f"its group (gid {st.st_gid})")
+    if st.st_mode & stat.S_IWOTH:
+        who.append("every user")
+    return " and ".join(who) or None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -882,6 +988,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         actions = TimeoutActions.from_args(args)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
+    target = _target_ids(parser, args)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=_LOG_FORMAT)
     parent_gone = threading.Event()
     owns = False
@@ -897,8 +1004,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             _watch_parent(args.parent, orphaned)
         if args.create:
-            create_wheel(args.name)
+            create_wheel(args.name, owner=target)
             owns = True
+        # Everything the driver needs is imported by now (a user's view of
+        # the Python installation may be narrower than root's), and no fire
+        # has been taken yet: from here on it acts as the workers' user.
+        if target is not None:
+            _become(*target)
+            _log.info("driver %d: running as uid %d, gid %d", os.getpid(), *target)
+        if os.geteuid() == 0 and (writers := _other_writers(args.name)):
+            if not args.allow_root:
+                raise PermissionError(
+                    errno.EPERM,
+                    f"wheel {args.name!r} can be written by {writers}, and a root driver would signal what they "
+                    "name: run it as the workers' user (--user, --group), or pass --allow-root",
+                )
+            _log.warning(
+                "driver %d: running as root on wheel %r, which %s can write (--allow-root): it signals only "
+                "processes attached to the wheel, but whoever writes it can forge that too",
+                os.getpid(),
+                args.name,
+                writers,
+            )
         _dedicated_process()
         driver.run()
     except (ShmwheelError, OSError, ValueError, TypeError) as exc:
