@@ -10,7 +10,9 @@ calls any that were defined above it, so it must come after them):
 
 * ``on_starting`` (master): creates the wheel ``gunicorn-<master pid>``
   and starts the driver in a process of its own, which the master's
-  supervisor thread restarts if it dies;
+  supervisor thread restarts if it dies.  When the master runs as root and
+  the workers as ``user``/``group``, the wheel is made theirs and the
+  driver runs as them too: it can signal the workers and nothing else;
 * ``post_worker_init`` (each worker): attaches to the wheel and registers
   :mod:`faulthandler` on the traceback signal;
 * ``pre_request`` / ``post_request`` (each worker, in the thread that runs
@@ -31,6 +33,7 @@ A reload (SIGHUP) runs the config again: new workers get the new
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import MutableMapping
@@ -183,20 +186,48 @@ def _use_server_log(server: Any) -> None:
     ours.propagate = False
 
 
+def _workers_ids(server: Any) -> tuple[int, int] | None:
+    """The workers' (uid, gid) when Gunicorn drops privileges for them
+    (``user``, ``group``), else None: they run as the master does."""
+    uid, gid = int(server.cfg.uid), int(server.cfg.gid)
+    return None if (uid, gid) == (os.geteuid(), os.getegid()) else (uid, gid)
+
+
+def _check_setup(server: Any, settings: _Settings) -> None:
+    """Log what would make timeouts silently not happen, as far as the master can tell."""
+    cfg = server.cfg
+    heartbeat = float(cfg.timeout)
+    kind = str(cfg.worker_class_str)
+    if (kind == "sync" or kind.endswith("SyncWorker")) and 0 < heartbeat <= settings.timeout:
+        # A sync worker in a request does not notify the master, which
+        # kills it after Gunicorn's own timeout: before the request's timer
+        # fires, with no request named and no tracebacks.
+        server.log.warning(
+            "shmwheel: the request timeout (%g s) is not below Gunicorn's timeout (%g s): the master kills a "
+            "sync worker stuck in a request first, and the request is never reported; make it shorter than %g s",
+            settings.timeout,
+            heartbeat,
+            heartbeat,
+        )
+
+
 def _start(server: Any, settings: _Settings) -> None:
     _use_server_log(server)
+    _check_setup(server, settings)
     name = settings.name or f"gunicorn-{server.pid}"
-    supervisor = DriverSupervisor(name, settings.actions, capacity=settings.capacity)
+    owner = _workers_ids(server)
+    supervisor = DriverSupervisor(name, settings.actions, capacity=settings.capacity, owner=owner)
     supervisor.start()
     with _state.lock:
         _state.supervisor = supervisor
         _state.timer = _timer(name, settings)
     server.log.info(
-        "shmwheel: request timeout %g s on wheel %r, driver pid %s%s",
+        "shmwheel: request timeout %g s on wheel %r, driver pid %s%s%s",
         settings.timeout,
         name,
         supervisor.pid,
         ", workers are killed on timeout" if settings.actions.kill else "",
+        "" if owner is None else f"; the wheel and the driver belong to the workers' uid {owner[0]}, gid {owner[1]}",
     )
 
 
