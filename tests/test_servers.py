@@ -258,6 +258,41 @@ def test_gunicorn_warns_when_its_own_timeout_would_kill_a_sync_worker_first(tmp_
         assert_nothing_left(server)
 
 
+ASGI_APP = """
+async def application(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+"""
+
+
+def test_gunicorn_says_when_its_worker_class_cannot_time_requests_and_adds_no_timers(tmp_path: Path) -> None:
+    """Gunicorn's asgi worker calls pre_request but never post_request: a
+    timer would never be cancelled, and every request would "time out".
+    The master says so at startup and the workers add no timers."""
+    (tmp_path / "asgi_app.py").write_text(ASGI_APP)
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text(
+        "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\n"
+        "shmwheel_gunicorn.install(globals(), timeout=0.2)\n"
+    )
+    port = free_port()
+    cmd = [str(BIN / "gunicorn"), "-c", str(config), "--bind", f"127.0.0.1:{port}", "--worker-class", "asgi"]
+    cmd += ["--chdir", str(tmp_path), "--no-control-socket", "asgi_app:application"]
+    with serve(cmd, port, tmp_path, "gunicorn") as server:
+        server.wait_for(
+            r"\[WARNING\] shmwheel: worker class gunicorn\.workers\.gasgi\.ASGIWorker does not call Gunicorn's "
+            r"pre_request and post_request hooks around each request: its requests run without a timeout; "
+        )
+        for _ in range(5):
+            assert get(server.port, "/")[0] == 200
+        with shmwheel.attach(server.wheel) as wheel:
+            assert len(wheel) == 0 and wheel.stats().added == 0  # no timer was ever added
+        assert "request timed out" not in server.log()
+        assert server.stop(signal.SIGTERM) == 0
+        assert_nothing_left(server)
+
+
 def ids_of(pid: int) -> tuple[str, str]:
     """The Uid: and Gid: lines of /proc/PID/status (real, effective, saved, filesystem)."""
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
