@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["alive", "pid_namespace", "start_time"]
+__all__ = ["alive", "pid_namespace", "start_time", "uids"]
 
 
 def start_time(pid: int) -> int | None:
@@ -45,3 +45,23 @@ def pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
+
+
+def uids(pid: int) -> tuple[int, int, int] | None:
+    """The real, effective and saved uid of process ``pid``, or None if
+    there is no such process.
+
+    From the ``Uid:`` line of /proc/PID/status, which anyone may read (what
+    psutil's uids() reads too, without the object it builds first).
+    """
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    real, effective, saved = (int(v) for v in line.split()[1:4])
+                    return real, effective, saved
+    except OSError:  # no such process
+        return None
+    return None  # pragma: no cover - every Linux process has the line

@@ -853,6 +853,7 @@ def create(
     mode: int = 0o600,
     wheel_size: int = 256,
     lock_timeout: float = LOCK_TIMEOUT,
+    owner: tuple[int, int] | None = None,
 ) -> Wheel:
     """Create a wheel in a new shared-memory segment and open it.
 
@@ -860,7 +861,10 @@ def create(
     ``payload_size`` bytes.  ``tick`` (seconds) is the resolution: a timer
     fires at the first tick boundary at or after its deadline.  The memory
     is reserved now, so a full ``/dev/shm`` fails here and not later.
-    ``mode`` is applied as given, whatever the umask.  ``lock_timeout``:
+    ``mode`` is applied as given, whatever the umask.  ``owner``, a
+    ``(uid, gid)``, hands the segment to that user and group before anyone
+    can open it: what a server that starts as root and runs its workers as
+    another user needs (changing the owner takes root).  ``lock_timeout``:
     see :func:`attach`.
     """
     shm_name = _segment_name(name)
@@ -874,6 +878,8 @@ def create(
     tick = _check_seconds(tick, "tick")
     if problem := _not_a_tick(tick):
         raise ValueError(f"tick {problem}")
+    if owner is not None:
+        owner = _check_owner(owner)
 
     params = ffi.new(
         "struct shmw_params *",
@@ -900,6 +906,10 @@ def create(
         raise PermissionError(errno.EACCES, f"cannot create segment {shm_name[1:]!r}: {exc}") from None
     try:
         os.fchmod(shm.fd, mode)  # shm_open applied the umask; the caller asked for `mode`
+        if owner is not None:
+            # Before the magic is written: nobody attaches to a segment
+            # that still belongs to the wrong user.
+            os.fchown(shm.fd, *owner)
         try:
             os.posix_fallocate(shm.fd, 0, size)
         except OSError as exc:
@@ -925,6 +935,15 @@ def create(
         shm.close_fd()
     _log.debug("created wheel %r: capacity %d, %d bytes", wheel.name, capacity, size)
     return wheel
+
+
+def _check_owner(owner: object) -> tuple[int, int]:
+    """create()'s ``owner``: a (uid, gid) of two ids."""
+    if not isinstance(owner, tuple) or len(owner) != 2:
+        raise TypeError(f"owner must be a (uid, gid) tuple, not {owner!r}")
+    uid = _check_int(owner[0], "owner's uid", 0, 2**32 - 2)  # 2**32 - 1 is chown's "leave it"
+    gid = _check_int(owner[1], "owner's gid", 0, 2**32 - 2)
+    return uid, gid
 
 
 def attach(name: str, *, lock_timeout: float = LOCK_TIMEOUT) -> Wheel:

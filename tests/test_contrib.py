@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import resource
 import signal
 import struct
@@ -25,6 +26,8 @@ from shmwheel._process import start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
 from shmwheel.contrib.timeouts import (
+    KIND_GRACEFUL,
+    KIND_KILL,
     KIND_REQUEST,
     PAYLOAD_SIZE,
     DriverSupervisor,
@@ -99,15 +102,22 @@ def test_actions_take_signal_names_and_round_trip_through_the_command_line() -> 
     assert again == actions
 
 
-# A stand-in for a worker: it registers faulthandler as RequestTimer does, says
-# it is ready, then sits in a function with a name to find in its dump.  With
+# A stand-in for a worker: it registers faulthandler as RequestTimer does,
+# and given a wheel and a timeout, starts a request's timer there with
+# RequestTimer (request id r1, GET /slow), as a worker does: the driver acts
+# only on a timer that the worker it names added itself.  Then it says it is
+# ready and sits in a function with a name to find in its dump.  With
 # "stubborn" it also ignores SIGTERM, so only SIGKILL ends it.
 WORKER = textwrap.dedent(
     """
     import faulthandler, signal, sys, time
+    from shmwheel.contrib.timeouts import RequestTimer
     faulthandler.register(signal.SIGURG, file=sys.stderr, all_threads=True)
     if sys.argv[1] == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if len(sys.argv) > 2:
+        timer = RequestTimer(sys.argv[2], float(sys.argv[3]), traceback_signal=None)
+        assert timer.start("GET", "/slow", "r1") is not None
     def serving_a_slow_request():
         print("ready", flush=True)
         time.sleep(60)
@@ -120,9 +130,10 @@ WORKER = textwrap.dedent(
 def worker(tmp_path: Path) -> Iterator[object]:
     procs: list[subprocess.Popen[str]] = []
 
-    def start(mode: str = "polite") -> subprocess.Popen[str]:
+    def start(mode: str = "polite", wheel: str | None = None, timeout: float = 0.05) -> subprocess.Popen[str]:
         err = open(tmp_path / f"worker{len(procs)}.err", "w+")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen([sys.executable, "-c", WORKER, mode], stdout=subprocess.PIPE, stderr=err, text=True)
+        args = [mode] if wheel is None else [mode, wheel, repr(timeout)]
+        proc = subprocess.Popen([sys.executable, "-c", WORKER, *args], stdout=subprocess.PIPE, stderr=err, text=True)
         proc.err = err  # type: ignore[attr-defined]
         procs.append(proc)
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
@@ -167,8 +178,7 @@ def record_for(proc: subprocess.Popen[str], path: str = "/slow") -> bytes:
 
 def test_handler_logs_and_has_the_worker_dump_its_stacks(make_wheel, worker, caplog) -> None:
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
-    proc = worker()
-    wheel.add(0.05, record_for(proc))
+    proc = worker(wheel=wheel.name)
     handler = TimeoutHandler(wheel.name, TimeoutActions())
     with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
         assert fire_all(wheel, handler, time.monotonic() + 0.5) == 1
@@ -184,9 +194,7 @@ def test_handler_logs_and_has_the_worker_dump_its_stacks(make_wheel, worker, cap
 
 def test_handler_kills_a_worker_that_ignores_the_graceful_signal(make_wheel, worker, caplog) -> None:
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
-    stubborn, polite = worker("stubborn"), worker("polite")
-    wheel.add(0.05, record_for(stubborn))
-    wheel.add(0.05, record_for(polite))
+    stubborn, polite = worker("stubborn", wheel.name), worker("polite", wheel.name)
     handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, kill_after=0.5))
     with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
         # The two requests, their two SIGTERMs, and one SIGKILL (the polite one is gone by then).
@@ -212,6 +220,29 @@ def test_handler_leaves_a_worker_that_has_exited_alone(make_wheel, worker, caplo
     [line] = [r.getMessage() for r in caplog.records]
     assert line.endswith("; the worker has exited")
     assert len(wheel) == 0  # no kill timer was scheduled
+
+
+@pytest.mark.parametrize("kind", [KIND_REQUEST, KIND_GRACEFUL, KIND_KILL], ids=["request", "graceful", "kill"])
+def test_handler_signals_no_process_but_a_worker_of_the_wheel_that_added_the_timer(
+    kind: int, make_wheel, worker, caplog
+) -> None:
+    """A record naming a live process that is attached to no wheel: added by
+    another process (a request) or by the handler's own (a follow-up, as
+    the handler adds them), it gets one WARNING saying why, and no signal."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    stranger = worker()
+    wheel.add(0.01, bytes([kind]) + record_for(stranger)[1:])
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, kill_after=0.1))
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        assert fire_all(wheel, handler, time.monotonic() + 0.5) == 1  # and no follow-up
+    assert stranger.poll() is None
+    [line] = [r.getMessage() for r in caplog.records]
+    assert re.match(rf"timer \d+ names GET /slow \(request r1, worker pid {stranger.pid}\) but is not acted on: ", line)
+    if kind == KIND_REQUEST:
+        assert f"the timer was added by pid {os.getpid()}, not by the worker it names" in line
+    else:
+        assert f"pid {stranger.pid} is not a process attached to wheel {wheel.name!r}" in line
+    assert line.endswith("; nothing was signalled")
 
 
 def test_handler_reports_a_timer_that_is_not_a_request(make_wheel, caplog) -> None:

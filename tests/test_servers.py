@@ -237,6 +237,120 @@ def test_gunicorn_master_killed_outright_leaves_no_wheel(tmp_path: Path) -> None
             time.sleep(0.05)
 
 
+def test_gunicorn_warns_when_its_own_timeout_would_kill_a_sync_worker_first(tmp_path: Path) -> None:
+    """A sync worker stuck in a request stops notifying the master, which kills
+    it after Gunicorn's `timeout`: a request timeout not below it would never
+    be reported.  The master says so at startup, in Gunicorn's log."""
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text(
+        "timeout = 1\n"
+        "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\n"
+        "shmwheel_gunicorn.install(globals(), timeout=2.5)\n"
+    )
+    port = free_port()
+    with serve(gunicorn(config, port, "sync"), port, tmp_path, "gunicorn") as server:
+        server.wait_for(
+            r"^\[[^]]+\] \[\d+\] \[WARNING\] shmwheel: the request timeout \(2.5 s\) is not below Gunicorn's "
+            r"timeout \(1 s\): the master kills a sync worker stuck in a request first, and the request is never "
+            r"reported; make it shorter than 1 s$"
+        )
+        assert server.stop(signal.SIGTERM) == 0
+        assert_nothing_left(server)
+
+
+ASGI_APP = """
+async def application(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+"""
+
+
+def test_gunicorn_says_when_its_worker_class_cannot_time_requests_and_adds_no_timers(tmp_path: Path) -> None:
+    """Gunicorn's asgi worker calls pre_request but never post_request: a
+    timer would never be cancelled, and every request would "time out".
+    The master says so at startup and the workers add no timers."""
+    (tmp_path / "asgi_app.py").write_text(ASGI_APP)
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text(
+        "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\n"
+        "shmwheel_gunicorn.install(globals(), timeout=0.2)\n"
+    )
+    port = free_port()
+    cmd = [str(BIN / "gunicorn"), "-c", str(config), "--bind", f"127.0.0.1:{port}", "--worker-class", "asgi"]
+    cmd += ["--chdir", str(tmp_path), "--no-control-socket", "asgi_app:application"]
+    with serve(cmd, port, tmp_path, "gunicorn") as server:
+        server.wait_for(
+            r"\[WARNING\] shmwheel: worker class gunicorn\.workers\.gasgi\.ASGIWorker does not call Gunicorn's "
+            r"pre_request and post_request hooks around each request: its requests run without a timeout; "
+        )
+        for _ in range(5):
+            assert get(server.port, "/")[0] == 200
+        with shmwheel.attach(server.wheel) as wheel:
+            assert len(wheel) == 0 and wheel.stats().added == 0  # no timer was ever added
+        assert "request timed out" not in server.log()
+        assert server.stop(signal.SIGTERM) == 0
+        assert_nothing_left(server)
+
+
+def ids_of(pid: int) -> tuple[str, str]:
+    """The Uid: and Gid: lines of /proc/PID/status (real, effective, saved, filesystem)."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return " ".join(status["Uid"].split()), " ".join(status["Gid"].split())
+
+
+NOBODY = 65534  # nobody and nogroup
+AS_NOBODY = f"{NOBODY} {NOBODY} {NOBODY} {NOBODY}"  # real, effective, saved and filesystem ids
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: Gunicorn starts as root and runs its workers as nobody")
+def test_gunicorn_started_as_root_with_workers_as_nobody_times_out_and_kills(tmp_path: Path) -> None:
+    """Issue 15: the master is root, user/group are nobody/nogroup.  It boots;
+    the wheel and the driver are nobody's; a request that overstays is
+    timed out and its worker killed and replaced; fast requests are 200;
+    nothing is left behind."""
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text(
+        "user = 'nobody'\n"
+        "group = 'nogroup'\n"
+        "workers = 2\n"
+        "# The master imports the app: the workers, as nobody, could not read\n"
+        "# the Python installation under /root (mode 0700) here.\n"
+        "preload_app = True\n"
+        "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\n"
+        "shmwheel_gunicorn.install(globals(), timeout=1.0, kill=True, kill_after=1.0)\n"
+    )
+    port = free_port()
+    with serve(gunicorn(config, port, "sync"), port, tmp_path, "gunicorn") as server:
+        driver = int(
+            server.wait_for(
+                r"wheel 'gunicorn-\d+', driver pid (\d+), workers are killed on timeout; "
+                rf"the wheel and the driver belong to the workers' uid {NOBODY}, gid {NOBODY}$"
+            ).group(1)
+        )
+        st = os.stat(f"/dev/shm/{server.wheel}")
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (NOBODY, NOBODY, 0o600)
+        assert ids_of(driver) == (AS_NOBODY, AS_NOBODY)
+        for _ in range(20):
+            status, body = get(server.port, "/")
+            assert status == 200
+        assert ids_of(int(body.split()[-1]))[0] == AS_NOBODY  # a worker
+
+        assert get(server.port, "/stuck?s=60", timeout=WAIT)[0] == 0  # the worker died under the request
+        pid = int(server.wait_for(timed_out_line("/stuck") + r"; dumping its tracebacks, sending it SIGABRT").group(1))
+        server.wait_for(r'File ".*/examples/app.py", line \d+ in _stuck')
+        server.wait_for(rf"killed worker pid {pid} with SIGKILL: GET /stuck .* it ignored SIGABRT")
+        server.wait_for(r"Booting worker with pid: \d+[\s\S]*Booting worker with pid: \d+[\s\S]*Booting worker")
+        answers = {get(server.port, "/")[1] for _ in range(10)}
+        assert f"done by pid {pid}\n" not in answers
+        assert all(a.startswith("done by pid ") for a in answers)
+        for trouble in ("not acted on", "run without a timeout", "is not below Gunicorn's timeout"):
+            assert trouble not in server.log()
+        assert server.stop(signal.SIGTERM) == 0
+        assert "driver stopped, wheel" in server.log()
+        assert_nothing_left(server)
+
+
 # -- uWSGI ----------------------------------------------------------------------
 
 

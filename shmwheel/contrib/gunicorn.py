@@ -10,7 +10,9 @@ calls any that were defined above it, so it must come after them):
 
 * ``on_starting`` (master): creates the wheel ``gunicorn-<master pid>``
   and starts the driver in a process of its own, which the master's
-  supervisor thread restarts if it dies;
+  supervisor thread restarts if it dies.  When the master runs as root and
+  the workers as ``user``/``group``, the wheel is made theirs and the
+  driver runs as them too: it can signal the workers and nothing else;
 * ``post_worker_init`` (each worker): attaches to the wheel and registers
   :mod:`faulthandler` on the traceback signal;
 * ``pre_request`` / ``post_request`` (each worker, in the thread that runs
@@ -31,6 +33,7 @@ A reload (SIGHUP) runs the config again: new workers get the new
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import MutableMapping
@@ -51,6 +54,15 @@ __all__ = ["install"]
 
 _HOOKS = ("on_starting", "post_worker_init", "pre_request", "post_request", "on_exit")
 _REQUEST_ID_HEADER = "X-REQUEST-ID"  # Gunicorn upper-cases header names
+# Gunicorn's worker classes that call pre_request and post_request around
+# every request (eventlet's and gevent's derive from AsyncWorker).
+_HOOKED_WORKERS = frozenset(
+    {
+        "gunicorn.workers.sync.SyncWorker",
+        "gunicorn.workers.gthread.ThreadWorker",
+        "gunicorn.workers.base_async.AsyncWorker",
+    }
+)
 
 
 @dataclass
@@ -70,6 +82,7 @@ class _State:
         self.settings: _Settings | None = None
         self.supervisor: DriverSupervisor | None = None
         self.timer: RequestTimer | None = None
+        self.timers = True  # False: the worker class does not call both request hooks
 
 
 _state = _State()
@@ -183,20 +196,71 @@ def _use_server_log(server: Any) -> None:
     ours.propagate = False
 
 
+def _workers_ids(server: Any) -> tuple[int, int] | None:
+    """The workers' (uid, gid) when Gunicorn drops privileges for them
+    (``user``, ``group``), else None: they run as the master does."""
+    uid, gid = int(server.cfg.uid), int(server.cfg.gid)
+    return None if (uid, gid) == (os.geteuid(), os.getegid()) else (uid, gid)
+
+
+def _calls_both_hooks(worker_class: type) -> bool:
+    """Whether Gunicorn's worker class calls pre_request and post_request
+    around every request: its sync, gthread and async (eventlet, gevent)
+    workers and their subclasses do; tornado, gevent_pywsgi (a gevent server
+    of its own) and asgi (pre_request only, so a timer would never be
+    cancelled) do not."""
+    ancestry = {f"{c.__module__}.{c.__qualname__}" for c in worker_class.__mro__}
+    return bool(ancestry & _HOOKED_WORKERS) and getattr(worker_class, "server_class", None) is None
+
+
+def _check_setup(server: Any, settings: _Settings) -> bool:
+    """Log what would make timeouts silently not happen, as far as the master
+    can tell; False if the workers cannot have request timers at all."""
+    cfg = server.cfg
+    worker_class = server.worker_class
+    if not _calls_both_hooks(worker_class):
+        server.log.warning(
+            "shmwheel: worker class %s.%s does not call Gunicorn's pre_request and post_request hooks around "
+            "each request: its requests run without a timeout; use sync, gthread, eventlet or gevent workers, "
+            "or wrap a WSGI app in shmwheel.contrib.wsgi.TimeoutMiddleware",
+            worker_class.__module__,
+            worker_class.__qualname__,
+        )
+        return False
+    heartbeat = float(cfg.timeout)
+    kind = str(cfg.worker_class_str)
+    if (kind == "sync" or kind.endswith("SyncWorker")) and 0 < heartbeat <= settings.timeout:
+        # A sync worker in a request does not notify the master, which
+        # kills it after Gunicorn's own timeout: before the request's timer
+        # fires, with no request named and no tracebacks.
+        server.log.warning(
+            "shmwheel: the request timeout (%g s) is not below Gunicorn's timeout (%g s): the master kills a "
+            "sync worker stuck in a request first, and the request is never reported; make it shorter than %g s",
+            settings.timeout,
+            heartbeat,
+            heartbeat,
+        )
+    return True
+
+
 def _start(server: Any, settings: _Settings) -> None:
     _use_server_log(server)
+    timers = _check_setup(server, settings)
     name = settings.name or f"gunicorn-{server.pid}"
-    supervisor = DriverSupervisor(name, settings.actions, capacity=settings.capacity)
+    owner = _workers_ids(server)
+    supervisor = DriverSupervisor(name, settings.actions, capacity=settings.capacity, owner=owner)
     supervisor.start()
     with _state.lock:
         _state.supervisor = supervisor
-        _state.timer = _timer(name, settings)
+        _state.timers = timers
+        _state.timer = _timer(name, settings) if timers else None
     server.log.info(
-        "shmwheel: request timeout %g s on wheel %r, driver pid %s%s",
+        "shmwheel: request timeout %g s on wheel %r, driver pid %s%s%s",
         settings.timeout,
         name,
         supervisor.pid,
         ", workers are killed on timeout" if settings.actions.kill else "",
+        "" if owner is None else f"; the wheel and the driver belong to the workers' uid {owner[0]}, gid {owner[1]}",
     )
 
 
@@ -204,7 +268,7 @@ def _reconfigure(settings: _Settings) -> None:
     supervisor = _state.supervisor
     assert supervisor is not None
     with _state.lock:
-        _state.timer = _timer(supervisor.name, settings)
+        _state.timer = _timer(supervisor.name, settings) if _state.timers else None
     if settings.actions != supervisor.actions:
         supervisor.restart(settings.actions)
 

@@ -22,6 +22,22 @@ a pidfd for the pid, checks the start time, and signals through the pidfd,
 so a pid reused in the meantime is never hit, not even in the gap between
 the check and the signal.
 
+Who can write a wheel is who its driver trusts: anyone who can write it
+can put a record there.  So the driver believes no record on its word.
+Before any signal it checks that the process named is one of this wheel's
+own workers: a live process in the wheel's producer table (pid and start
+time), the one that added the timer (``Fire.owner_pid``, which the C core
+writes, not the record; a SIGKILL or kill_signal follow-up must have been
+added by this driver process), and one that runs as the driver's own
+effective uid (its real or saved uid), which is the kernel's rule for a
+sender without privileges.  Otherwise it logs one WARNING line and signals
+nothing.  A server that starts as root and runs its workers as another user
+hands the wheel to that user and runs the driver as that user too
+(``DriverSupervisor(owner=...)``, ``--user``/``--group``): the driver can
+then signal exactly what the workers could signal each other.  The
+command refuses to run as root on a wheel that another user can write
+unless told ``--allow-root``.
+
 The request record is a 24-byte head then the method, the request id and
 the path (little-endian)::
 
@@ -43,13 +59,16 @@ import argparse
 import contextlib
 import errno
 import faulthandler
+import grp
 import itertools
 import logging
 import math
 import os
+import pwd
 import re
 import select
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -60,6 +79,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .. import _wheel
+from .._cli import _message  # an OSError without its "[Errno n]"
 from .._driver import Driver, _dedicated_process
 from .._errors import (
     DriverRunningError,
@@ -68,7 +88,7 @@ from .._errors import (
     SegmentNotFoundError,
     ShmwheelError,
 )
-from .._process import alive, start_time
+from .._process import alive, start_time, uids
 from .._wheel import Fire, Wheel, attach, create, unlink
 
 __all__ = [
@@ -190,6 +210,12 @@ def signal_process(pid: int, start: int, signum: int) -> bool:
     window in which the pid could be reused.  Kernels without pidfds
     (before 5.3) get a check and a kill(2), with that window.
     """
+    return _signal_if(pid, start, signum, None)
+
+
+def _signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None) -> bool:
+    """signal_process(), asking ``may()`` too once the process is known to be
+    the one that started at ``start``, right before the signal."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -197,7 +223,7 @@ def signal_process(pid: int, start: int, signum: int) -> bool:
     except OSError as exc:
         if exc.errno != errno.ENOSYS:
             raise
-        if not alive(pid, start):
+        if not alive(pid, start) or (may is not None and not may()):
             return False
         try:
             os.kill(pid, signum)
@@ -205,7 +231,7 @@ def signal_process(pid: int, start: int, signum: int) -> bool:
             return False
         return True
     try:
-        if not alive(pid, start):
+        if not alive(pid, start) or (may is not None and not may()):
             return False
         signal.pidfd_send_signal(fd, signum)
         return True
@@ -213,6 +239,28 @@ def signal_process(pid: int, start: int, signum: int) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _uid_refusal(pid: int) -> str | None:
+    """Why this process may not signal ``pid`` by the uid rule, or None if it may.
+
+    The rule is the kernel's for a sender without privileges: the target's
+    real or saved uid is the sender's effective uid.  Applied here to a
+    driver that runs as root too, so that root signals only root's
+    processes: a root driver whose workers are another user's has been
+    set up wrong, and says so instead of acting as root on their records.
+    """
+    me = os.geteuid()
+    ids = uids(pid)
+    if ids is None:
+        return None  # gone: the signal through the pidfd finds nothing to hit
+    real, _, saved = ids
+    if me in (real, saved):
+        return None
+    return (
+        f"pid {pid} runs as uid {real} and this driver as uid {me}: a driver signals only processes of "
+        "its own uid (run it as the workers' user)"
+    )
 
 
 def _signal_number(value: object, what: str) -> signal.Signals:
@@ -290,13 +338,28 @@ class TimeoutActions:
         return args
 
 
+_FOLLOW_UPS = {KIND_KILL: "SIGKILL", KIND_GRACEFUL: "kill_signal"}
+
+
 class TimeoutHandler:
-    """The driver's handler for a request-timeout wheel: ``Driver(name, TimeoutHandler(name, actions))``."""
+    """The driver's handler for a request-timeout wheel: ``Driver(name, TimeoutHandler(name, actions))``.
+
+    It signals only this wheel's own workers (see the module docs): a
+    record that names any other process is logged, in one WARNING line
+    saying why, and nothing is signalled.
+    """
+
+    #: Seconds a reading of the producer table is used for other fires; a
+    #: process not found in it is looked for in a fresh reading.
+    PRODUCERS_TTL = 1.0
 
     def __init__(self, name: str, actions: TimeoutActions | None = None) -> None:
+        _wheel._segment_name(name)
         self.name = name
         self.actions = actions or TimeoutActions()
-        self._wheel: Wheel | None = None  # for the SIGKILL timers, opened on first need
+        self._wheel: Wheel | None = None  # for the follow-up timers and the producer table, opened on first need
+        self._producers: dict[int, int] = {}  # pid: start time of the live producers, as last read
+        self._producers_read = -math.inf
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TimeoutHandler, (self.name, self.actions))
@@ -306,14 +369,20 @@ class TimeoutHandler:
         if record is None:
             _log.warning("timer %d carries no request record: payload %r", fire.handle, fire.payload[:64])
             return
-        if record.kind == KIND_KILL:
-            self._sigkill(record)
-            return
-        if record.kind == KIND_GRACEFUL:
-            self._graceful(record, fire.payload)
+        there = alive(record.pid, record.start)
+        if there:
+            why = self._refusal(fire, record)
+            if why is not None:
+                self._refuse(fire, record, why)
+                return
+        if record.kind in _FOLLOW_UPS:
+            if there:
+                if record.kind == KIND_KILL:
+                    self._sigkill(fire, record)
+                else:
+                    self._graceful(fire, record)
             return
         actions = self.actions
-        there = alive(record.pid, record.start)
         if actions.log:
             # One line, written before the worker is signalled, so that it
             # comes ahead of the tracebacks the worker writes.
@@ -335,7 +404,7 @@ class TimeoutHandler:
         if not there:
             return
         if actions.tracebacks:
-            if not signal_process(record.pid, record.start, actions.traceback_signal):
+            if not self._signal(fire, record, actions.traceback_signal):
                 return
             if actions.kill:
                 # The dump runs in the worker's signal handler; a kill_signal
@@ -343,20 +412,23 @@ class TimeoutHandler:
                 # (uWSGI's SIGTERM exits at once), so it follows a little later.
                 self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
         elif actions.kill:
-            self._graceful(record, fire.payload)
+            self._graceful(fire, record)
+
+    def _open(self) -> Wheel:
+        if self._wheel is None:
+            self._wheel = attach(self.name)
+        return self._wheel
 
     def _later(self, delay: float, kind: int, payload: bytes) -> None:
         """A timer of this wheel that will bring the record back as ``kind``."""
-        if self._wheel is None:
-            self._wheel = attach(self.name)
-        self._wheel.add(delay, bytes([kind]) + payload[1:])
+        self._open().add(delay, bytes([kind]) + payload[1:])
 
-    def _graceful(self, record: RequestRecord, payload: bytes) -> None:
-        if signal_process(record.pid, record.start, self.actions.kill_signal):
-            self._later(self.actions.kill_after, KIND_KILL, payload)
+    def _graceful(self, fire: Fire, record: RequestRecord) -> None:
+        if self._signal(fire, record, self.actions.kill_signal):
+            self._later(self.actions.kill_after, KIND_KILL, fire.payload)
 
-    def _sigkill(self, record: RequestRecord) -> None:
-        if signal_process(record.pid, record.start, signal.SIGKILL):
+    def _sigkill(self, fire: Fire, record: RequestRecord) -> None:
+        if self._signal(fire, record, signal.SIGKILL):
             _log.error(
                 "killed worker pid %d with SIGKILL: %s had run for %.3f s and it ignored %s",
                 record.pid,
@@ -364,6 +436,52 @@ class TimeoutHandler:
                 record.running_for(),
                 signal.Signals(self.actions.kill_signal).name,
             )
+
+    def _signal(self, fire: Fire, record: RequestRecord, signum: int) -> bool:
+        """``signum`` to the record's worker, if it is still there and still
+        passes the uid rule right before the signal; whether it was sent."""
+
+        def may() -> bool:
+            why = _uid_refusal(record.pid)
+            if why is not None:
+                self._refuse(fire, record, why)
+            return why is None
+
+        return _signal_if(record.pid, record.start, signum, may)
+
+    def _refusal(self, fire: Fire, record: RequestRecord) -> str | None:
+        """Why the live process a record names is not one this driver may
+        signal for it, or None if it is."""
+        if record.kind in _FOLLOW_UPS:
+            # Only this driver adds follow-ups, so only its own count; one
+            # an earlier driver left (it died or was restarted within the
+            # wait) is not told from a forgery, and is not acted on.
+            me = os.getpid()
+            if fire.owner_pid != me:
+                what = _FOLLOW_UPS[record.kind]
+                return (
+                    f"its {what} follow-up was added by pid {fire.owner_pid}, and only this driver's (pid {me}) count"
+                )
+        elif fire.owner_pid != record.pid:
+            return f"the timer was added by pid {fire.owner_pid}, not by the worker it names"
+        if not self._is_producer(record.pid, record.start):
+            return f"pid {record.pid} is not a process attached to wheel {self.name!r}"
+        return _uid_refusal(record.pid)
+
+    def _is_producer(self, pid: int, start: int) -> bool:
+        """Whether (pid, start) is a live producer of the wheel: from the
+        last reading of the table if it is recent and has it, else from a
+        fresh one, so that a miss is never the answer of stale data."""
+        if time.monotonic() - self._producers_read < self.PRODUCERS_TTL and self._producers.get(pid) == start:
+            return True
+        self._producers_read = time.monotonic()
+        self._producers = {p: s for p, s, live in self._open().producers() if live}
+        return self._producers.get(pid) == start
+
+    def _refuse(self, fire: Fire, record: RequestRecord, why: str) -> None:
+        _log.warning(
+            "timer %d names %s but is not acted on: %s; nothing was signalled", fire.handle, record.describe(), why
+        )
 
 
 # -- the worker's side ------------------------------------------------------------
@@ -376,8 +494,9 @@ class RequestTimer:
     Safe to share between the threads of a worker and across fork (each
     process attaches on first use and is recorded as a producer of its
     own, so its timers are cancelled if it exits).  It never lets the
-    wheel break a request: if the wheel is missing or full, the request
-    runs without a timer and a warning is logged (at most once a minute).
+    wheel break a request: if the wheel is missing, full or not this
+    process's to open, the request runs without a timer and a warning is
+    logged (at most once a minute).
     """
 
     def __init__(self, name: str, timeout: float, *, traceback_signal: int | None = DEFAULT_TRACEBACK_SIGNAL) -> None:
@@ -416,9 +535,13 @@ class RequestTimer:
             if self._wheel is None and time.monotonic() >= self._retry_at:
                 try:
                     wheel = attach(self.name)
-                except ShmwheelError as exc:
+                except (ShmwheelError, OSError) as exc:  # PermissionError: the wheel is another user's
                     self._retry_at = time.monotonic() + 1.0
-                    self._warn(f"requests run without a timeout: {exc}")
+                    who = f" (this process runs as uid {os.geteuid()}, gid {os.getegid()})"
+                    self._warn(
+                        f"requests run without a timeout: {_message(exc)}"
+                        + (who if isinstance(exc, PermissionError) else "")
+                    )
                     return None
                 self._size = wheel.payload_size
                 self._wheel = wheel
@@ -458,8 +581,14 @@ class RequestTimer:
 # -- the wheel and its driver --------------------------------------------------------
 
 
-def create_wheel(name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0.001) -> None:
+def create_wheel(
+    name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0.001, owner: tuple[int, int] | None = None
+) -> None:
     """Create a request-timeout wheel named ``name``, replacing a wheel no driver runs on.
+
+    ``owner`` (uid, gid) is who the wheel belongs to, when that is not who
+    creates it: the workers' user and group, when a server started as root
+    runs them as another user (see :func:`shmwheel.create`).
 
     What is there already under that name decides:
 
@@ -479,7 +608,7 @@ def create_wheel(name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0
     """
     for _ in range(2):
         try:
-            create(name, capacity=capacity, tick=tick, payload_size=PAYLOAD_SIZE).close()
+            create(name, capacity=capacity, tick=tick, payload_size=PAYLOAD_SIZE, owner=owner).close()
             return
         except SegmentExistsError:
             pass
@@ -544,6 +673,12 @@ class DriverSupervisor:
     runs in a process group of its own, so that a Ctrl-C at the terminal
     reaches the server, whose stop() then stops the driver, and not the
     driver behind the server's back.
+
+    ``owner``, a (uid, gid), is the user and group the server's workers run
+    as, when the server starts as root and drops privileges: the wheel is
+    made theirs and the driver runs as them (``--user``/``--group``), so
+    that it can signal what the workers could signal each other and nothing
+    else.
     """
 
     #: Seconds between two looks at the driver; and the longest wait
@@ -559,8 +694,10 @@ class DriverSupervisor:
         capacity: int = DEFAULT_CAPACITY,
         tick: float = 0.001,
         start_timeout: float = 30.0,
+        owner: tuple[int, int] | None = None,
     ) -> None:
         _wheel._segment_name(name)
+        self.owner = None if owner is None else _wheel._check_owner(owner)
         self.name = name
         self.actions = actions or TimeoutActions()
         self.capacity = capacity
@@ -582,7 +719,7 @@ class DriverSupervisor:
         """Create the wheel and start the driver; return once it drives."""
         if self._watcher is not None:
             raise RuntimeError("this supervisor has been started already")
-        create_wheel(self.name, capacity=self.capacity, tick=self.tick)
+        create_wheel(self.name, capacity=self.capacity, tick=self.tick, owner=self.owner)
         try:
             with self._lock:
                 self._spawn()
@@ -617,6 +754,8 @@ class DriverSupervisor:
 
     def _spawn(self) -> None:
         cmd = [sys.executable, "-m", __name__, self.name, f"--parent={os.getpid()}", *self.actions.as_args()]
+        if self.owner is not None:
+            cmd += [f"--user={self.owner[0]}", f"--group={self.owner[1]}"]
         # Out of the server's process group: the terminal's Ctrl-C (SIGINT to
         # the foreground group) would stop the driver while the server still
         # runs, and the watcher would log its death and start another.
@@ -745,7 +884,94 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kill", action="store_true", help="signal the worker, then SIGKILL it")
     p.add_argument("--kill-signal", default="SIGTERM", metavar="SIG")
     p.add_argument("--kill-after", type=float, default=DEFAULT_KILL_AFTER, metavar="SECONDS")
+    p.add_argument(
+        "--user",
+        type=_user,
+        metavar="NAME|UID",
+        help="started as root, run as this user (and --group, or the user's own group) from before the first fire: "
+        "the workers' user.  With --create the wheel is made theirs",
+    )
+    p.add_argument("--group", type=_group, metavar="NAME|GID", help="the group that goes with --user")
+    p.add_argument(
+        "--allow-root",
+        action="store_true",
+        help="run as root on a wheel that another user can write (logged as a WARNING): whoever can write the "
+        "wheel can then name processes for a root driver to signal",
+    )
     return p
+
+
+def _user(value: str) -> int:
+    """--user: a user name or a uid."""
+    if value.isdigit():
+        return int(value)
+    try:
+        return pwd.getpwnam(value).pw_uid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no user named {value!r}") from None
+
+
+def _group(value: str) -> int:
+    """--group: a group name or a gid."""
+    if value.isdigit():
+        return int(value)
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no group named {value!r}") from None
+
+
+def _target_ids(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int] | None:
+    """The (uid, gid) that --user and --group ask for, or None."""
+    if args.user is None:
+        if args.group is not None:
+            parser.error("--group goes with --user")
+        return None
+    if args.group is not None:
+        return args.user, args.group
+    try:
+        return args.user, pwd.getpwuid(args.user).pw_gid
+    except KeyError:
+        parser.error(f"uid {args.user} has no entry in the user database: give --group too")
+
+
+def _become(uid: int, gid: int) -> None:
+    """Run as ``uid``:``gid`` from now on, with no supplementary groups.
+
+    Groups first and the uid last: setgroups and setgid need root, and
+    setuid to another user gives it up for good (real, effective and saved
+    uid alike), so nothing the driver later reads can take it back.  The
+    driver needs no file but the wheel, which is the user's: no
+    supplementary groups.
+    """
+    if (os.getresuid(), os.getresgid()) == ((uid,) * 3, (gid,) * 3):
+        return  # already (a driver started by that user)
+    if os.geteuid() != 0:
+        raise PermissionError(
+            errno.EPERM, f"--user needs root: this driver runs as uid {os.geteuid()}, not as uid {uid} already"
+        )
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    if os.getresuid() != (uid,) * 3 or os.getresgid() != (gid,) * 3 or os.getgroups():
+        raise PermissionError(errno.EPERM, f"could not become uid {uid}, gid {gid}")
+
+
+def _other_writers(name: str) -> str | None:
+    """Who besides root can write the wheel ``name`` (in words), or None: the
+    users a root driver of it would take orders from."""
+    try:
+        st = os.stat(_wheel._SHM / _wheel._bare(name))
+    except FileNotFoundError:
+        return None  # the driver's attach says so
+    who = []
+    if st.st_uid != 0:  # an owner may chmod it whatever its mode says
+        who.append(f"its owner (uid {st.st_uid})")
+    if st.st_mode & stat.S_IWGRP:
+        who.append(f"its group (gid {st.st_gid})")
+    if st.st_mode & stat.S_IWOTH:
+        who.append("every user")
+    return " and ".join(who) or None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -755,8 +981,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     status 2), any other error one line "shmwheel.contrib.timeouts: ..." on
     stderr and exit status 1.
     """
-    from .._cli import _message  # an OSError without its "[Errno n]"
-
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -764,6 +988,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         actions = TimeoutActions.from_args(args)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
+    target = _target_ids(parser, args)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=_LOG_FORMAT)
     parent_gone = threading.Event()
     owns = False
@@ -779,8 +1004,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             _watch_parent(args.parent, orphaned)
         if args.create:
-            create_wheel(args.name)
+            create_wheel(args.name, owner=target)
             owns = True
+        # Everything the driver needs is imported by now (a user's view of
+        # the Python installation may be narrower than root's), and no fire
+        # has been taken yet: from here on it acts as the workers' user.
+        if target is not None:
+            _become(*target)
+            _log.info("driver %d: running as uid %d, gid %d", os.getpid(), *target)
+        if os.geteuid() == 0 and (writers := _other_writers(args.name)):
+            if not args.allow_root:
+                raise PermissionError(
+                    errno.EPERM,
+                    f"wheel {args.name!r} can be written by {writers}, and a root driver would signal what they "
+                    "name: run it as the workers' user (--user, --group), or pass --allow-root",
+                )
+            _log.warning(
+                "driver %d: running as root on wheel %r, which %s can write (--allow-root): it signals only "
+                "processes attached to the wheel, but whoever writes it can forge that too",
+                os.getpid(),
+                args.name,
+                writers,
+            )
         _dedicated_process()
         driver.run()
     except (ShmwheelError, OSError, ValueError, TypeError) as exc:
