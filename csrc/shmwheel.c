@@ -2180,6 +2180,13 @@ int shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len)
     return rc ? rc : 1;
 }
 
+int shmw_is_removed(shmw_t *w)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    return __atomic_load_n(&w->hdr->removed, __ATOMIC_RELAXED) != 0;
+}
+
 int shmw_mark_removed(shmw_t *w)
 {
     int rc;

@@ -417,6 +417,9 @@ void shmw_close(shmw_t *w);
  * segment): every later add fails with SHMW_EREMOVED.  Timers already in it
  * stay, and cancel, reset and the driver go on working on them. */
 int  shmw_mark_removed(shmw_t *w);
+/* 1 if marked removed, 0 if not; a load without the lock, for a producer
+ * to look now and then (an add tells for certain: SHMW_EREMOVED). */
+int  shmw_is_removed(shmw_t *w);
 int  shmw_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t *lists_off,
                  uint64_t *slab_off);
 

@@ -45,7 +45,11 @@ _MESSAGES: dict[int, tuple[type[Exception], str]] = {
         IncompatibleSegmentError,
         "segment {name!r} was made by a build with other struct sizes",
     ),
-    lib.SHMW_ESIZE: (IncompatibleSegmentError, "segment {name!r} is smaller than its header says"),
+    lib.SHMW_ESIZE: (
+        IncompatibleSegmentError,
+        "segment {name!r} is smaller than its header says: its file was shrunk, and a process that maps it "
+        "dies of SIGBUS where the rest was",
+    ),
     lib.SHMW_ELOCK: (LockTimeoutError, "the lock of segment {name!r} was not released in {lock_timeout} s{holder}"),
     lib.SHMW_ENOMEM: (MemoryError, "out of memory"),
     lib.SHMW_ECLOSED: (ValueError, "operation on a closed Wheel"),

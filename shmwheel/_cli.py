@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ._binding import lib
-from ._errors import IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError
+from ._errors import DriverRunningError, IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError
 from ._process import alive
 from ._wheel import (
     _SHM,
@@ -428,8 +428,32 @@ def _unlink(args: argparse.Namespace) -> int:
     # Refuse another program's segment; a missing one is left to unlink() to report.
     if (_SHM / name).exists() and _wheel_stat(name) is None:
         raise IncompatibleSegmentError(f"segment {name!r} is not a shmwheel segment: not removing it")
+    if not args.force and (users := _users(name)):
+        raise DriverRunningError(
+            f"wheel {name!r} is in use: {users}; removing it would leave them adding timers that nothing "
+            "fires until they notice (--force removes it all the same)"
+        )
     unlink(name)
     return 0
+
+
+def _users(name: str) -> str | None:
+    """Who uses a wheel (its live driver, its live producers), in words; None if nobody."""
+    try:
+        with _attach(name, producer=False) as wheel:
+            st = wheel.stats()
+            producers = [p for p in wheel.producers() if p.alive is not False]
+    except SegmentNotFoundError:
+        return None
+    except ShmwheelError:
+        return None  # too damaged to open: nothing can be using it well
+    said = []
+    if st.driver_pid and alive(st.driver_pid, st.driver_start or 0):
+        said.append(f"its driver, pid {st.driver_pid}, is running")
+    if producers:
+        pids = ", ".join(str(p.pid) for p in producers[:5]) + (", ..." if len(producers) > 5 else "")
+        said.append(f"{len(producers)} process{'es' if len(producers) != 1 else ''} attached to it (pid {pids})")
+    return " and ".join(said) or None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -493,7 +517,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON array")
 
     command("check", _check, "check a wheel's invariants")
-    command("unlink", _unlink, "remove a wheel's segment")
+    p = command("unlink", _unlink, "remove a wheel's segment")
+    p.add_argument("--force", action="store_true", help="even while its driver runs or processes are attached")
     return parser
 
 

@@ -365,6 +365,7 @@ class Wheel:
         self._fd = fd
         self._w = ffi.gc(out[0], lib.shmw_close)
         self._lock_timeout = lock_timeout
+        self._capacity = self._payload_size = 0  # for an error message until the stats say
         lib.shmw_set_lock_timeout(self._w, round(lock_timeout * 1e9))
         try:
             st = self._raw_stats()
@@ -420,6 +421,25 @@ class Wheel:
         """Mark the segment removed and remove its name (see :func:`unlink`)."""
         self.mark_removed()
         unlink(self._name, mark=False)
+
+    def owner(self) -> tuple[int, int]:
+        """The (uid, gid) the segment's file belongs to."""
+        st = os.fstat(self._fd)
+        return st.st_uid, st.st_gid
+
+    def is_current(self) -> bool:
+        """Whether the wheel's name still names this segment: False once it
+        has been removed (:meth:`mark_removed`, :func:`unlink`, or ``rm``
+        in /dev/shm) or another segment has taken the name.  Two system
+        calls and no lock: for a producer to ask now and then, not per timer."""
+        try:
+            there = os.stat(_SHM / self._name)
+        except OSError:
+            return False
+        mine = os.fstat(self._fd)
+        if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+            return False
+        return not lib.shmw_is_removed(self._w)
 
     def mark_removed(self) -> None:
         """Refuse new timers from now on (:class:`SegmentRemovedError`), so

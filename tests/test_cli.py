@@ -331,6 +331,35 @@ def test_unlink_removes_the_segment(name: str) -> None:
     one_line_error(run("unlink", name))
 
 
+def test_unlink_refuses_a_wheel_in_use_unless_forced(name: str) -> None:
+    """A live producer (this process) holds the wheel: removing it would leave
+    it adding timers nothing fires.  --force removes it, marked removed, so
+    the producer's next add says so instead of going into the void."""
+    assert run("create", name, "--capacity", "10").returncode == 0
+    with shmwheel.attach(name) as w:
+        error = one_line_error(run("unlink", name))
+        assert f"wheel {name!r} is in use: 1 process attached to it (pid {os.getpid()})" in error
+        assert "--force" in error
+        assert (SHM / name).exists()
+        proc = run("unlink", "--force", name)
+        assert (proc.returncode, proc.stderr) == (0, "")
+        assert not (SHM / name).exists()
+        with pytest.raises(shmwheel.SegmentRemovedError):
+            w.add(1)
+
+
+def test_a_shrunk_segment_is_reported_by_check_stat_and_ls(name: str) -> None:
+    """Shrinking the file under attached processes is beyond what they survive
+    (SIGBUS), but the tools say so instead of dying of it."""
+    assert run("create", name, "--capacity", "1000").returncode == 0
+    size = (SHM / name).stat().st_size
+    os.truncate(SHM / name, size // 2)
+    for command in ("check", "stat"):
+        assert "is smaller than its header says: its file was shrunk" in one_line_error(run(command, name))
+    listed = {s["name"]: s for s in json.loads(run("ls", "--json").stdout)}
+    assert "is smaller than its header says" in listed[name]["error"]
+
+
 def test_unlink_leaves_another_programs_segment_alone(name: str) -> None:
     foreign_segment(name, b"someone else's")
     assert "not a shmwheel segment" in one_line_error(run("unlink", name))

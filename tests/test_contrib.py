@@ -21,7 +21,7 @@ import pytest
 from conftest import foreign_segment
 
 import shmwheel
-from shmwheel._binding import lib
+from shmwheel._binding import ffi, lib
 from shmwheel._process import start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
@@ -275,6 +275,42 @@ def test_request_timer_without_a_wheel_lets_requests_run(name: str, caplog) -> N
     assert caplog.text.count("requests run without a timeout") == 1  # not once per request
 
 
+def test_request_timer_follows_its_wheel_when_it_is_replaced(name: str, caplog) -> None:
+    """Removed or replaced under a worker: the next request attaches the name
+    again; a request that started in the old wheel is still cancelled there."""
+    old = shmwheel.create(name, capacity=16, payload_size=PAYLOAD_SIZE)
+    timer = RequestTimer(name, 30.0, traceback_signal=None)
+    before = timer.start("GET", "/before")
+    assert before is not None and len(old) == 1
+    shmwheel.unlink(name)  # marks it removed: the next add knows at once
+    new = shmwheel.create(name, capacity=16, payload_size=PAYLOAD_SIZE)
+    try:
+        after = timer.start("GET", "/after")
+        assert after is not None and len(new) == 1
+        timer.finish(before)
+        timer.finish(after)
+        assert (len(old), len(new)) == (0, 0), "a request's timer was left behind"
+        # Removed by hand (rm in /dev/shm): nothing marks it, so the worker
+        # finds out when it next looks at the name, within a second.
+        os.unlink(f"/dev/shm/{name}")
+        newer = shmwheel.create(name, capacity=16, payload_size=PAYLOAD_SIZE)
+        try:
+            timer._look_at = 0  # "a second later"
+            assert timer.start("GET", "/later") is not None
+            assert (len(new), len(newer)) == (0, 1)
+            # And removed with nothing in its place: requests run without a timer, said once.
+            shmwheel.unlink(name)
+            with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+                assert timer.start("GET", "/orphan") is None
+                assert timer.start("GET", "/orphan") is None
+            assert caplog.text.count("requests run without a timeout") == 1
+        finally:
+            newer.close()
+    finally:
+        old.close()
+        new.close()
+
+
 def test_request_timer_with_a_full_wheel_lets_requests_run(make_wheel, caplog) -> None:
     wheel = make_wheel(capacity=1, payload_size=PAYLOAD_SIZE)
     timer = RequestTimer(wheel.name, 30.0, traceback_signal=None)
@@ -433,13 +469,45 @@ def test_supervisor_refuses_a_wheel_with_a_live_driver_and_replaces_a_stale_one(
         first.stop()
 
 
-def test_an_empty_wheel_no_driver_runs_on_is_replaced_without_a_warning(name: str, caplog) -> None:
-    # What uWSGI's mule leaves for the master when the whole server reloads.
+#: What create_wheel says of a wheel of capacity 10 and the default record size.
+OTHER_SIZE = "capacity 10, tick 0.001 s and records of 64 bytes, not 65536, 0.001 s and 256"
+
+
+def test_a_sound_wheel_no_driver_runs_on_is_taken_over_with_its_timers(name: str, caplog) -> None:
+    """What a driver restarted by a process manager finds (--create), while
+    the workers go on adding to the wheel: it is kept, timers and all."""
+    assert create_wheel(name) is True
+    with shmwheel.attach(name) as worker:
+        h = worker.add(3600.0, b"a request in progress")
+        with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+            assert create_wheel(name) is False
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+            ("INFO", f"wheel {name!r}: taking over a wheel no driver runs on; its 1 timer stay")
+        ]
+        assert worker.cancel(h), "the wheel was replaced under the worker"
+
+
+def test_a_wheel_that_is_not_sound_is_replaced_not_taken_over(name: str, caplog) -> None:
+    create_wheel(name)
+    with shmwheel._wheel.observe(name) as old:
+        ffi.cast("struct shmw_header *", old._buf).free_count -= 1  # a scribble
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        assert create_wheel(name) is True
+    assert "replacing a segment no driver runs on (segment" in caplog.text
+    assert "counters: free_count is 65535 but 65536 entries are free);" in caplog.text
+
+
+def test_an_empty_wheel_of_another_size_is_replaced_without_a_warning(name: str, caplog) -> None:
     shmwheel.create(name, capacity=10).close()
     with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
         create_wheel(name)
     assert [r.levelname for r in caplog.records] == ["INFO"]
-    assert "replacing a segment no driver runs on; it holds no timers" in caplog.text
+    assert (
+        "replacing a segment no driver runs on (OTHER); it holds no timers".replace(
+            "OTHER", "capacity 10, tick 0.001 s and records of 64 bytes, not 65536, 0.001 s and 256"
+        )
+        in caplog.text
+    )
 
 
 def test_a_wheel_no_driver_runs_on_with_timers_pending_is_replaced_with_a_warning_that_counts_them(
@@ -453,7 +521,10 @@ def test_a_wheel_no_driver_runs_on_with_timers_pending_is_replaced_with_a_warnin
     with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
         create_wheel(name)
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("WARNING", f"wheel {name!r}: replacing a segment no driver runs on; dropping its 2 pending timers")
+        (
+            "WARNING",
+            f"wheel {name!r}: replacing a segment no driver runs on ({OTHER_SIZE}); dropping its 2 pending timers",
+        )
     ]
     with shmwheel.attach(name) as fresh:
         assert len(fresh) == 0
@@ -472,7 +543,7 @@ def test_a_wheel_whose_driver_died_is_replaced_with_a_warning_that_counts_its_ti
     assert record.levelname == "WARNING"
     assert record.getMessage() == (
         f"wheel {name!r}: replacing a segment left over from a server that is gone "
-        f"(its driver, pid {gone.pid}, died); dropping its 1 pending timer"
+        f"(its driver, pid {gone.pid}, died; {OTHER_SIZE}); dropping its 1 pending timer"
     )
 
 

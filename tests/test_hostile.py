@@ -531,7 +531,7 @@ def test_live_scribbles_never_stop_the_driver_and_spare_the_healthy_timers(make_
 
     def fires() -> list[tuple[int, bytes]]:
         text = out.read_text() if out.exists() else ""
-        return [(int(h), bytes.fromhex(p)) for h, p, _ in (line.split() for line in text.splitlines())]
+        return [(int(h), bytes.fromhex(p)) for h, p, _ in (line.split(" ") for line in text.splitlines())]
 
     try:
         wait_for(lambda: healthy <= {h for h, _ in fires()}, timeout=30)
@@ -578,3 +578,18 @@ def test_a_full_producer_table_fails_a_cancel_on_exit_add_in_one_lock_hold(make_
         assert w.reap_dead_producers() == 0 and len(w.producers()) == 1  # as the driver does
     finally:
         other.close()
+
+
+def test_a_file_shrunk_under_an_attached_process_is_reported_not_touched(name: str) -> None:
+    """Past its end the mapping is SIGBUS (as with LMDB, beyond what any
+    process survives); check() and repair() look at the file's size first."""
+    w = shmwheel.create(name, capacity=1000)
+    try:
+        size = os.fstat(w._fd).st_size
+        os.truncate(f"/dev/shm/{name}", size // 2)
+        for call in (w.check, w.repair):
+            with pytest.raises(shmwheel.CorruptSegmentError, match=f"shrunk to {size // 2} of its {size} bytes"):
+                call()
+        os.truncate(f"/dev/shm/{name}", size)  # what is gone reads as zeroes: a fresh slab it is not
+    finally:
+        w.close()

@@ -444,3 +444,64 @@ def test_uwsgi_mule_that_dies_is_respawned_and_takes_over(tmp_path: Path) -> Non
         os.kill(mule, signal.SIGKILL)
         server.wait_for(rf"driver \d+: took over wheel 'uwsgi-\d+' from driver {mule}")
         times_out_then_stops(server)
+
+
+RESTART_APP = """
+import os, sys
+sys.path.insert(0, {examples!r})
+from app import application as inner
+from shmwheel.contrib.wsgi import TimeoutMiddleware
+application = TimeoutMiddleware(inner, os.environ["SHMWHEEL_TEST_WHEEL"], timeout=0.5)
+"""
+
+
+def test_a_standalone_driver_restarted_under_a_serving_gunicorn_keeps_timing_requests_out(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process manager restarts the standalone driver (``--create``, SIGTERM,
+    start again) while Gunicorn serves through the WSGI middleware: the
+    driver keeps the wheel its workers hold, the next one takes it over, and
+    every overdue request still times out."""
+    (tmp_path / "restart_app.py").write_text(RESTART_APP.format(examples=str(EXAMPLES)))
+    monkeypatch.setenv("SHMWHEEL_TEST_WHEEL", name)  # for the workers' app
+    driver_log = tmp_path / "driver.log"
+
+    def start_driver() -> subprocess.Popen[bytes]:
+        with open(driver_log, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "shmwheel.contrib.timeouts", name, "--create"], stderr=out)
+        started.append(proc)
+        give_up = time.monotonic() + WAIT
+        while driver_log.read_text().count("running on wheel") < len(started):
+            assert proc.poll() is None and time.monotonic() < give_up, driver_log.read_text()
+            time.sleep(0.05)
+        return proc
+
+    started: list[subprocess.Popen[bytes]] = []
+    driver = start_driver()
+    port = free_port()
+    cmd = [str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--workers", "2", "--pythonpath", str(tmp_path)]
+    try:
+        with serve([*cmd, "--no-control-socket", "restart_app:application"], port, tmp_path, "gunicorn") as server:
+            for round_ in range(3):
+                if round_:
+                    driver = start_driver()
+                assert get(port, "/")[0] == 200
+                status, _ = get(port, "/sleep?s=1.2")
+                assert status == 200  # no kill: the request runs on, its timeout logged
+                give_up = time.monotonic() + WAIT
+                while driver_log.read_text().count("request timed out: GET /sleep") < round_ + 1:
+                    assert time.monotonic() < give_up, f"round {round_}: no timeout\n{driver_log.read_text()}"
+                    time.sleep(0.05)
+                driver.send_signal(signal.SIGTERM)
+                assert driver.wait(WAIT) == 0
+                assert "kept for the next driver" in driver_log.read_text()
+                assert not no_segment(name)
+            assert server.stop() == 0
+        driver = start_driver()  # nobody uses it now: the last driver removes it on the way out
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(WAIT) == 0
+        assert no_segment(name)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()

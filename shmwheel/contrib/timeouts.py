@@ -82,10 +82,12 @@ from .. import _wheel
 from .._cli import _message  # an OSError without its "[Errno n]"
 from .._driver import Driver, _dedicated_process
 from .._errors import (
+    CorruptSegmentError,
     DriverRunningError,
     DriverStartError,
     SegmentExistsError,
     SegmentNotFoundError,
+    SegmentRemovedError,
     ShmwheelError,
 )
 from .._process import alive, start_time, uids
@@ -116,6 +118,8 @@ KIND_REQUEST = 1
 KIND_KILL = 2
 KIND_GRACEFUL = 3
 _TRUNCATED = 1
+_LOOK_INTERVAL_NS = 1_000_000_000  # how often a worker checks that its wheel's name still names it
+_KEEP_OLD = 2  # wheels replaced under a worker that it keeps open for the cancels of their requests
 _HEAD = struct.Struct("<BBBBIQq")
 _MAX_METHOD = 32
 _MAX_REQUEST_ID = 64
@@ -496,7 +500,11 @@ class RequestTimer:
     own, so its timers are cancelled if it exits).  It never lets the
     wheel break a request: if the wheel is missing, full or not this
     process's to open, the request runs without a timer and a warning is
-    logged (at most once a minute).
+    logged (at most once a minute).  A wheel that is removed or replaced
+    under it (a standalone driver restarted with ``--create``, ``shmwheel
+    unlink``) is noticed - at once by the next add, or within a second if
+    it was removed by hand - and the name attached again; the timers of
+    requests started before are still cancelled in the old wheel.
     """
 
     def __init__(self, name: str, timeout: float, *, traceback_signal: int | None = DEFAULT_TRACEBACK_SIGNAL) -> None:
@@ -514,6 +522,8 @@ class RequestTimer:
         self._ids = itertools.count(1)
         self._retry_at = 0.0
         self._warned_at = -math.inf
+        self._look_at = 0  # time.monotonic_ns() when to check the name still names our wheel
+        self._old: list[Wheel] = []  # wheels replaced under us, for the cancels of their requests
 
     def prepare(self) -> bool:
         """Attach this process and register the traceback signal now rather
@@ -528,6 +538,7 @@ class RequestTimer:
             if self._pid != pid:  # first use in this process: forked, or new
                 self._pid = pid
                 self._wheel = None
+                self._old = []
                 self._ids = itertools.count(1)
                 self._start = start_time(pid) or 0
                 if self.traceback_signal is not None:
@@ -549,16 +560,26 @@ class RequestTimer:
 
     def start(self, method: str, path: str, request_id: str | None = None) -> int | None:
         """Add the request's timer; return its handle, or None if it has none."""
+        now = time.monotonic_ns()
+        if now >= self._look_at and self._pid == os.getpid():
+            self._look_at = now + _LOOK_INTERVAL_NS
+            if self._wheel is not None and not self._wheel.is_current():  # removed by hand (rm, an old unlink)
+                self._replaced(self._wheel)
         wheel = self._ready()
         if wheel is None:
             return None
         if request_id is None or not _REQUEST_ID.fullmatch(request_id):
             request_id = f"{self._pid:x}.{next(self._ids)}"
         try:
-            payload = encode_request(
-                KIND_REQUEST, self._pid, self._start, time.monotonic_ns(), method, request_id, path, self._size
-            )
-            return wheel.add(self.timeout, payload, cancel_on_exit=True)
+            payload = encode_request(KIND_REQUEST, self._pid, self._start, now, method, request_id, path, self._size)
+            try:
+                return wheel.add(self.timeout, payload, cancel_on_exit=True)
+            except SegmentRemovedError:  # removed or replaced: the name may hold another wheel now
+                self._replaced(wheel)
+                wheel = self._ready()
+                if wheel is None:
+                    return None
+                return wheel.add(self.timeout, payload, cancel_on_exit=True)
         except (ShmwheelError, ValueError) as exc:
             self._warn(f"a request runs without a timeout: {exc}")
             return None
@@ -567,9 +588,27 @@ class RequestTimer:
         """Cancel the request's timer (nothing if it had none or it fired)."""
         if handle is not None and self._wheel is not None and self._pid == os.getpid():
             try:
-                self._wheel.cancel(handle)
+                # A handle cancels nothing in another wheel (each has its
+                # own key), so the old wheels are tried only when needed.
+                if not self._wheel.cancel(handle):
+                    for old in self._old:
+                        if old.cancel(handle):
+                            break
             except ShmwheelError as exc:
                 self._warn(f"cancelling a request's timer failed: {exc}")
+
+    def _replaced(self, wheel: Wheel) -> None:
+        """``wheel`` was removed or replaced: attach the name again at the next start."""
+        with self._lock:
+            if self._wheel is not wheel:
+                return  # another thread saw it first
+            self._wheel = None
+            self._retry_at = 0.0
+            self._old.insert(0, wheel)
+            for gone in self._old[_KEEP_OLD:]:  # their requests are long over
+                gone.close()
+            del self._old[_KEEP_OLD:]
+        _log.info("wheel %r: it was removed or replaced; attaching the name again", self.name)
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()
@@ -583,8 +622,9 @@ class RequestTimer:
 
 def create_wheel(
     name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0.001, owner: tuple[int, int] | None = None
-) -> None:
-    """Create a request-timeout wheel named ``name``, replacing a wheel no driver runs on.
+) -> bool:
+    """Create a request-timeout wheel named ``name``, or take over a sound one
+    no driver runs on; True if it made a new one.
 
     ``owner`` (uid, gid) is who the wheel belongs to, when that is not who
     creates it: the workers' user and group, when a server started as root
@@ -594,49 +634,90 @@ def create_wheel(
 
     * a wheel whose driver is running belongs to a server that is up:
       DriverRunningError, and it is left alone;
-    * a wheel no driver runs on is replaced, and the timers it holds are
-      dropped.  One whose registered driver died is left over from a server
-      that did not shut down (SIGKILL, a crash): a WARNING.  One with no
-      driver registered was kept by a driver that stopped in good order for
-      a reload (uWSGI's mule), or never driven (``shmwheel create``): a
-      WARNING if it holds timers, an INFO line if it is empty, as a reload
-      leaves it.  Either line says how many timers are dropped;
+    * a wheel no driver runs on that passes its check and has the asked-for
+      capacity, tick, record size and owner is taken over as it is, with
+      its timers: what a driver restarted by a process manager finds, while
+      the workers go on adding to it (an INFO line counts the timers);
+    * any other wheel no driver runs on is replaced, and the timers it holds
+      are dropped: marked removed first, so that workers still holding it
+      attach the new one.  One whose registered driver died is left over
+      from a server that did not shut down (SIGKILL, a crash): a WARNING.
+      Otherwise a WARNING if it holds timers, an INFO line if it is empty.
+      Either line says how many timers are dropped;
     * a segment that cannot be read as a wheel (another program's, a wheel
-      of another layout version or build, a corrupt one) is never removed:
-      its IncompatibleSegmentError or CorruptSegmentError is raised again,
-      saying how to remove it by hand.
+      of another layout version or build) is never removed: its
+      IncompatibleSegmentError is raised again, saying how to remove it by
+      hand.
     """
     for _ in range(2):
         try:
             create(name, capacity=capacity, tick=tick, payload_size=PAYLOAD_SIZE, owner=owner).close()
-            return
+            return True
         except SegmentExistsError:
             pass
         try:
-            with _wheel._attach(name, producer=False) as old:
+            with _wheel.observe(name) as old:
                 st = old.stats()
+                problem = _why_not_take_over(old, st, capacity, tick, owner)
         except SegmentNotFoundError:
             continue  # removed meanwhile
         except ShmwheelError as exc:
             raise _not_replaced(name, exc) from exc
         if st.driver_pid and alive(st.driver_pid, st.driver_start or 0):
             raise DriverRunningError(f"wheel {name!r} is in use: its driver, pid {st.driver_pid}, is running")
+        if problem is None:
+            _log.info("wheel %r: taking over a wheel no driver runs on%s", name, _kept(st))
+            return False
         # A driver that registers or a timer added from here to the unlink
         # goes with the segment: the name is the only lock there is.
         if st.driver_pid:
             _log.warning(
-                "wheel %r: replacing a segment left over from a server that is gone (its driver, pid %d, died)%s",
+                "wheel %r: replacing a segment left over from a server that is gone (its driver, pid %d, died; %s)%s",
                 name,
                 st.driver_pid,
+                problem,
                 _dropped(st),
             )
         elif st.pending or st.in_flight:  # kept by a driver that stopped, or never driven
-            _log.warning("wheel %r: replacing a segment no driver runs on%s", name, _dropped(st))
-        else:  # what a reload leaves
-            _log.info("wheel %r: replacing a segment no driver runs on%s", name, _dropped(st))
+            _log.warning("wheel %r: replacing a segment no driver runs on (%s)%s", name, problem, _dropped(st))
+        else:
+            _log.info("wheel %r: replacing a segment no driver runs on (%s)%s", name, problem, _dropped(st))
         with contextlib.suppress(SegmentNotFoundError):
             unlink(name)
     raise SegmentExistsError(f"wheel {name!r} keeps being created by someone else")
+
+
+def _why_not_take_over(
+    old: Wheel, st: _wheel.WheelStats, capacity: int, tick: float, owner: tuple[int, int] | None
+) -> str | None:
+    """Why create_wheel replaces a wheel rather than take it over, or None."""
+    if (st.capacity, st.payload_size) != (capacity, PAYLOAD_SIZE) or not math.isclose(st.tick, tick):
+        return (
+            f"capacity {st.capacity}, tick {st.tick:g} s and records of {st.payload_size} bytes, "
+            f"not {capacity}, {tick:g} s and {PAYLOAD_SIZE}"
+        )
+    want = owner or (os.geteuid(), os.getegid())
+    got = old.owner()
+    if got != want:
+        return f"owned by uid {got[0]}, gid {got[1]}, not {want[0]}, {want[1]}"
+    if st.removed:
+        return "marked removed"
+    try:
+        old.check()
+    except CorruptSegmentError as exc:
+        return str(exc)
+    return None
+
+
+def _kept(st: _wheel.WheelStats) -> str:
+    """The end of create_wheel's line when it takes a wheel over: the timers that stay."""
+    n = st.pending + st.in_flight
+    if not n:
+        return "; it holds no timers"
+    text = f"; its {n} timer{'s' if n != 1 else ''} stay"
+    if st.in_flight:
+        text += f" ({st.in_flight} fired, to be handed out again)"
+    return text
 
 
 def _dropped(st: _wheel.WheelStats) -> str:
@@ -872,10 +953,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--create",
         action="store_true",
-        help="create the wheel and remove it on exit.  A wheel of that name that no driver runs on (its "
-        "driver died or stopped, or none ever ran) is replaced and the timers it holds are dropped, logged "
-        "with their number; one whose driver runs, and a segment that is not a wheel this version reads "
-        "(another program's), are left alone: an error",
+        help="create the wheel, and remove it on exit unless processes still use it.  A sound wheel of that "
+        "name that no driver runs on, of the same size and owner, is taken over with its timers (a restart); "
+        "another one no driver runs on is replaced and the timers it holds are dropped, logged with their "
+        "number; one whose driver runs, and a segment that is not a wheel this version reads (another "
+        "program's), are left alone: an error",
     )
     p.add_argument("--parent", type=int, metavar="PID", help="stop, and remove the wheel, if process PID exits")
     p.add_argument("--no-log", dest="log", action="store_false", help="no WARNING line per timeout")
@@ -1033,11 +1115,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         if parent_gone.is_set():
-            owns = True  # the server that made the wheel is gone without removing it
-        if owns:
-            with contextlib.suppress(SegmentNotFoundError):
-                unlink(args.name)
+            _remove(args.name)  # the server that made the wheel is gone without removing it
+        elif owns:
+            _remove_unless_in_use(args.name)
     return 0
+
+
+def _remove(name: str) -> None:
+    with contextlib.suppress(SegmentNotFoundError):
+        unlink(name)
+
+
+def _remove_unless_in_use(name: str) -> None:
+    """What ``--create`` does on the way out: remove the wheel, unless workers
+    still use it.  A process manager restarts a driver while the server goes
+    on; removing the wheel then would leave its workers one retry away from
+    running without timeouts, and drop the timers of the requests in progress."""
+    try:
+        with _wheel.observe(name) as wheel:
+            users = [p.pid for p in wheel.producers() if p.alive is not False and p.pid != os.getpid()]
+    except SegmentNotFoundError:
+        return
+    except (ShmwheelError, OSError) as exc:
+        _log.warning("wheel %r: not removed (%s)", name, _message(exc))
+        return
+    if users:
+        _log.info(
+            "wheel %r: kept for the next driver: %d process%s still use%s it (pid %s)",
+            name,
+            len(users),
+            "es" if len(users) != 1 else "",
+            "" if len(users) != 1 else "s",
+            ", ".join(map(str, users[:5])) + (", ..." if len(users) > 5 else ""),
+        )
+        return
+    _remove(name)
 
 
 if __name__ == "__main__":
