@@ -711,24 +711,19 @@ def _why_not_take_over(
 
 def _kept(st: _wheel.WheelStats) -> str:
     """The end of create_wheel's line when it takes a wheel over: the timers that stay."""
-    n = st.pending + st.in_flight
-    if not n:
-        return "; it holds no timers"
-    text = f"; its {n} timer{'s' if n != 1 else ''} stay"
-    if st.in_flight:
-        text += f" ({st.in_flight} fired, to be handed out again)"
-    return text
+    return _timers(st, "; its {n} timer{s} stay", " ({fired} fired, to be handed out again)")
 
 
 def _dropped(st: _wheel.WheelStats) -> str:
-    """The end of create_wheel's line: the timers that go with the segment."""
+    """The end of create_wheel's line when it replaces one: the timers that go with it."""
+    return _timers(st, "; dropping its {n} pending timer{s}", " ({fired} of them fired, their handlers not done)")
+
+
+def _timers(st: _wheel.WheelStats, some: str, in_flight: str) -> str:
     n = st.pending + st.in_flight
     if not n:
         return "; it holds no timers"
-    text = f"; dropping its {n} pending timer{'s' if n != 1 else ''}"
-    if st.in_flight:
-        text += f" ({st.in_flight} of them fired, their handlers not done)"
-    return text
+    return some.format(n=n, s="s" if n != 1 else "") + (in_flight.format(fired=st.in_flight) if st.in_flight else "")
 
 
 def _not_replaced(name: str, exc: ShmwheelError) -> ShmwheelError:
