@@ -874,14 +874,16 @@ static uint32_t lookup(const shmw_t *w, int64_t handle, uint8_t state)
 /* Whether what a pending or in-flight entry says about itself can be
  * turned into a fire: a generation that makes a handle, a payload length
  * within the slot, a deadline that is a time, known flags, a producer slot
- * that exists.  An entry that fails is never handed out: the operation
- * that meets it reports SHMW_ECORRUPT, and a repair retires it. */
+ * that exists, and, once fired, a firing time not before the deadline.  An
+ * entry that fails is never handed out: the operation that meets it
+ * reports SHMW_ECORRUPT, and a repair retires it. */
 static int entry_sane(const shmw_t *w, const struct shmw_entry *e)
 {
     return e->generation != 0 && e->generation <= w->max_generation
         && e->payload_len <= w->payload_size && e->deadline_ns >= 0
         && !(e->flags & ~(SHMW_REDELIVERED | SHMW_CANCEL_ON_EXIT | SHMW_SENT))
-        && (e->producer < SHMW_MAX_PRODUCERS || e->producer == SHMW_NO_PRODUCER);
+        && (e->producer < SHMW_MAX_PRODUCERS || e->producer == SHMW_NO_PRODUCER)
+        && (e->state != SHMW_INFLIGHT || e->fired_at_ns >= e->deadline_ns);
 }
 
 /* ---- free slots ------------------------------------------------------------
