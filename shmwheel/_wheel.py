@@ -718,6 +718,7 @@ def create(
     payload_size: int = 64,
     mode: int = 0o600,
     wheel_size: int = 256,
+    owner: tuple[int, int] | None = None,
 ) -> Wheel:
     """Create a wheel in a new shared-memory segment and open it.
 
@@ -725,7 +726,9 @@ def create(
     ``payload_size`` bytes.  ``tick`` (seconds) is the resolution: a timer
     fires at the first tick boundary at or after its deadline.  The memory
     is reserved now, so a full ``/dev/shm`` fails here and not later.
-    ``mode`` is applied as given, whatever the umask.
+    ``mode`` is applied as given, whatever the umask.  ``owner`` is a
+    ``(uid, gid)`` to give the segment to (-1 leaves one as it is), for a
+    process that creates it as root and then drops to that user.
     """
     shm_name = _segment_name(name)
     capacity = _check_int(capacity, "capacity", *CAPACITIES)
@@ -763,6 +766,8 @@ def create(
         raise PermissionError(errno.EACCES, f"cannot create segment {shm_name[1:]!r}: {exc}") from None
     try:
         os.fchmod(shm.fd, mode)  # shm_open applied the umask; the caller asked for `mode`
+        if owner is not None:
+            os.fchown(shm.fd, *owner)
         try:
             os.posix_fallocate(shm.fd, 0, size)
         except OSError as exc:

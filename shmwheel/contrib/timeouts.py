@@ -458,7 +458,9 @@ class RequestTimer:
 # -- the wheel and its driver --------------------------------------------------------
 
 
-def create_wheel(name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0.001) -> None:
+def create_wheel(
+    name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0.001, owner: tuple[int, int] | None = None
+) -> None:
     """Create a request-timeout wheel named ``name``, replacing a wheel no driver runs on.
 
     What is there already under that name decides:
@@ -476,10 +478,13 @@ def create_wheel(name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0
       of another layout version or build, a corrupt one) is never removed:
       its IncompatibleSegmentError or CorruptSegmentError is raised again,
       saying how to remove it by hand.
+
+    ``owner`` is as for :func:`shmwheel.create`: the ``(uid, gid)`` of the
+    workers, when the server creates the wheel before it drops privileges.
     """
     for _ in range(2):
         try:
-            create(name, capacity=capacity, tick=tick, payload_size=PAYLOAD_SIZE).close()
+            create(name, capacity=capacity, tick=tick, payload_size=PAYLOAD_SIZE, owner=owner).close()
             return
         except SegmentExistsError:
             pass
