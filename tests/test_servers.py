@@ -11,8 +11,10 @@ signal, so only the SIGKILL that follows ends it.
 from __future__ import annotations
 
 import contextlib
+import grp
 import http.client
 import os
+import pwd
 import re
 import signal
 import socket
@@ -421,3 +423,39 @@ def test_uwsgi_without_the_driver_mule_says_so_and_leaves_no_wheel(tmp_path: Pat
         assert "running on wheel" not in server.log()
         assert server.stop(signal.SIGINT) == 0
         assert_nothing_left(server)
+
+
+# The modules the demo app, shmwheel's uWSGI glue and uwsgidecorators import,
+# imported before uWSGI drops to nobody: here the interpreter lives under
+# /root (mode 0700), which nobody cannot read.
+PREIMPORT = (
+    "import sys, functools, pickle, threading, app, shmwheel.contrib.uwsgi\nfrom pyuwsgi import run\nsys.exit(run())\n"
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="uWSGI drops privileges only when it is started as root")
+@pytest.mark.parametrize("drop", ["before the app", "after the app"])
+def test_uwsgi_dropping_to_nobody_times_out_and_leaves_nothing(drop: str, tmp_path: Path) -> None:
+    """uWSGI started as root with uid/gid nobody/nogroup.  It drops them
+    before it loads the application, so the wheel is nobody's from the
+    start; with drop-after-apps the master makes it as root and hands it to
+    nobody.  Either way the workers attach, the mule drives, and the
+    master's exit removes it."""
+    try:
+        nobody, nogroup = pwd.getpwnam("nobody").pw_uid, grp.getgrnam("nogroup").gr_gid
+    except KeyError:
+        pytest.skip("no user nobody or group nogroup on this host")
+    port = free_port()
+    options = {"uid": "nobody", "gid": "nogroup", "shmwheel-kill": "false", "shmwheel-timeout": "0.5"}
+    if drop == "after the app":
+        options["drop-after-apps"] = "true"
+    ini = uwsgi_ini(tmp_path, port, **options)
+    cmd = [sys.executable, "-c", PREIMPORT, "--ini", str(ini)]
+    with serve(cmd, port, tmp_path, "uwsgi") as server:
+        server.wait_for(r"driver \d+: running on wheel")
+        wheel = os.stat(f"/dev/shm/{server.wheel}")
+        assert (wheel.st_uid, wheel.st_gid) == (nobody, nogroup)
+        for pid in [server.proc.pid, *live_members(server.proc.pid)]:
+            uids = Path(f"/proc/{pid}/status").read_text().split("\nUid:")[1].split()
+            assert uids[:3] == [str(nobody)] * 3, f"pid {pid} runs as {uids}"
+        times_out_then_stops(server)

@@ -33,15 +33,18 @@ The master creates the wheel when it loads the application (each worker
 attaches right after it is forked, in a postfork hook, and registers the
 traceback signal then); the mule drives it, and uWSGI restarts the
 mule if it dies or is reloaded, which takes the same wheel over.  The
-master leaves a small process behind (``shmwheel-remove`` in ps) that
-removes the wheel once the master has exited, however it exits: a
-shutdown, whichever of uWSGI's processes the signal reached, or a master
-killed outright.  A reload of the whole server keeps the master's pid (it
-re-executes itself), and the reloaded master replaces the wheel.  Without
-the mule line, the master logs an ERROR at start-up: no timeout would fire.
-With ``lazy-apps`` the mule creates the wheel instead, and removes it when
-uWSGI stops it with SIGINT, its shutdown signal; a signal sent to the whole
-process group can defeat that.
+master leaves a small process behind that removes the wheel once the
+master has exited, however it exits: a shutdown, whichever of uWSGI's
+processes the signal reached, or a master killed outright.  A reload of
+the whole server keeps the master's pid (it re-executes itself), and the
+reloaded master replaces the wheel.  Without the mule line, the master
+logs an ERROR at start-up: no timeout would fire.  With ``uid``/``gid``
+and ``drop-after-apps`` or ``master-as-root``, the master makes the wheel
+as root and gives it to that user and group; by default uWSGI has dropped
+to them before it loads the application.  With ``lazy-apps`` the mule
+creates the wheel instead, and removes it when uWSGI stops it with SIGINT,
+its shutdown signal; a signal sent to the whole process group can defeat
+that.
 """
 
 from __future__ import annotations
@@ -93,8 +96,8 @@ class Settings:
     capacity: int
 
 
-def _option(opts: Mapping[str, Any], key: str) -> str | None:
-    value = opts.get(_PREFIX + key)
+def _option(opts: Mapping[str, Any], key: str, prefix: str = _PREFIX) -> str | None:
+    value = opts.get(prefix + key)
     if isinstance(value, list):  # given more than once: the last one counts
         value = value[-1]
     if value is None:
@@ -180,9 +183,10 @@ def request_timeouts(app: WSGIApp) -> TimeoutMiddleware:
             _DRIVER,
         )
     if in_master and config.name not in _created:
-        create_wheel(config.name, capacity=config.capacity)
+        owner = _workers_owner(uwsgi.opt)
+        create_wheel(config.name, capacity=config.capacity, owner=owner)
         _created.add(config.name)
-        _remove_when_master_exits(config.name)
+        _remove_when_master_exits(config.name, owner)
     elif not in_master:
         _created.add(config.name)  # reported once
     signum = config.actions.traceback_signal if config.actions.tracebacks else None
@@ -224,6 +228,29 @@ def _writes_somewhere(logger: logging.Logger | None) -> bool:
     return False
 
 
+def _workers_owner(opts: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The (uid, gid) uWSGI's ``uid`` and ``gid`` options drop to, if this
+    process is root and will drop to them after it has made the wheel
+    (``drop-after-apps``, ``master-as-root``); None if it makes the wheel as
+    the workers' user already (uWSGI drops privileges before it loads the
+    application unless told otherwise).  -1 for one that is not set, as
+    uWSGI then leaves it as it is."""
+    if os.geteuid() != 0:
+        return None
+    uid_name, gid_name = _option(opts, "uid", prefix=""), _option(opts, "gid", prefix="")
+    if uid_name is None and gid_name is None:
+        return None
+    import grp
+    import pwd
+
+    try:
+        uid = -1 if uid_name is None else int(uid_name) if uid_name.isdigit() else pwd.getpwnam(uid_name).pw_uid
+        gid = -1 if gid_name is None else int(gid_name) if gid_name.isdigit() else grp.getgrnam(gid_name).gr_gid
+    except KeyError as exc:
+        raise ValueError(f"shmwheel: the uWSGI config names a user or group that does not exist: {exc}") from None
+    return uid, gid
+
+
 # The remover of a wheel, as "pid:start time:wheel", in the environment of
 # the master that made it: a reload re-executes the master (same pid, same
 # environment), and its new image finds the remover still there.
@@ -245,7 +272,7 @@ def _remover_of(name: str) -> int | None:
     return None
 
 
-def _remove_when_master_exits(name: str) -> None:
+def _remove_when_master_exits(name: str, owner: tuple[int, int] | None) -> None:
     """Leave a process behind that removes wheel ``name`` once this process,
     the master, has exited, however it does.
 
@@ -258,7 +285,8 @@ def _remove_when_master_exits(name: str) -> None:
     child of the master waits on a pidfd for the master's end (an exec is
     not one), ignoring the signals meant for uWSGI, and removes the wheel:
     after a shutdown, a master killed outright, or a re-execution that
-    failed.  It holds no descriptor of the master's but the standard ones.
+    failed.  It holds no descriptor of the master's but the standard ones,
+    and runs as ``owner``, the workers' user, if the master is root yet.
     """
     if _remover_of(name) is not None:
         return
@@ -267,21 +295,29 @@ def _remove_when_master_exits(name: str) -> None:
     try:
         pid = os.fork()
         if pid == 0:
-            _remover(name, master, blocked)
+            _remover(name, master, blocked, owner)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os.environ[_REMOVER] = f"{pid}:{start_time(pid) or 0}:{name}"
 
 
-def _remover(name: str, master: int, mask: set[int | signal.Signals]) -> NoReturn:
+def _remover(name: str, master: int, mask: set[int | signal.Signals], owner: tuple[int, int] | None) -> NoReturn:
     status = 0
     try:
+        if owner is not None:  # no root process left behind by a server that drops privileges
+            os.setgroups([])
+            if owner[1] != -1:
+                os.setgid(owner[1])
+            if owner[0] != -1:
+                os.setuid(owner[0])
         for signum in _REMOVER_IGNORES:
             signal.signal(signum, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the listening socket above all
+        # In ps and top, not a second "uwsgi" master (a process that has
+        # changed its uid since it was started may not: then it is not).
         with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
-            comm.write("shmwheel-remove")  # in ps and top, not a second "uwsgi" master
+            comm.write("shmwheel-remove")
         gone = threading.Event()
         _watch_parent(master, gone.set)
         gone.wait()
