@@ -304,20 +304,20 @@ def _remove_when_master_exits(name: str, owner: tuple[int, int] | None) -> None:
 def _remover(name: str, master: int, mask: set[int | signal.Signals], owner: tuple[int, int] | None) -> NoReturn:
     status = 0
     try:
+        for signum in _REMOVER_IGNORES:
+            signal.signal(signum, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the listening socket above all
+        # In ps and top, not a second "uwsgi" master (a process whose uid has
+        # changed since it was started, as uWSGI's has, may not rename itself).
+        with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+            comm.write("shmwheel-remove")
         if owner is not None:  # no root process left behind by a server that drops privileges
             os.setgroups([])
             if owner[1] != -1:
                 os.setgid(owner[1])
             if owner[0] != -1:
                 os.setuid(owner[0])
-        for signum in _REMOVER_IGNORES:
-            signal.signal(signum, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the listening socket above all
-        # In ps and top, not a second "uwsgi" master (a process that has
-        # changed its uid since it was started may not: then it is not).
-        with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
-            comm.write("shmwheel-remove")
         gone = threading.Event()
         _watch_parent(master, gone.set)
         gone.wait()
