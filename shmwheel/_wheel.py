@@ -883,9 +883,9 @@ def create(
     is reserved now, so a full ``/dev/shm`` fails here and not later.
     ``mode`` is applied as given, whatever the umask.  ``owner``, a
     ``(uid, gid)``, hands the segment to that user and group before anyone
-    can open it: what a server that starts as root and runs its workers as
-    another user needs (changing the owner takes root).  ``lock_timeout``:
-    see :func:`attach`.
+    can open it (-1 leaves one as it is): what a server that starts as root
+    and runs its workers as another user needs (changing the owner takes
+    root).  ``lock_timeout``: see :func:`attach`.
     """
     shm_name = _segment_name(name)
     lock_timeout = _check_lock_timeout(lock_timeout)
@@ -958,11 +958,11 @@ def create(
 
 
 def _check_owner(owner: object) -> tuple[int, int]:
-    """create()'s ``owner``: a (uid, gid) of two ids."""
+    """create()'s ``owner``: a (uid, gid) of two ids, -1 for one to leave as it is (as chown(2) takes it)."""
     if not isinstance(owner, tuple) or len(owner) != 2:
         raise TypeError(f"owner must be a (uid, gid) tuple, not {owner!r}")
-    uid = _check_int(owner[0], "owner's uid", 0, 2**32 - 2)  # 2**32 - 1 is chown's "leave it"
-    gid = _check_int(owner[1], "owner's gid", 0, 2**32 - 2)
+    uid = _check_int(owner[0], "owner's uid", -1, 2**32 - 2)  # 2**32 - 1 is -1 in disguise
+    gid = _check_int(owner[1], "owner's gid", -1, 2**32 - 2)
     return uid, gid
 
 

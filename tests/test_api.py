@@ -162,6 +162,16 @@ def test_mode_is_applied_whatever_the_umask(make_wheel) -> None:
     assert stat.S_IMODE(os.stat(f"/dev/shm/{w2.name}").st_mode) == 0o600
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a segment away")
+def test_owner_is_given_the_segment(make_wheel) -> None:
+    """owner=(uid, gid) for a creator that will drop privileges; -1 leaves one as it is."""
+    w1 = make_wheel(capacity=1, owner=(65534, 65534))
+    w2 = make_wheel(capacity=1, owner=(-1, 65534))
+    s1, s2 = os.stat(f"/dev/shm/{w1.name}"), os.stat(f"/dev/shm/{w2.name}")
+    assert (s1.st_uid, s1.st_gid) == (65534, 65534)
+    assert (s2.st_uid, s2.st_gid) == (0, 65534)
+
+
 def test_attach_refuses_a_foreign_segment(name: str) -> None:
     shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
     os.write(shm.fd, b"definitely not a wheel")

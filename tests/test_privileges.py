@@ -202,7 +202,7 @@ def test_a_root_driver_does_not_signal_a_worker_of_another_user(make_wheel, chil
 
 
 def test_create_checks_the_owner_argument(name: str) -> None:
-    for owner, error in [((1,), TypeError), ("0:0", TypeError), ((-1, 0), ValueError), ((0, 2**32 - 1), ValueError)]:
+    for owner, error in [((1,), TypeError), ("0:0", TypeError), ((-2, 0), ValueError), ((0, 2**32 - 1), ValueError)]:
         with pytest.raises(error, match="owner"):
             shmwheel.create(name, capacity=10, owner=owner)  # type: ignore[arg-type]
     assert not Path("/dev/shm", name).exists()

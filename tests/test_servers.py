@@ -11,8 +11,10 @@ signal, so only the SIGKILL that follows ends it.
 from __future__ import annotations
 
 import contextlib
+import grp
 import http.client
 import os
+import pwd
 import re
 import signal
 import socket
@@ -111,16 +113,24 @@ def no_segment(name: str) -> bool:
     return not Path("/dev/shm", name).exists()
 
 
+def live_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that have not exited (a zombie waits
+    only for its reaper, which for an orphan is init, slow in a container)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_bytes().rsplit(b")", 1)[1].split()
+            if fields[0] != b"Z" and int(fields[2]) == pgid:
+                pids.append(int(stat.parent.name))
+    return pids
+
+
 def assert_nothing_left(server: Server) -> None:
     """Once the server has stopped: its wheel is gone, and every process of its group."""
     assert server.proc.poll() is not None
     assert no_segment(server.wheel), f"{server.wheel} is still in /dev/shm"
     give_up = time.monotonic() + WAIT
-    while True:
-        try:
-            os.killpg(server.proc.pid, 0)
-        except ProcessLookupError:
-            return
+    while live_members(server.proc.pid):
         assert time.monotonic() < give_up, "processes of the server outlived it"
         time.sleep(0.05)
 
@@ -354,8 +364,8 @@ def test_gunicorn_started_as_root_with_workers_as_nobody_times_out_and_kills(tmp
 # -- uWSGI ----------------------------------------------------------------------
 
 
-def uwsgi_ini(tmp_path: Path, port: int, **options: str) -> Path:
-    """examples/uwsgi.ini with another port (and other shmwheel options)."""
+def uwsgi_ini(tmp_path: Path, port: int, **options: str | None) -> Path:
+    """examples/uwsgi.ini with another port (and other options; None drops one)."""
     lines = []
     for line in (EXAMPLES / "uwsgi.ini").read_text().splitlines():
         key = line.split("=", 1)[0].strip()
@@ -364,9 +374,12 @@ def uwsgi_ini(tmp_path: Path, port: int, **options: str) -> Path:
         elif key == "chdir":
             line = f"chdir = {EXAMPLES}"
         elif key in options:
-            line = f"{key} = {options.pop(key)}"
+            value = options.pop(key)
+            if value is None:
+                continue
+            line = f"{key} = {value}"
         lines.append(line)
-    lines += [f"{k} = {v}" for k, v in options.items()]
+    lines += [f"{k} = {v}" for k, v in options.items() if v is not None]
     ini = tmp_path / "uwsgi.ini"
     ini.write_text("\n".join(lines) + "\n")
     return ini
@@ -431,7 +444,7 @@ def test_uwsgi_mules_reload_keeps_the_wheel_the_workers_hold(tmp_path: Path) -> 
         server.wait_for(rf"driver {first}: stopped on wheel")
         server.wait_for(rf"driver (?!{first}:)\d+: running on wheel '{server.wheel}'")
         assert os.stat(f"/dev/shm/{server.wheel}").st_ino == segment, "the wheel was made anew"
-        assert f"wheel '{server.wheel}' kept for the mule or the master that comes next" in server.log()
+        assert f"wheel '{server.wheel}' kept for the workers; it goes when the uWSGI master exits" in server.log()
         times_out_then_stops(server)
 
 
@@ -443,6 +456,125 @@ def test_uwsgi_mule_that_dies_is_respawned_and_takes_over(tmp_path: Path) -> Non
         mule = int(server.wait_for(r"driver (\d+): running on wheel").group(1))
         os.kill(mule, signal.SIGKILL)
         server.wait_for(rf"driver \d+: took over wheel 'uwsgi-\d+' from driver {mule}")
+        times_out_then_stops(server)
+
+
+# What ends uWSGI 2.0 (kill_them_all, its SIGINT to the mule): SIGINT, and
+# SIGTERM with die-on-term or SIGQUIT without it.  The other two are a
+# brutal reload (the master re-executes itself), not a shutdown.
+GROUP_SHUTDOWNS = [
+    (signal.SIGTERM, "true"),
+    (signal.SIGINT, "true"),
+    (signal.SIGQUIT, "false"),
+    (signal.SIGINT, "false"),
+]
+
+
+def signal_group(pgid: int, signum: int, order: str, mule: int) -> None:
+    """``signum`` to every process of the group: all at once (killpg), or
+    one by one as systemd walks a cgroup, the master or the mule first and
+    the rest a moment later, time enough for the first to act on it.  (Not
+    the workers first: uWSGI would respawn them, and a SIGINT that lands in
+    a new worker's postfork hook is a KeyboardInterrupt that pyuwsgi's
+    worker swallows, and the master waits a minute for it.)"""
+    if order == "killpg":
+        os.killpg(pgid, signum)
+        return
+    first = pgid if order == "master first" else mule
+    os.kill(first, signum)
+    time.sleep(0.05)
+    for pid in live_members(pgid):
+        if pid != first:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+
+def test_uwsgi_group_shutdown_never_leaks_the_wheel(tmp_path: Path) -> None:
+    """A signal to the whole process group (systemd's KillMode=control-group,
+    timeout(1)) reaches the mule as well as the master, in any order; twenty
+    shutdowns in a row leave no wheel behind."""
+    leaked = []
+    for run in range(20):
+        signum, die_on_term = GROUP_SHUTDOWNS[run % len(GROUP_SHUTDOWNS)]
+        order = ("killpg", "master first", "mule first")[run % 3]
+        port = free_port()
+        ini = uwsgi_ini(tmp_path, port, **{"die-on-term": die_on_term})
+        with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
+            mule = int(server.wait_for(r"driver (\d+): running on wheel").group(1))
+            # Both workers past their postfork hooks: a SIGINT that lands in
+            # Python code there is a KeyboardInterrupt uWSGI swallows, and
+            # the master then waits a minute for that worker.
+            answered: set[str] = set()
+            give_up = time.monotonic() + WAIT
+            while len(answered) < 2:
+                assert time.monotonic() < give_up, f"only {answered} answered"
+                status, body = get(server.port, "/")
+                if status == 200:
+                    answered.add(body)
+            signal_group(server.proc.pid, signum, order, mule)
+            assert server.proc.wait(WAIT) == 0, server.log()[-3000:]
+            give_up = time.monotonic() + WAIT
+            while live_members(server.proc.pid):  # the wheel's remover, if any, on its way out
+                assert time.monotonic() < give_up, "processes of the server outlived it"
+                time.sleep(0.02)
+            if not no_segment(server.wheel):
+                leaked.append(f"{signal.Signals(signum).name} (die-on-term {die_on_term}, {order})")
+    assert not leaked, f"{len(leaked)} of 20 group shutdowns left the wheel: {leaked}"
+
+
+def test_uwsgi_without_the_driver_mule_says_so_and_leaves_no_wheel(tmp_path: Path) -> None:
+    """request_timeouts with no driver mule: one ERROR line at start-up saying
+    what to add, requests still served, and the master's exit removes the wheel."""
+    port = free_port()
+    ini = uwsgi_ini(tmp_path, port, mule=None)
+    with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
+        missing = (
+            r"\[ERROR\] shmwheel.timeouts: shmwheel: no driver runs on wheel 'uwsgi-\d+', so request timeouts "
+            r"will never fire: add 'mule = shmwheel.contrib.uwsgi:driver' to the uWSGI config$"
+        )
+        server.wait_for(missing)
+        assert not no_segment(server.wheel)
+        for _ in range(5):
+            assert get(server.port, "/")[0] == 200
+        assert len(re.findall(missing, server.log(), re.MULTILINE)) == 1
+        assert "running on wheel" not in server.log()
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left(server)
+
+
+# The modules the demo app, shmwheel's uWSGI glue and uwsgidecorators import,
+# imported before uWSGI drops to nobody: here the interpreter lives under
+# /root (mode 0700), which nobody cannot read.
+PREIMPORT = (
+    "import sys, functools, pickle, threading, app, shmwheel.contrib.uwsgi\nfrom pyuwsgi import run\nsys.exit(run())\n"
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="uWSGI drops privileges only when it is started as root")
+@pytest.mark.parametrize("drop", ["before the app", "after the app"])
+def test_uwsgi_dropping_to_nobody_times_out_and_leaves_nothing(drop: str, tmp_path: Path) -> None:
+    """uWSGI started as root with uid/gid nobody/nogroup.  It drops them
+    before it loads the application, so the wheel is nobody's from the
+    start; with drop-after-apps the master makes it as root and hands it to
+    nobody.  Either way the workers attach, the mule drives, and the
+    master's exit removes it."""
+    try:
+        nobody, nogroup = pwd.getpwnam("nobody").pw_uid, grp.getgrnam("nogroup").gr_gid
+    except KeyError:
+        pytest.skip("no user nobody or group nogroup on this host")
+    port = free_port()
+    options = {"uid": "nobody", "gid": "nogroup", "shmwheel-kill": "false", "shmwheel-timeout": "0.5"}
+    if drop == "after the app":
+        options["drop-after-apps"] = "true"
+    ini = uwsgi_ini(tmp_path, port, **options)
+    cmd = [sys.executable, "-c", PREIMPORT, "--ini", str(ini)]
+    with serve(cmd, port, tmp_path, "uwsgi") as server:
+        server.wait_for(r"driver \d+: running on wheel")
+        wheel = os.stat(f"/dev/shm/{server.wheel}")
+        assert (wheel.st_uid, wheel.st_gid) == (nobody, nogroup)
+        for pid in [server.proc.pid, *live_members(server.proc.pid)]:
+            uids = Path(f"/proc/{pid}/status").read_text().split("\nUid:")[1].split()
+            assert uids[:3] == [str(nobody)] * 3, f"pid {pid} runs as {uids}"
         times_out_then_stops(server)
 
 

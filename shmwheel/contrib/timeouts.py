@@ -696,7 +696,8 @@ def _why_not_take_over(
             f"capacity {st.capacity}, tick {st.tick:g} s and records of {st.payload_size} bytes, "
             f"not {capacity}, {tick:g} s and {PAYLOAD_SIZE}"
         )
-    want = owner or (os.geteuid(), os.getegid())
+    uid, gid = owner or (-1, -1)
+    want = (os.geteuid() if uid == -1 else uid, os.getegid() if gid == -1 else gid)
     got = old.owner()
     if got != want:
         return f"owned by uid {got[0]}, gid {got[1]}, not {want[0]}, {want[1]}"

@@ -32,10 +32,19 @@ The ``shmwheel-*`` options (uWSGI hands every process the whole config):
 The master creates the wheel when it loads the application (each worker
 attaches right after it is forked, in a postfork hook, and registers the
 traceback signal then); the mule drives it, and uWSGI restarts the
-mule if it dies or is reloaded, which takes the same wheel over.  The mule
-removes the wheel when uWSGI shuts down; on a reload of the whole server,
-the master replaces it.  With ``lazy-apps`` the mule creates the wheel
-instead.
+mule if it dies or is reloaded, which takes the same wheel over.  The
+master leaves a small process behind that removes the wheel once the
+master has exited, however it exits: a shutdown, whichever of uWSGI's
+processes the signal reached, or a master killed outright.  A reload of
+the whole server keeps the master's pid (it re-executes itself), and the
+reloaded master replaces the wheel.  Without the mule line, the master
+logs an ERROR at start-up: no timeout would fire.  With ``uid``/``gid``
+and ``drop-after-apps`` or ``master-as-root``, the master makes the wheel
+as root and gives it to that user and group; by default uWSGI has dropped
+to them before it loads the application.  With ``lazy-apps`` the mule
+creates the wheel instead, and removes it when uWSGI stops it with SIGINT,
+its shutdown signal; a signal sent to the whole process group can defeat
+that.
 """
 
 from __future__ import annotations
@@ -48,10 +57,11 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from .._driver import Driver
 from .._errors import DriverRunningError, SegmentNotFoundError, ShmwheelError
+from .._process import alive, start_time
 from .._wheel import _attach, unlink
 from .timeouts import (
     _LOG_FORMAT,
@@ -86,8 +96,8 @@ class Settings:
     capacity: int
 
 
-def _option(opts: Mapping[str, Any], key: str) -> str | None:
-    value = opts.get(_PREFIX + key)
+def _option(opts: Mapping[str, Any], key: str, prefix: str = _PREFIX) -> str | None:
+    value = opts.get(prefix + key)
     if isinstance(value, list):  # given more than once: the last one counts
         value = value[-1]
     if value is None:
@@ -160,13 +170,25 @@ def request_timeouts(app: WSGIApp) -> TimeoutMiddleware:
     """Wrap the application: every request gets the timeout the config sets."""
     uwsgi = _uwsgi()
     config = _settings()
+    in_master = os.getpid() == uwsgi.masterpid()
     mules = uwsgi.opt.get("mule") or []
     mules = [m.decode() if isinstance(m, bytes) else str(m) for m in (mules if isinstance(mules, list) else [mules])]
-    if _DRIVER not in mules:
-        _log.warning("shmwheel: no 'mule = %s' in the uWSGI config: nothing will act on timeouts", _DRIVER)
-    if os.getpid() == uwsgi.masterpid() and config.name not in _created:
-        create_wheel(config.name, capacity=config.capacity)
+    # Once: in the master, or with lazy-apps (no app in the master) in worker 1.
+    if _DRIVER not in mules and (in_master or uwsgi.worker_id() == 1) and config.name not in _created:
+        _report(
+            logging.ERROR,
+            "shmwheel: no driver runs on wheel %r, so request timeouts will never fire: "
+            "add 'mule = %s' to the uWSGI config",
+            config.name,
+            _DRIVER,
+        )
+    if in_master and config.name not in _created:
+        owner = _workers_owner(uwsgi.opt)
+        create_wheel(config.name, capacity=config.capacity, owner=owner)
         _created.add(config.name)
+        _remove_when_master_exits(config.name, owner)
+    elif not in_master:
+        _created.add(config.name)  # reported once
     signum = config.actions.traceback_signal if config.actions.tracebacks else None
     middleware = TimeoutMiddleware(app, config.name, config.timeout, traceback_signal=signum)
 
@@ -178,6 +200,135 @@ def request_timeouts(app: WSGIApp) -> TimeoutMiddleware:
 
     uwsgidecorators.postfork(after_fork)
     return middleware
+
+
+def _report(level: int, msg: str, *args: object) -> None:
+    """Log from the master, in uWSGI's log (its stderr).
+
+    The master runs the application's code, so this module leaves its
+    logging configuration alone: the line goes through it if the
+    application set one up, otherwise straight to stderr in the mule's
+    format (the package's own NullHandler would swallow it).
+    """
+    if _writes_somewhere(_log):
+        _log.log(level, msg, *args)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    if _log.isEnabledFor(level):
+        handler.handle(_log.makeRecord(_log.name, level, __file__, 0, msg, args, None))
+
+
+def _writes_somewhere(logger: logging.Logger | None) -> bool:
+    """Whether the records of ``logger`` reach a handler other than a NullHandler."""
+    while logger is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
+def _workers_owner(opts: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The (uid, gid) uWSGI's ``uid`` and ``gid`` options drop to, if this
+    process is root and will drop to them after it has made the wheel
+    (``drop-after-apps``, ``master-as-root``); None if it makes the wheel as
+    the workers' user already (uWSGI drops privileges before it loads the
+    application unless told otherwise).  -1 for one that is not set, as
+    uWSGI then leaves it as it is."""
+    if os.geteuid() != 0:
+        return None
+    uid_name, gid_name = _option(opts, "uid", prefix=""), _option(opts, "gid", prefix="")
+    if uid_name is None and gid_name is None:
+        return None
+    import grp
+    import pwd
+
+    try:
+        uid = -1 if uid_name is None else int(uid_name) if uid_name.isdigit() else pwd.getpwnam(uid_name).pw_uid
+        gid = -1 if gid_name is None else int(gid_name) if gid_name.isdigit() else grp.getgrnam(gid_name).gr_gid
+    except KeyError as exc:
+        raise ValueError(f"shmwheel: the uWSGI config names a user or group that does not exist: {exc}") from None
+    return uid, gid
+
+
+# The remover of a wheel, as "pid:start time:wheel", in the environment of
+# the master that made it: a reload re-executes the master (same pid, same
+# environment), and its new image finds the remover still there.
+_REMOVER = "SHMWHEEL_UWSGI_REMOVER"
+# What a remover must survive: the signals that stop uWSGI, sent to its
+# whole process group (systemd, timeout(1), Ctrl-C), and those that would
+# run the master's own handlers, which a forked child inherits.
+_REMOVER_IGNORES = frozenset(
+    {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTSTP}
+)
+
+
+def _remover_of(name: str) -> int | None:
+    """The pid of the live remover of wheel ``name`` this master set up, if any."""
+    pid, _, rest = os.environ.get(_REMOVER, "").partition(":")
+    start, _, wheel = rest.partition(":")
+    if wheel == name and pid.isdigit() and start.isdigit() and alive(int(pid), int(start)):
+        return int(pid)
+    return None
+
+
+def _remove_when_master_exits(name: str, owner: tuple[int, int] | None) -> None:
+    """Leave a process behind that removes wheel ``name`` once this process,
+    the master, has exited, however it does.
+
+    Only the master knows that uWSGI is going: it exits on a shutdown and
+    re-executes itself, keeping its pid, on a reload, while the signals its
+    mule gets say neither (a signal to the whole process group reaches the
+    mule directly, and a graceful shutdown sends the same SIGHUP as a
+    reload).  No code of ours runs when the master exits: it is C that
+    calls exit(), and uWSGI runs no Python exit hook in the master.  So a
+    child of the master waits on a pidfd for the master's end (an exec is
+    not one), ignoring the signals meant for uWSGI, and removes the wheel:
+    after a shutdown, a master killed outright, or a re-execution that
+    failed.  It holds no descriptor of the master's but the standard ones,
+    and runs as ``owner``, the workers' user, if the master is root yet.
+    """
+    if _remover_of(name) is not None:
+        return
+    master = os.getpid()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _REMOVER_IGNORES)  # until the child ignores them
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _remover(name, master, blocked, owner)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    os.environ[_REMOVER] = f"{pid}:{start_time(pid) or 0}:{name}"
+
+
+def _remover(name: str, master: int, mask: set[int | signal.Signals], owner: tuple[int, int] | None) -> NoReturn:
+    status = 0
+    try:
+        for signum in _REMOVER_IGNORES:
+            signal.signal(signum, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the listening socket above all
+        # In ps and top, not a second "uwsgi" master (a process whose uid has
+        # changed since it was started, as uWSGI's has, may not rename itself).
+        with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+            comm.write("shmwheel-remove")
+        if owner is not None:  # no root process left behind by a server that drops privileges
+            os.setgroups([])
+            if owner[1] != -1:
+                os.setgid(owner[1])
+            if owner[0] != -1:
+                os.setuid(owner[0])
+        gone = threading.Event()
+        _watch_parent(master, gone.set)
+        gone.wait()
+        with contextlib.suppress(SegmentNotFoundError):
+            unlink(name)
+    except BaseException as exc:  # noqa: BLE001 - one line in the log, and out
+        with contextlib.suppress(BaseException):
+            print(f"shmwheel: wheel {name!r} outlived uWSGI: {exc}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        os._exit(status)  # neither uWSGI's exit hooks nor the interpreter's: they are the master's
 
 
 def driver() -> None:
@@ -217,7 +368,9 @@ def driver() -> None:
     except ShmwheelError as exc:
         _log.error("shmwheel: the driver failed: %s", exc)
         raise
-    if _server_is_going(stopped_by, master):
+    if _remover_of(config.name) is not None:
+        _log.info("shmwheel: wheel %r kept for the workers; it goes when the uWSGI master exits", config.name)
+    elif _server_is_going(stopped_by, master):
         with contextlib.suppress(SegmentNotFoundError):
             unlink(config.name)
     else:
@@ -225,14 +378,17 @@ def driver() -> None:
 
 
 def _server_is_going(signum: int | None, master: int) -> bool:
-    """Whether the signal that stopped the mule means uWSGI is going away.
+    """Whether the signal that stopped the mule means uWSGI is going away,
+    for a wheel the master did not make (lazy-apps), which no remover
+    watches over.
 
     uWSGI tells a mule why it stops by the signal it sends: SIGINT when it
     shuts down (on SIGINT, SIGQUIT, or SIGTERM with die-on-term), SIGHUP
     or SIGTERM when it reloads, whether everything or the mules alone
     (touch-mules-reload).  On a reload something comes back for the wheel:
-    a new mule takes it over, and a reloaded master replaces it; removing
-    it would leave the workers holding a wheel nobody drives.  A master
+    a new mule takes it over; removing it would leave the workers holding a
+    wheel nobody drives.  This guess fails when the signal comes to the
+    whole process group, which the mule gets as well as uWSGI's.  A master
     that has died (the mule is then someone else's child) comes back for
     nothing.
     """
