@@ -71,8 +71,11 @@ class Segments:
             self.release(name)
 
     def release(self, name: str) -> None:
-        """Unlink a segment now.  Processes that have it mapped keep using it."""
-        _unlink_quietly(name)
+        """Unlink a segment's name now; the processes that have it mapped keep
+        using it, adding timers too: it is not marked removed, as a wheel
+        taken away from its users would be."""
+        with contextlib.suppress(shmwheel.SegmentNotFoundError):
+            shmwheel.unlink(name, mark=False)
 
     def cleanup(self) -> None:
         """Unlink every segment this process made that still exists."""

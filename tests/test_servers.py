@@ -444,7 +444,7 @@ def test_uwsgi_mules_reload_keeps_the_wheel_the_workers_hold(tmp_path: Path) -> 
         server.wait_for(rf"driver {first}: stopped on wheel")
         server.wait_for(rf"driver (?!{first}:)\d+: running on wheel '{server.wheel}'")
         assert os.stat(f"/dev/shm/{server.wheel}").st_ino == segment, "the wheel was made anew"
-        assert f"wheel '{server.wheel}' kept for the workers; it goes when the uWSGI master exits" in server.log()
+        assert f"wheel '{server.wheel}' kept; it goes when the uWSGI master exits" in server.log()
         times_out_then_stops(server)
 
 

@@ -37,24 +37,25 @@ master leaves a small process behind that removes the wheel once the
 master has exited, however it exits: a shutdown, whichever of uWSGI's
 processes the signal reached, or a master killed outright.  A reload of
 the whole server keeps the master's pid (it re-executes itself), and the
-reloaded master replaces the wheel.  Without the mule line, the master
+reloaded master takes the wheel over.  Without the mule line, the master
 logs an ERROR at start-up: no timeout would fire.  With ``uid``/``gid``
 and ``drop-after-apps`` or ``master-as-root``, the master makes the wheel
 as root and gives it to that user and group; by default uWSGI has dropped
 to them before it loads the application.  With ``lazy-apps`` the mule
-creates the wheel instead, and removes it when uWSGI stops it with SIGINT,
-its shutdown signal; a signal sent to the whole process group can defeat
-that.
+creates the wheel instead, and leaves the same process behind to remove it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -186,7 +187,7 @@ def request_timeouts(app: WSGIApp) -> TimeoutMiddleware:
         owner = _workers_owner(uwsgi.opt)
         create_wheel(config.name, capacity=config.capacity, owner=owner)
         _created.add(config.name)
-        _remove_when_master_exits(config.name, owner)
+        _remove_when_master_exits(config.name, os.getpid(), owner)
     elif not in_master:
         _created.add(config.name)  # reported once
     signum = config.actions.traceback_signal if config.actions.tracebacks else None
@@ -272,9 +273,10 @@ def _remover_of(name: str) -> int | None:
     return None
 
 
-def _remove_when_master_exits(name: str, owner: tuple[int, int] | None) -> None:
-    """Leave a process behind that removes wheel ``name`` once this process,
-    the master, has exited, however it does.
+def _remove_when_master_exits(name: str, master: int, owner: tuple[int, int] | None = None) -> None:
+    """Leave a process behind that removes wheel ``name`` once the master,
+    this process or (with lazy-apps, where the mule makes the wheel) its
+    parent, has exited, however it does.
 
     Only the master knows that uWSGI is going: it exits on a shutdown and
     re-executes itself, keeping its pid, on a reload, while the signals its
@@ -290,18 +292,20 @@ def _remove_when_master_exits(name: str, owner: tuple[int, int] | None) -> None:
     """
     if _remover_of(name) is not None:
         return
-    master = os.getpid()
+    master_start = start_time(master) or 0
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _REMOVER_IGNORES)  # until the child ignores them
     try:
         pid = os.fork()
         if pid == 0:
-            _remover(name, master, blocked, owner)
+            _remover(name, master, master_start, blocked, owner)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os.environ[_REMOVER] = f"{pid}:{start_time(pid) or 0}:{name}"
 
 
-def _remover(name: str, master: int, mask: set[int | signal.Signals], owner: tuple[int, int] | None) -> NoReturn:
+def _remover(
+    name: str, master: int, master_start: int, mask: set[int | signal.Signals], owner: tuple[int, int] | None
+) -> NoReturn:
     status = 0
     try:
         for signum in _REMOVER_IGNORES:
@@ -318,9 +322,7 @@ def _remover(name: str, master: int, mask: set[int | signal.Signals], owner: tup
                 os.setgid(owner[1])
             if owner[0] != -1:
                 os.setuid(owner[0])
-        gone = threading.Event()
-        _watch_parent(master, gone.set)
-        gone.wait()
+        _wait_for_exit(master, master_start)
         with contextlib.suppress(SegmentNotFoundError):
             unlink(name)
     except BaseException as exc:  # noqa: BLE001 - one line in the log, and out
@@ -357,6 +359,7 @@ def driver() -> None:
             _attach(config.name, producer=False).close()
         except SegmentNotFoundError:  # lazy-apps: no master made it
             create_wheel(config.name, capacity=config.capacity)
+            _remove_when_master_exits(config.name, master)
         run.run()
     except DriverRunningError as exc:
         # Another mule drives it.  Returning would only have uWSGI start
@@ -368,28 +371,30 @@ def driver() -> None:
     except ShmwheelError as exc:
         _log.error("shmwheel: the driver failed: %s", exc)
         raise
-    if _remover_of(config.name) is not None:
-        _log.info("shmwheel: wheel %r kept for the workers; it goes when the uWSGI master exits", config.name)
-    elif _server_is_going(stopped_by, master):
-        with contextlib.suppress(SegmentNotFoundError):
-            unlink(config.name)
-    else:
-        _log.info("shmwheel: wheel %r kept for the mule or the master that comes next", config.name)
+    # Whatever stopped it - a reload of the mule or of the whole server, a
+    # shutdown, a signal to the whole process group - the wheel stays: the
+    # next mule takes it over, and the process left to remove it when the
+    # master exits does so.  The signal alone cannot tell a shutdown from a
+    # reload (a graceful shutdown sends the same SIGHUP).
+    _log.info("shmwheel: wheel %r kept; it goes when the uWSGI master exits", config.name)
 
 
-def _server_is_going(signum: int | None, master: int) -> bool:
-    """Whether the signal that stopped the mule means uWSGI is going away,
-    for a wheel the master did not make (lazy-apps), which no remover
-    watches over.
-
-    uWSGI tells a mule why it stops by the signal it sends: SIGINT when it
-    shuts down (on SIGINT, SIGQUIT, or SIGTERM with die-on-term), SIGHUP
-    or SIGTERM when it reloads, whether everything or the mules alone
-    (touch-mules-reload).  On a reload something comes back for the wheel:
-    a new mule takes it over; removing it would leave the workers holding a
-    wheel nobody drives.  This guess fails when the signal comes to the
-    whole process group, which the mule gets as well as uWSGI's.  A master
-    that has died (the mule is then someone else's child) comes back for
-    nothing.
-    """
-    return signum in (signal.SIGINT, signal.SIGQUIT) or os.getppid() != master
+def _wait_for_exit(pid: int, start: int) -> None:
+    """Return once process ``pid``, which started at ``start``, has exited
+    (an exec is not an exit).  Through a pidfd, which names one process for
+    good; kernels without one (before 5.3) get the start time polled."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+        while alive(pid, start):
+            time.sleep(0.5)
+        return
+    try:
+        if alive(pid, start):  # not a process that took the pid over meanwhile
+            select.select([fd], [], [])
+    finally:
+        os.close(fd)
