@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._binding import error_for, ffi, lib, raise_for
+from ._binding import ffi, lib
 from ._errors import CorruptSegmentError, DriverRunningError, DriverStartError
 from ._process import alive, start_time
 from ._wheel import Fire, Wheel, attach, decode_records
@@ -167,7 +167,7 @@ class Driver:
             finally:
                 rc = lib.shmw_driver_register(wheel._w, 0, 0, me, my_start)
                 if rc not in (0, lib.SHMW_EDRIVER):
-                    raise_for(rc, name=self.name)
+                    wheel._raise(rc)
                 _log.info("driver %d: stopped on wheel %r", me, self.name)
         finally:
             wheel.close()
@@ -188,7 +188,7 @@ class Driver:
                     _log.warning("driver %d: redelivering %d fires left in flight", me, st.inflight)
                 return
             if rc != lib.SHMW_EDRIVER:
-                raise_for(rc, name=self.name)
+                wheel._raise(rc)
 
     def _drive(self, wheel: Wheel, me: int, on_ready: Callable[[], object] | None) -> None:
         out_fd = None
@@ -203,7 +203,7 @@ class Driver:
                 wheel, "the clock", lambda: lib.shmw_drive_clock(wheel._w, self._clock_stop, _CLOCK_BATCH)
             )
             if rc:
-                errors.append(error_for(rc, name=self.name))
+                errors.append(wheel._error(rc))
                 self.stop()
 
         def writer(fd: int) -> None:
@@ -215,7 +215,7 @@ class Driver:
                 if rc == lib.SHMW_EIO:
                     errors.append(OSError(ffi.errno, f"writing fires failed: {os.strerror(ffi.errno)}"))
                 elif rc:  # taking them out of the segment failed: ECORRUPT, ELOCK...
-                    errors.append(error_for(rc, name=self.name))
+                    errors.append(wheel._error(rc))
                 if rc:
                     self.stop()
             finally:
@@ -322,7 +322,7 @@ class Driver:
 
         rc = self._repairing(wheel, "an acknowledgement", ack)
         if rc < 0:
-            raise_for(rc, name=wheel.name)
+            wheel._raise(rc)
 
     def _report_unseen(self, wheel: Wheel, me: int) -> None:
         """Say once per producer that runs in another PID namespace what this driver cannot do for it."""
@@ -406,7 +406,7 @@ class Driver:
             self.handler_errors += errors
             self._ack(wheel, [f.handle for f in fires], errors)
         if n < 0:
-            raise_for(n, name=self.name)
+            wheel._raise(n)
 
     def _handle(self, fires: list[Fire]) -> int:
         """Call the handler on each fire of a batch; return how many failed.
@@ -463,7 +463,7 @@ def _ack(wheel: Wheel, handles: list[int], errors: int) -> None:
     arr = ffi.new("int64_t[]", handles) if handles else ffi.NULL
     rc = lib.shmw_ack_many(wheel._w, arr, len(handles), errors)
     if rc < 0:
-        raise_for(rc, name=wheel.name)
+        wheel._raise(rc)
 
 
 class FireReader:

@@ -846,22 +846,18 @@ class Wheel:
         return st
 
     def _raise(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> NoReturn:
+        raise self._error(rc, what, value, detail)
+
+    def _error(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> Exception:
+        """The exception for the C core's negative code ``rc`` on this wheel."""
         if rc in (lib.SHMW_ETIME, lib.SHMW_ERANGE) and value is not None:
             what = f"{what} {value!r}"
         if rc == lib.SHMW_ELOCK:
-            raise self._lock_timeout_error()
-        try:
-            raise_for(
-                rc,
-                name=self._name,
-                what=what,
-                payload_size=self._payload_size,
-                capacity=self._capacity,
-            )
-        except Exception as exc:
-            if detail:
-                exc.args = (f"{exc.args[0]}: {detail}",)
-            raise
+            return self._lock_timeout_error()
+        exc = error_for(rc, name=self._name, what=what, payload_size=self._payload_size, capacity=self._capacity)
+        if detail:
+            exc.args = (f"{exc.args[0]}: {detail}",)
+        return exc
 
 
 def create(
