@@ -40,11 +40,27 @@ def alive(pid: int, start: int) -> bool:
 
 def pid_namespace() -> int:
     """This process's PID namespace: the inode of /proc/self/ns/pid (0 if
-    the kernel has none to show).  Pids mean something only within one."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
+    the kernel has none to show).  Pids mean something only within one.
+
+    A process never changes namespace (unshare and setns move only the
+    children it makes next), so it is read once, and again after a fork.
+    """
+    global _pid_namespace
+    if _pid_namespace is None:
+        try:
+            _pid_namespace = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            _pid_namespace = 0
+    return _pid_namespace
+
+
+def _forget_pid_namespace() -> None:
+    global _pid_namespace
+    _pid_namespace = None
+
+
+_pid_namespace: int | None = None
+os.register_at_fork(after_in_child=_forget_pid_namespace)
 
 
 def uids(pid: int) -> tuple[int, int, int] | None:
