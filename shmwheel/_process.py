@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+import psutil
+
 __all__ = ["alive", "pid_namespace", "start_time", "uids"]
 
 
@@ -65,19 +67,11 @@ os.register_at_fork(after_in_child=_forget_pid_namespace)
 
 def uids(pid: int) -> tuple[int, int, int] | None:
     """The real, effective and saved uid of process ``pid``, or None if
-    there is no such process.
-
-    From the ``Uid:`` line of /proc/PID/status, which anyone may read (what
-    psutil's uids() reads too, without the object it builds first).
-    """
+    there is no such process (anyone may read them)."""
     if pid <= 0:
         return None
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Uid:"):
-                    real, effective, saved = (int(v) for v in line.split()[1:4])
-                    return real, effective, saved
-    except OSError:  # no such process
+        real, effective, saved = psutil.Process(pid).uids()
+    except psutil.Error:  # gone, or a zombie
         return None
-    return None  # pragma: no cover - every Linux process has the line
+    return real, effective, saved
