@@ -720,6 +720,11 @@ def test_damaged_segment_is_refused_until_repaired(wheel: shmwheel.Wheel) -> Non
     assert wheel.cancel(h)
 
 
+def _count_until(stop: threading.Event, ticks: list[float]) -> None:
+    while not stop.is_set():
+        ticks.append(time.monotonic())
+
+
 def test_threads_share_a_wheel_and_the_gil_is_released(make_wheel) -> None:
     w = make_wheel(capacity=400_000)
     errors: list[BaseException] = []
@@ -741,32 +746,34 @@ def test_threads_share_a_wheel_and_the_gil_is_released(make_wheel) -> None:
     st = w.stats()
     assert st.pending == 0 and st.added == st.cancelled == 4 * 5000 * 4
 
-    # While one thread is inside a long C call, another runs Python.
-    ticks: list[float] = []
-    stop = threading.Event()
-
-    def counter() -> None:
-        while not stop.is_set():
-            ticks.append(time.monotonic())
-
-    t = threading.Thread(target=counter)
-    # The arguments are built first, so that the window below is the call
-    # into C and nothing else.  Python runs in it either way - the GIL
-    # changes hands around the call, up to a switch interval each side - so
-    # what tells a released GIL from a held one is the longest stretch in
-    # which the counter did not run: a held GIL makes it the whole call.
+    # While one thread is inside a long C call, another runs Python.  The
+    # arguments are built first, so that the window is the call into C and
+    # nothing else.  Python runs in it either way - the GIL changes hands
+    # around the call, up to a switch interval each side - so what tells a
+    # released GIL from a held one is the longest stretch in which the
+    # counter did not run: a held GIL makes it the whole call, every time.
+    # A busy machine can keep the counter's thread off a CPU for as long
+    # now and then, so it has five tries to show a gap shorter than that.
     n = 390_000
     delays, handles = ffi.new("double[]", [60.0] * n), ffi.new("int64_t[]", n)
-    t.start()
-    time.sleep(0.01)
-    start = time.monotonic()
-    rc = lib.shmw_add_many(w._w, delays, n, ffi.NULL, ffi.NULL, handles)
-    end = time.monotonic()
-    stop.set()
-    t.join()
-    assert rc == 0 and len(w) == n
     switch = sys.getswitchinterval()
-    assert end - start > 2 * switch, f"a {end - start:.4f} s call is too short to tell"
-    seen = [start, *(x for x in ticks if start < x < end), end]
-    longest = max(b - a for a, b in itertools.pairwise(seen))
-    assert longest < switch, f"no Python ran for {longest:.4f} s of a {end - start:.4f} s call into C"
+    gaps = []
+    for _ in range(5):
+        ticks: list[float] = []
+        stop = threading.Event()
+        t = threading.Thread(target=_count_until, args=(stop, ticks))
+        t.start()
+        time.sleep(0.01)
+        start = time.monotonic()
+        rc = lib.shmw_add_many(w._w, delays, n, ffi.NULL, ffi.NULL, handles)
+        end = time.monotonic()
+        stop.set()
+        t.join()
+        assert rc == 0 and len(w) == n
+        assert end - start > 2 * switch, f"a {end - start:.4f} s call is too short to tell"
+        seen = [start, *(x for x in ticks if start < x < end), end]
+        gaps.append(max(b - a for a, b in itertools.pairwise(seen)))
+        assert w.cancel_many(ffi.unpack(handles, n)) == n
+        if gaps[-1] < switch:
+            break
+    assert min(gaps) < switch, f"no Python ran for {min(gaps):.4f} s of a {end - start:.4f} s call into C, 5 times"
