@@ -20,7 +20,8 @@ from ._errors import (
     ShmwheelError,
     WheelFullError,
 )
-from ._wheel import Fire, Producer, Wheel, WheelStats, attach, create, unlink
+from ._records import Fire, Producer, WheelStats
+from ._wheel import Wheel, attach, create, unlink
 
 __version__ = "0.1.0"
 

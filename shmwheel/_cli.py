@@ -25,25 +25,12 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ._binding import lib
-from ._errors import DriverRunningError, IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError
+from ._checks import CAPACITIES, PAYLOAD_SIZES, not_a_tick, not_a_wheel_size, not_between
+from ._errors import DriverRunningError, IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError, one_line
 from ._process import alive
-from ._wheel import (
-    _SHM,
-    CAPACITIES,
-    PAYLOAD_SIZES,
-    Fire,
-    Producer,
-    Wheel,
-    WheelStats,
-    _attach,
-    _bare,
-    _not_a_tick,
-    _not_a_wheel_size,
-    _not_between,
-    _wheel_stat,
-    create,
-    unlink,
-)
+from ._records import Fire, Producer, WheelStats
+from ._segment import SHM, bare_name, wheel_stat
+from ._wheel import Wheel, create, observe, unlink
 
 __all__ = ["main"]
 
@@ -179,7 +166,7 @@ def _option(parse: Callable[[str], _V], problem: Callable[[_V], str | None]) -> 
 
 
 def _int_between(lo: int, hi: int) -> Callable[[str], int]:
-    return _option(_int, lambda value: _not_between(value, lo, hi))
+    return _option(_int, lambda value: not_between(value, lo, hi))
 
 
 def _octal(text: str) -> int:
@@ -193,15 +180,6 @@ def _octal(text: str) -> int:
 
 
 # -- output helpers -----------------------------------------------------------
-
-
-def _message(exc: BaseException) -> str:
-    """One line for stderr: an OSError without its "[Errno n]" prefix.
-
-    shmwheel's own errors already say which segment, in their message."""
-    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ShmwheelError):
-        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
-    return str(exc)
 
 
 def _table(rows: Sequence[Sequence[object]], right: Collection[int] = ()) -> list[str]:
@@ -268,9 +246,9 @@ def _owner(uid: int) -> str:
 def _segments() -> list[dict[str, Any]]:
     """Every shmwheel segment in /dev/shm, by name, as ``ls`` reports it."""
     found = []
-    for entry in sorted(os.scandir(_SHM), key=lambda e: e.name):
+    for entry in sorted(os.scandir(SHM), key=lambda e: e.name):
         try:
-            st = _wheel_stat(entry.name)
+            st = wheel_stat(entry.name)
         except OSError:
             continue  # gone, or not readable by us: we cannot tell whose it is
         if st is None:
@@ -286,13 +264,13 @@ def _segments() -> list[dict[str, Any]]:
             "error": None,
         }
         try:
-            with _attach(entry.name, producer=False) as wheel:
+            with observe(entry.name) as wheel:
                 s = wheel.stats()
             seg.update(capacity=s.capacity, pending=s.pending, driver_pid=s.driver_pid)
         except SegmentNotFoundError:
             continue  # removed since the scan
         except (ShmwheelError, OSError, ValueError) as exc:
-            seg["error"] = _message(exc)
+            seg["error"] = one_line(exc)
         found.append(seg)
     return found
 
@@ -309,11 +287,11 @@ def _create(args: argparse.Namespace) -> int:
         mode=args.mode,
         wheel_size=args.wheel_size,
     ) as wheel:
-        size = os.stat(_SHM / wheel.name).st_size
+        size = os.stat(SHM / wheel.name).st_size
         print(
             f"created wheel {wheel.name!r}: capacity {wheel.capacity}, tick {_duration(wheel.tick)}, "
             f"payload {wheel.payload_size} bytes, {wheel.levels} levels of {wheel.wheel_size} buckets, "
-            f"{size} bytes in {_SHM / wheel.name}, mode {args.mode:04o}"
+            f"{size} bytes in {SHM / wheel.name}, mode {args.mode:04o}"
         )
     return 0
 
@@ -379,7 +357,7 @@ def _stat_table(r: dict[str, Any]) -> list[str]:
 
 
 def _stat(args: argparse.Namespace) -> int:
-    with _attach(args.name, producer=False) as wheel:
+    with observe(args.name) as wheel:
         if args.watch:
             signal.signal(signal.SIGTERM, signal.default_int_handler)  # ends the watch as Ctrl-C does
         before, t0 = wheel.stats(), time.monotonic()
@@ -417,16 +395,16 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    with _attach(args.name, producer=False) as wheel:
+    with observe(args.name) as wheel:
         wheel.check()
         print(f"{wheel.name}: ok")
     return 0
 
 
 def _unlink(args: argparse.Namespace) -> int:
-    name = _bare(args.name)
+    name = bare_name(args.name)
     # Refuse another program's segment; a missing one is left to unlink() to report.
-    if (_SHM / name).exists() and _wheel_stat(name) is None:
+    if (SHM / name).exists() and wheel_stat(name) is None:
         raise IncompatibleSegmentError(f"segment {name!r} is not a shmwheel segment: not removing it")
     if not args.force and (users := _users(name)):
         raise DriverRunningError(
@@ -440,7 +418,7 @@ def _unlink(args: argparse.Namespace) -> int:
 def _users(name: str) -> str | None:
     """Who uses a wheel (its live driver, its live producers), in words; None if nobody."""
     try:
-        with _attach(name, producer=False) as wheel:
+        with observe(name) as wheel:
             st = wheel.stats()
             producers = [p for p in wheel.producers() if p.alive is not False]
     except SegmentNotFoundError:
@@ -478,7 +456,7 @@ def _parser() -> argparse.ArgumentParser:
     p = command("create", _create, "create a wheel's segment and leave it in /dev/shm")
     capacity = _int_between(*CAPACITIES)
     p.add_argument("--capacity", type=capacity, required=True, metavar="N", help="timers that can be pending at once")
-    tick = _option(_seconds, _not_a_tick)
+    tick = _option(_seconds, not_a_tick)
     p.add_argument("--tick", type=tick, default=0.001, metavar="SECONDS", help="resolution (default 0.001)")
     payload = _int_between(*PAYLOAD_SIZES)
     p.add_argument(
@@ -487,7 +465,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", type=_octal, default=0o600, metavar="OCTAL", help="permissions (default 600)")
     p.add_argument(
         "--wheel-size",
-        type=_option(_int, _not_a_wheel_size),
+        type=_option(_int, not_a_wheel_size),
         default=256,
         metavar="N",
         help="buckets a level, a power of two (256)",
@@ -537,5 +515,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except (ShmwheelError, OSError, ValueError, TypeError) as exc:
-        print(f"shmwheel: {_message(exc)}", file=sys.stderr)
+        print(f"shmwheel: {one_line(exc)}", file=sys.stderr)
         return 1

@@ -51,7 +51,8 @@ from typing import Any
 from ._binding import ffi, lib
 from ._errors import CorruptSegmentError, DriverRunningError, DriverStartError
 from ._process import alive, start_time
-from ._wheel import Fire, Wheel, attach, decode_records
+from ._records import Fire, decode_records
+from ._wheel import Wheel, attach
 
 __all__ = ["Driver", "DriverProcess", "FireReader", "driver_main", "start_driver"]
 
@@ -515,7 +516,7 @@ class FireReader:
 # -- running a driver in a process of its own ------------------------------------
 
 
-def _dedicated_process() -> None:
+def dedicated_process() -> None:
     """Settings for a process that does nothing but drive.
 
     Every fire becomes a Fire, a tuple subclass the cyclic collector tracks;
@@ -528,7 +529,7 @@ def _dedicated_process() -> None:
 
 
 def _serve(name: str, handler: Handler | None, status: Any, audit_interval: float | None) -> None:
-    _dedicated_process()
+    dedicated_process()
     driver = Driver(name, handler, audit_interval=audit_interval)
     signal.signal(signal.SIGTERM, lambda *_: driver.stop())
     signal.signal(signal.SIGINT, lambda *_: driver.stop())
@@ -675,7 +676,7 @@ class _JsonLinesDriver(Driver):
 def driver_main(name: str, handler: str | None, jsonl: bool) -> int:
     """``shmwheel driver NAME``: drive a wheel in the foreground until SIGTERM or SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    _dedicated_process()
+    dedicated_process()
     if jsonl:
         sys.stdout.flush()  # the lines go straight to the fd, past this buffer
         driver: Driver = _JsonLinesDriver(name, sys.stdout.fileno())

@@ -25,6 +25,14 @@ __all__ = [
 ]
 
 
+def one_line(exc: BaseException) -> str:
+    """An error in one line for a log or stderr: an OSError without its
+    "[Errno n]" prefix; shmwheel's own errors already say which segment."""
+    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ShmwheelError):
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc)
+
+
 class ShmwheelError(Exception):
     """Root of every shmwheel exception; never raised itself."""
 

@@ -14,7 +14,7 @@ import os
 
 import psutil
 
-__all__ = ["alive", "pid_namespace", "start_time", "uids"]
+__all__ = ["alive", "describe_lock_holder", "pid_namespace", "start_time", "uids"]
 
 
 def start_time(pid: int) -> int | None:
@@ -75,3 +75,33 @@ def uids(pid: int) -> tuple[int, int, int] | None:
     except psutil.Error:  # gone, or a zombie
         return None
     return real, effective, saved
+
+
+# How the state of a process that holds a lock too long reads, and what it suggests.
+_HOLDER_STATES = {
+    psutil.STATUS_STOPPED: "stopped (SIGSTOP or a job-control stop; `kill -CONT {pid}` resumes it)",
+    psutil.STATUS_TRACING_STOP: "stopped in a debugger",
+    psutil.STATUS_DISK_SLEEP: "in uninterruptible sleep (a frozen cgroup or a paused container?)",
+    psutil.STATUS_SLEEPING: "asleep (a frozen cgroup or a paused container?)",
+    psutil.STATUS_RUNNING: "running",
+    psutil.STATUS_ZOMBIE: "exiting",
+    psutil.STATUS_DEAD: "exiting",
+}
+
+
+def describe_lock_holder(tid: int) -> tuple[str, int | None]:
+    """The end of a lock timeout's message, and the holder's pid if it can be seen."""
+    if tid <= 0:
+        return ": no holder is recorded in it (its lock word is scribbled)", None
+    try:
+        status = psutil.Process(tid).status()
+        with open(f"/proc/{tid}/status") as f:
+            pid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
+    except (psutil.Error, OSError, StopIteration, ValueError):
+        return (
+            f": it names thread {tid}, which does not exist in this PID namespace (the lock word is scribbled, "
+            "or its holder runs in another PID namespace)",
+            None,
+        )
+    who = f"process {pid}" if pid == tid else f"process {pid} (thread {tid})"
+    return f": held by {who}, which is " + _HOLDER_STATES.get(status, status).format(pid=pid), pid

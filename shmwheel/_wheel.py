@@ -16,21 +16,31 @@ import errno
 import logging
 import math
 import mmap
-import numbers
 import os
-import re
 import stat
 import struct
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 import posix_ipc
-import psutil
 
 from ._binding import MAX_DELAY, error_for, ffi, lib, raise_for
+from ._checks import (
+    CAPACITIES,
+    LOCK_TIMEOUT,
+    PAYLOAD_SIZES,
+    WHEEL_SIZES,
+    check_handle,
+    check_int,
+    check_lock_timeout,
+    check_owner,
+    check_payload,
+    check_seconds,
+    not_a_tick,
+    not_a_wheel_size,
+    too_big,
+)
 from ._errors import (
     CorruptSegmentError,
     IncompatibleSegmentError,
@@ -40,16 +50,13 @@ from ._errors import (
     ShmwheelError,
     WheelFullError,
 )
-from ._process import alive, pid_namespace, start_time
+from ._process import alive, describe_lock_holder, pid_namespace, start_time
+from ._records import Fire, Payload, Producer, WheelStats, decode_records, record_struct
+from ._segment import SHM, open_segment, segment_name, wheel_stat
 
-__all__ = ["Fire", "Producer", "Wheel", "WheelStats", "attach", "create", "unlink"]
-
-#: What a payload may be; its bytes are copied into the timer's slot.
-Payload = bytes | bytearray | memoryview
+__all__ = ["Wheel", "attach", "create", "observe", "unlink"]
 
 _log = logging.getLogger("shmwheel")
-
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
 _DRIVER_STATES = {
     lib.SHMW_DRIVER_NONE: "none",
@@ -79,227 +86,12 @@ _REAP_CHUNK = 65536  # slots a reap looks at per lock hold
 #: table had none of: the ask is one lock hold, but an add that needs the
 #: slot should not make it every time while the table is full.
 _PRODUCER_RETRY = 1.0
-#: The default of create()'s and attach()'s lock_timeout, seconds.
-LOCK_TIMEOUT = lib.SHMW_LOCK_TIMEOUT_NS / 1e9
 
 # This process's producer slot in a segment stays taken while any Wheel on
 # that segment is open here, and after that while timers it added with
 # cancel_on_exit may be pending (the driver frees it once we are gone).
 _open_here: collections.Counter[str] = collections.Counter()
 _owners_here: set[str] = set()
-
-
-def _segment_name(name: object) -> str:
-    """The posix_ipc name for a wheel name, or a clear error."""
-    if not isinstance(name, str):
-        raise TypeError(f"a wheel name is a str, not {type(name).__name__}")
-    bare = name[1:] if name.startswith("/") else name
-    if not _NAME.fullmatch(bare) or bare in (".", ".."):
-        raise ValueError(
-            f"invalid wheel name {name!r}: use 1-200 characters of A-Z a-z 0-9 . _ - "
-            "(a leading / is allowed and ignored)"
-        )
-    return "/" + bare
-
-
-def _bare(name: str) -> str:
-    return _segment_name(name)[1:]
-
-
-# The limits of create()'s parameters, as the C core defines them.  Each
-# check below says what is wrong with a value (None: nothing), in words that
-# create() puts after the parameter's name and the command line after its
-# option's: both parse against the same limits, stated once.
-CAPACITIES = (1, lib.SHMW_MAX_CAPACITY)
-PAYLOAD_SIZES = (0, lib.SHMW_MAX_PAYLOAD)
-WHEEL_SIZES = (1 << lib.SHMW_MIN_WHEEL_BITS, 1 << lib.SHMW_MAX_WHEEL_BITS)
-TICKS = (lib.SHMW_MIN_TICK_NS / 1e9, lib.SHMW_MAX_TICK_NS / 1e9)
-
-
-def _not_between(value: float, lo: float, hi: float, unit: str = "") -> str | None:
-    if lo <= value <= hi:  # NaN is not
-        return None
-    if isinstance(value, float) or isinstance(lo, float):
-        return f"must be between {lo:g} and {hi:g}{unit}, not {value:g}"
-    return f"must be between {lo} and {hi}{unit}, not {value}"
-
-
-def _not_a_wheel_size(value: int) -> str | None:
-    lo, hi = WHEEL_SIZES
-    if lo <= value <= hi and not value & (value - 1):
-        return None
-    return f"must be a power of two from {lo} to {hi}, not {value}"
-
-
-def _not_a_tick(value: float) -> str | None:
-    return _not_between(value, *TICKS, " seconds")
-
-
-def _check_int(value: object, what: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-    value = int(value)
-    if problem := _not_between(value, lo, hi):
-        raise ValueError(f"{what} {problem}")
-    return value
-
-
-def _check_seconds(value: object, what: str) -> float:
-    """Type errors for a time argument; the C core checks the value.
-
-    A bool is a number here, as everywhere in Python (``time.sleep(True)``):
-    the call into C takes it as 1 on the fast path, and this check, which
-    runs only after that call has refused something, must agree with it.
-    """
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
-    try:
-        return float(value)
-    except OverflowError:  # an int past the range of a double
-        raise _too_big(value, what) from None
-
-
-def _check_payload(payload: object) -> bytes:
-    if isinstance(payload, bytes):
-        return payload
-    try:
-        return memoryview(payload).tobytes()  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"payload must be bytes or another bytes-like object, not {type(payload).__name__}") from None
-
-
-def _check_lock_timeout(value: object) -> float:
-    seconds = _check_seconds(value, "lock_timeout")
-    if not 0 < seconds <= 86400 * 365:  # NaN is not
-        raise ValueError(f"lock_timeout must be a positive number of seconds up to a year, not {value!r}")
-    return seconds
-
-
-def _too_big(value: Any, what: str) -> ValueError:
-    """A number too big even for a double (an int of over 308 digits): the
-    same words as for one that is merely out of range."""
-    shown = f"{value!r}" if len(repr(value)) <= 40 else f"of {len(str(abs(value)))} digits"
-    if value < 0:
-        return ValueError(f"{what} {shown} must be a finite, non-negative number of seconds")
-    return ValueError(f"{what} {shown} is beyond the maximum delay of {MAX_DELAY:.0f} s (about 146 years)")
-
-
-def _check_handle(handle: object) -> int:
-    if not isinstance(handle, int):  # a bool too: see _check_seconds
-        raise TypeError(f"a handle is an int, not {type(handle).__name__}")
-    if not 0 <= handle < 1 << 63:
-        raise ValueError(f"a handle is a non-negative int below 2**63, not {handle}")
-    return handle
-
-
-class Fire(NamedTuple):
-    """A timer that came due.
-
-    ``deadline`` is the deadline as it was asked for (nanosecond precision,
-    not rounded to a tick); ``fired_at`` is when the clock fired it.  Both
-    are on the :func:`time.monotonic` clock; the ``_ns`` fields give them
-    exactly.  A named tuple because a poll makes one per fire, and a tuple
-    is the cheapest immutable object Python builds.
-    """
-
-    handle: int
-    deadline_ns: int
-    fired_at_ns: int
-    payload: bytes
-    owner_pid: int
-    redelivered: bool = False  #: sent again after a driver died with it in flight
-
-    @property
-    def deadline(self) -> float:
-        return self.deadline_ns / 1e9
-
-    @property
-    def fired_at(self) -> float:
-        return self.fired_at_ns / 1e9
-
-    @property
-    def lateness(self) -> float:
-        """``fired_at - deadline`` in seconds; never negative."""
-        return (self.fired_at_ns - self.deadline_ns) / 1e9
-
-
-class Producer(NamedTuple):
-    """A process attached to a wheel, as its producer table records it."""
-
-    pid: int  #: as the producer's own PID namespace numbers it
-    start: int  #: its start time, clock ticks since boot: with the pid, its identity
-    #: True or False as seen from this process; None when the producer runs
-    #: in another PID namespace (another container), where its pid means
-    #: nothing here, so nobody here can tell or act on it.
-    alive: bool | None
-
-
-# Fire records (struct shmw_fire, then the payload padded to 8) are decoded
-# in bulk: iter_unpack over a whole batch is several times cheaper than
-# reading cdata fields one by one.  The head's layout is checked against the
-# compiler's at import, so it cannot drift from C.
-_RECORD_HEAD = "=qqqiII4x"
-_RECORD_FIELDS = ("handle", "deadline_ns", "fired_at_ns", "owner_pid", "payload_len", "flags")
-if struct.calcsize(_RECORD_HEAD) != ffi.sizeof("struct shmw_fire") or [
-    ffi.offsetof("struct shmw_fire", f) for f in _RECORD_FIELDS
-] != [0, 8, 16, 24, 28, 32]:  # pragma: no cover - a build for another ABI
-    raise ImportError("struct shmw_fire does not have the layout shmwheel/_wheel.py decodes")
-_REDELIVERED = lib.SHMW_REDELIVERED
-
-
-def record_struct(record_size: int) -> struct.Struct:
-    """The struct that decodes one fire record of ``record_size`` bytes."""
-    return struct.Struct(f"{_RECORD_HEAD}{record_size - struct.calcsize(_RECORD_HEAD)}s")
-
-
-def decode_records(rec: struct.Struct, data: bytes | bytearray | memoryview) -> list[Fire]:
-    """Fires from whole records; ``len(data)`` must be a multiple of ``rec.size``."""
-    return [
-        _new_fire(Fire, (handle, deadline_ns, fired_at_ns, payload[:length], pid, bool(flags & _REDELIVERED)))
-        for handle, deadline_ns, fired_at_ns, pid, length, flags, payload in rec.iter_unpack(data)
-    ]
-
-
-_new_fire = tuple.__new__
-
-
-@dataclass(frozen=True, slots=True)
-class WheelStats:
-    """A consistent snapshot of a wheel's state, taken under its lock."""
-
-    pending: int
-    capacity: int
-    free: int
-    retired: int
-    added: int
-    cancelled: int
-    fired: int
-    resets: int
-    tick: float
-    wheel_size: int
-    levels: int
-    payload_size: int
-    clock: float  #: the wheel clock (last tick advanced to), monotonic seconds
-    next_expiry: float | None  #: when the earliest non-empty bucket comes due
-    level_pending: tuple[int, ...]  #: timers in each level, lowest first
-    driver_pid: int | None  #: the registered driver, if any
-    driver_start: int | None  #: its start time (clock ticks since boot): with the pid, its identity
-    driver_state: str  #: "none", "running" or "stopping"
-    in_flight: int  #: fired by the driver, handler not yet done
-    acked: int
-    redelivered: int
-    handler_errors: int
-    recoveries: int  #: times a lock holder died and the next locker repaired the segment
-    repairs: int  #: times a driver found the segment corrupt and repaired it
-    quarantined: int  #: entries a repair found nonsensical (scribbled) and retired for good
-    removed: bool  #: removed from its name or replaced: it takes no new timers
-    #: How long the earliest due bucket has been waiting for the clock, in
-    #: seconds: 0 while whoever drives the wheel keeps up.  (Not part of
-    #: equality: it grows while you look at it.)
-    lag: float = field(compare=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 class Wheel:
@@ -433,7 +225,7 @@ class Wheel:
         in /dev/shm) or another segment has taken the name.  Two system
         calls and no lock: for a producer to ask now and then, not per timer."""
         try:
-            there = os.stat(_SHM / self._name)
+            there = os.stat(SHM / self._name)
         except OSError:
             return False
         mine = os.fstat(self._fd)
@@ -499,9 +291,9 @@ class Wheel:
                 _owners_here.add(self._name)
             h: int = _add(self._w, delay, payload, len(payload), cancel_on_exit and _CANCEL_ON_EXIT)
         except TypeError:
-            return self.add(_check_seconds(delay, "delay"), _check_payload(payload), cancel_on_exit=cancel_on_exit)
+            return self.add(check_seconds(delay, "delay"), check_payload(payload), cancel_on_exit=cancel_on_exit)
         except OverflowError:
-            raise _too_big(delay, "delay") from None
+            raise too_big(delay, "delay") from None
         if h < 0:
             if h == _EPRODUCER and self._attach_producer():  # first use, or forked since
                 h = _add(self._w, delay, payload, len(payload), _CANCEL_ON_EXIT)
@@ -517,10 +309,10 @@ class Wheel:
             h: int = _add_at(self._w, deadline, payload, len(payload), cancel_on_exit and _CANCEL_ON_EXIT)
         except TypeError:
             return self.add_at(
-                _check_seconds(deadline, "deadline"), _check_payload(payload), cancel_on_exit=cancel_on_exit
+                check_seconds(deadline, "deadline"), check_payload(payload), cancel_on_exit=cancel_on_exit
             )
         except OverflowError:
-            raise _too_big(deadline, "deadline") from None
+            raise too_big(deadline, "deadline") from None
         if h < 0:
             if h == _EPRODUCER and self._attach_producer():  # first use, or forked since
                 h = _add_at(self._w, deadline, payload, len(payload), _CANCEL_ON_EXIT)
@@ -588,7 +380,7 @@ class Wheel:
         try:
             rc: int = _cancel(self._w, handle)
         except (TypeError, OverflowError):
-            _check_handle(handle)
+            check_handle(handle)
             raise
         if rc < 0:
             self._raise(rc)
@@ -599,9 +391,9 @@ class Wheel:
         try:
             rc: int = _reset(self._w, handle, delay)
         except (TypeError, OverflowError):
-            _check_handle(handle)
-            _check_seconds(delay, "delay")
-            raise _too_big(delay, "delay") from None
+            check_handle(handle)
+            check_seconds(delay, "delay")
+            raise too_big(delay, "delay") from None
         if rc < 0:
             self._raise(rc, "delay", delay)
         return rc == 1
@@ -611,9 +403,9 @@ class Wheel:
         try:
             rc: int = _reset_at(self._w, handle, deadline)
         except (TypeError, OverflowError):
-            _check_handle(handle)
-            _check_seconds(deadline, "deadline")
-            raise _too_big(deadline, "deadline") from None
+            check_handle(handle)
+            check_seconds(deadline, "deadline")
+            raise too_big(deadline, "deadline") from None
         if rc < 0:
             self._raise(rc, "deadline", deadline)
         return rc == 1
@@ -632,8 +424,8 @@ class Wheel:
             c_delays = ffi.new("double[]", delays)
         except (TypeError, OverflowError):
             for d in delays:
-                _check_seconds(d, "delay")
-            raise _too_big(next(d for d in delays if abs(d) > 1e300), "delay") from None
+                check_seconds(d, "delay")
+            raise too_big(next(d for d in delays if abs(d) > 1e300), "delay") from None
         joined, lens = ffi.NULL, ffi.NULL
         if payloads is not None:
             if not isinstance(payloads, (list, tuple)):
@@ -643,7 +435,7 @@ class Wheel:
             try:
                 joined = b"".join(payloads)
             except TypeError:
-                payloads = [_check_payload(p) for p in payloads]
+                payloads = [check_payload(p) for p in payloads]
                 joined = b"".join(payloads)
             lens = ffi.new("uint32_t[]", [len(p) for p in payloads])
         if n > self._capacity:  # the arguments are right, but they cannot fit
@@ -670,7 +462,7 @@ class Wheel:
             c_handles = ffi.new("int64_t[]", handles)
         except (TypeError, OverflowError):
             for h in handles:
-                _check_handle(h)
+                check_handle(h)
             raise
         rc: int = lib.shmw_cancel_many(self._w, c_handles, len(handles))
         if rc < 0:
@@ -704,9 +496,9 @@ class Wheel:
         """
         use_clock = now is None
         if not use_clock:
-            now = _check_seconds(now, "now")
+            now = check_seconds(now, "now")
         if max_fires is not None:
-            max_fires = _check_int(max_fires, "max_fires", 0, 2**31 - 1)
+            max_fires = check_int(max_fires, "max_fires", 0, 2**31 - 1)
         rec = self._record
         try:
             records = self._poll_buffers.pop()
@@ -832,7 +624,7 @@ class Wheel:
     def _lock_timeout_error(self) -> LockTimeoutError:
         """The lock was not released in time: say who holds it, and in what state."""
         tid = lib.shmw_lock_holder(self._w)
-        holder, pid = _describe_holder(tid)
+        holder, pid = describe_lock_holder(tid)
         exc = error_for(lib.SHMW_ELOCK, name=self._name, lock_timeout=f"{self._lock_timeout:g}", holder=holder)
         assert isinstance(exc, LockTimeoutError)
         exc.holder_pid = pid
@@ -883,19 +675,19 @@ def create(
     and runs its workers as another user needs (changing the owner takes
     root).  ``lock_timeout``: see :func:`attach`.
     """
-    shm_name = _segment_name(name)
-    lock_timeout = _check_lock_timeout(lock_timeout)
-    capacity = _check_int(capacity, "capacity", *CAPACITIES)
-    payload_size = _check_int(payload_size, "payload_size", *PAYLOAD_SIZES)
-    mode = _check_int(mode, "mode", 0, 0o777)
-    wheel_size = _check_int(wheel_size, "wheel_size", *WHEEL_SIZES)
-    if problem := _not_a_wheel_size(wheel_size):
+    shm_name = segment_name(name)
+    lock_timeout = check_lock_timeout(lock_timeout)
+    capacity = check_int(capacity, "capacity", *CAPACITIES)
+    payload_size = check_int(payload_size, "payload_size", *PAYLOAD_SIZES)
+    mode = check_int(mode, "mode", 0, 0o777)
+    wheel_size = check_int(wheel_size, "wheel_size", *WHEEL_SIZES)
+    if problem := not_a_wheel_size(wheel_size):
         raise ValueError(f"wheel_size {problem}")
-    tick = _check_seconds(tick, "tick")
-    if problem := _not_a_tick(tick):
+    tick = check_seconds(tick, "tick")
+    if problem := not_a_tick(tick):
         raise ValueError(f"tick {problem}")
     if owner is not None:
-        owner = _check_owner(owner)
+        owner = check_owner(owner)
 
     params = ffi.new(
         "struct shmw_params *",
@@ -953,15 +745,6 @@ def create(
     return wheel
 
 
-def _check_owner(owner: object) -> tuple[int, int]:
-    """create()'s ``owner``: a (uid, gid) of two ids, -1 for one to leave as it is (as chown(2) takes it)."""
-    if not isinstance(owner, tuple) or len(owner) != 2:
-        raise TypeError(f"owner must be a (uid, gid) tuple, not {owner!r}")
-    uid = _check_int(owner[0], "owner's uid", -1, 2**32 - 2)  # 2**32 - 1 is -1 in disguise
-    gid = _check_int(owner[1], "owner's gid", -1, 2**32 - 2)
-    return uid, gid
-
-
 def attach(name: str, *, lock_timeout: float = LOCK_TIMEOUT) -> Wheel:
     """Open an existing wheel by name.
 
@@ -987,11 +770,11 @@ def observe(name: str, *, lock_timeout: float = LOCK_TIMEOUT) -> Wheel:
 
 def _attach(name: str, producer: bool, lock_timeout: float = LOCK_TIMEOUT) -> Wheel:
     """attach(), or with producer=False an observer's attach that is not recorded."""
-    shm_name = _segment_name(name)
-    lock_timeout = _check_lock_timeout(lock_timeout)
+    shm_name = segment_name(name)
+    lock_timeout = check_lock_timeout(lock_timeout)
     deadline = time.monotonic() + _ATTACH_WAIT
     while True:
-        shm = _open_segment(shm_name)
+        shm = open_segment(shm_name)
         fd = os.dup(shm.fd)
         shm.close_fd()
         try:
@@ -1015,50 +798,6 @@ def _attach(name: str, producer: bool, lock_timeout: float = LOCK_TIMEOUT) -> Wh
         time.sleep(0.005)
 
 
-# Where Linux keeps POSIX shared memory, and how a wheel's segment begins
-# (the magic, stored in host byte order, last at create).
-_SHM = Path("/dev/shm")
-_MAGIC = struct.pack("=Q", lib.SHMW_MAGIC)
-
-
-def _wheel_stat(name: str) -> os.stat_result | None:
-    """The stat of /dev/shm/NAME (a bare name) if it begins with the
-    shmwheel magic, else None: what the command line and the servers'
-    ``create_wheel`` ask before they remove a segment.
-
-    Reads 8 bytes through a file descriptor and maps nothing, so it is safe to
-    point at any other program's segment.  OSError if it cannot be read.
-    """
-    fd = os.open(_SHM / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        return st if stat.S_ISREG(st.st_mode) and os.pread(fd, 8, 0) == _MAGIC else None
-    finally:
-        os.close(fd)
-
-
-def _open_segment(shm_name: str) -> posix_ipc.SharedMemory:
-    """shm_open(3) of an existing segment, its errors in shmwheel's words."""
-    try:
-        return posix_ipc.SharedMemory(shm_name)
-    except posix_ipc.ExistentialError:
-        raise SegmentNotFoundError(errno.ENOENT, f"no shmwheel segment named {shm_name[1:]!r}", shm_name) from None
-    except posix_ipc.PermissionsError as exc:
-        raise PermissionError(errno.EACCES, f"cannot open segment {shm_name[1:]!r}: {exc}") from None
-    except (posix_ipc.Error, ValueError, OSError):
-        # A directory (posix_ipc says only "Invalid parameter(s)"), a
-        # symbolic link (ELOOP: shm_open does not follow them)...
-        try:
-            regular = stat.S_ISREG(os.lstat(_SHM / shm_name[1:]).st_mode)
-        except OSError:
-            regular = True  # gone meanwhile: the error as it was
-        if regular:
-            raise
-        raise IncompatibleSegmentError(
-            f"segment {shm_name[1:]!r} is not a shmwheel segment: not a regular file"
-        ) from None
-
-
 def unlink(name: str, *, mark: bool = True) -> None:
     """Remove the segment ``name``.  Processes that have it open keep it.
 
@@ -1071,7 +810,7 @@ def unlink(name: str, *, mark: bool = True) -> None:
     on the command line looks first: it refuses a segment that is not a
     wheel, and a wheel that is in use, unless told ``--force``.
     """
-    shm_name = _segment_name(name)
+    shm_name = segment_name(name)
     if mark:
         _mark_removed(shm_name[1:])
     try:
@@ -1083,7 +822,7 @@ def unlink(name: str, *, mark: bool = True) -> None:
 def _mark_removed(name: str) -> None:
     """Mark ``name`` removed if it is a wheel this process can open; never raises."""
     try:
-        if _wheel_stat(name) is None:
+        if wheel_stat(name) is None:
             return
         with _attach(name, producer=False, lock_timeout=1.0) as wheel:
             wheel.mark_removed()
@@ -1096,33 +835,3 @@ def _alive_here(pid: int, start: int, pidns: int) -> bool | None:
     if pidns and pidns != pid_namespace():
         return None
     return alive(pid, start)
-
-
-# How the state of a process that holds a lock too long reads, and what it suggests.
-_HOLDER_STATES = {
-    psutil.STATUS_STOPPED: "stopped (SIGSTOP or a job-control stop; `kill -CONT {pid}` resumes it)",
-    psutil.STATUS_TRACING_STOP: "stopped in a debugger",
-    psutil.STATUS_DISK_SLEEP: "in uninterruptible sleep (a frozen cgroup or a paused container?)",
-    psutil.STATUS_SLEEPING: "asleep (a frozen cgroup or a paused container?)",
-    psutil.STATUS_RUNNING: "running",
-    psutil.STATUS_ZOMBIE: "exiting",
-    psutil.STATUS_DEAD: "exiting",
-}
-
-
-def _describe_holder(tid: int) -> tuple[str, int | None]:
-    """The end of a lock timeout's message, and the holder's pid if it can be seen."""
-    if tid <= 0:
-        return ": no holder is recorded in it (its lock word is scribbled)", None
-    try:
-        status = psutil.Process(tid).status()
-        with open(f"/proc/{tid}/status") as f:
-            pid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
-    except (psutil.Error, OSError, StopIteration, ValueError):
-        return (
-            f": it names thread {tid}, which does not exist in this PID namespace (the lock word is scribbled, "
-            "or its holder runs in another PID namespace)",
-            None,
-        )
-    who = f"process {pid}" if pid == tid else f"process {pid} (thread {tid})"
-    return f": held by {who}, which is " + _HOLDER_STATES.get(status, status).format(pid=pid), pid

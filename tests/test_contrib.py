@@ -406,7 +406,7 @@ def test_middleware_cancels_when_the_body_is_closed_or_the_app_raises(make_wheel
 
 
 def driver_pid(name: str) -> int | None:
-    with shmwheel._wheel._attach(name, producer=False) as w:
+    with shmwheel._wheel.observe(name) as w:
         return w.stats().driver_pid
 
 

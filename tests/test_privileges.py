@@ -256,7 +256,7 @@ def ids_of(pid: int) -> tuple[list[str], list[str], str]:
 
 
 def driver_of(name: str) -> int | None:
-    with shmwheel._wheel._attach(name, producer=False) as w:
+    with shmwheel._wheel.observe(name) as w:
         return w.stats().driver_pid
 
 

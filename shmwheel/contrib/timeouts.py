@@ -78,9 +78,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import _wheel
-from .._cli import _message  # an OSError without its "[Errno n]"
-from .._driver import Driver, _dedicated_process
+from .._checks import check_owner
+from .._driver import Driver, dedicated_process
 from .._errors import (
     CorruptSegmentError,
     DriverRunningError,
@@ -89,9 +88,12 @@ from .._errors import (
     SegmentNotFoundError,
     SegmentRemovedError,
     ShmwheelError,
+    one_line,
 )
 from .._process import alive, start_time, uids
-from .._wheel import Fire, Wheel, attach, create, unlink
+from .._records import Fire, WheelStats
+from .._segment import SHM, bare_name, segment_name, wheel_stat
+from .._wheel import Wheel, attach, create, observe, unlink
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -358,7 +360,7 @@ class TimeoutHandler:
     PRODUCERS_TTL = 1.0
 
     def __init__(self, name: str, actions: TimeoutActions | None = None) -> None:
-        _wheel._segment_name(name)
+        segment_name(name)
         self.name = name
         self.actions = actions or TimeoutActions()
         self._wheel: Wheel | None = None  # for the follow-up timers and the producer table, opened on first need
@@ -508,7 +510,7 @@ class RequestTimer:
     """
 
     def __init__(self, name: str, timeout: float, *, traceback_signal: int | None = DEFAULT_TRACEBACK_SIGNAL) -> None:
-        _wheel._segment_name(name)  # a bad name fails here, not at the first request
+        segment_name(name)  # a bad name fails here, not at the first request
         self.name = name
         self.timeout = _seconds(timeout, "timeout")
         if traceback_signal is not None:
@@ -550,7 +552,7 @@ class RequestTimer:
                     self._retry_at = time.monotonic() + 1.0
                     who = f" (this process runs as uid {os.geteuid()}, gid {os.getegid()})"
                     self._warn(
-                        f"requests run without a timeout: {_message(exc)}"
+                        f"requests run without a timeout: {one_line(exc)}"
                         + (who if isinstance(exc, PermissionError) else "")
                     )
                     return None
@@ -656,7 +658,7 @@ def create_wheel(
         except SegmentExistsError:
             pass
         try:
-            with _wheel.observe(name) as old:
+            with observe(name) as old:
                 st = old.stats()
                 problem = _why_not_take_over(old, st, capacity, tick, owner)
         except SegmentNotFoundError:
@@ -688,7 +690,7 @@ def create_wheel(
 
 
 def _why_not_take_over(
-    old: Wheel, st: _wheel.WheelStats, capacity: int, tick: float, owner: tuple[int, int] | None
+    old: Wheel, st: WheelStats, capacity: int, tick: float, owner: tuple[int, int] | None
 ) -> str | None:
     """Why create_wheel replaces a wheel rather than take it over, or None."""
     if (st.capacity, st.payload_size) != (capacity, PAYLOAD_SIZE) or not math.isclose(st.tick, tick):
@@ -710,17 +712,17 @@ def _why_not_take_over(
     return None
 
 
-def _kept(st: _wheel.WheelStats) -> str:
+def _kept(st: WheelStats) -> str:
     """The end of create_wheel's line when it takes a wheel over: the timers that stay."""
     return _timers(st, "; its {n} timer{s} stay", " ({fired} fired, to be handed out again)")
 
 
-def _dropped(st: _wheel.WheelStats) -> str:
+def _dropped(st: WheelStats) -> str:
     """The end of create_wheel's line when it replaces one: the timers that go with it."""
     return _timers(st, "; dropping its {n} pending timer{s}", " ({fired} of them fired, their handlers not done)")
 
 
-def _timers(st: _wheel.WheelStats, some: str, in_flight: str) -> str:
+def _timers(st: WheelStats, some: str, in_flight: str) -> str:
     n = st.pending + st.in_flight
     if not n:
         return "; it holds no timers"
@@ -729,9 +731,9 @@ def _timers(st: _wheel.WheelStats, some: str, in_flight: str) -> str:
 
 def _not_replaced(name: str, exc: ShmwheelError) -> ShmwheelError:
     """create_wheel's error for a segment it cannot read as a wheel, which it leaves alone."""
-    bare = _wheel._bare(name)
+    bare = bare_name(name)
     try:
-        ours = _wheel._wheel_stat(bare) is not None  # the test `shmwheel unlink` makes first
+        ours = wheel_stat(bare) is not None  # the test `shmwheel unlink` makes first
     except OSError:
         ours = False
     how = f"shmwheel unlink {bare}" if ours else f"rm /dev/shm/{bare}"  # `shmwheel unlink` refuses the others
@@ -773,8 +775,8 @@ class DriverSupervisor:
         start_timeout: float = 30.0,
         owner: tuple[int, int] | None = None,
     ) -> None:
-        _wheel._segment_name(name)
-        self.owner = None if owner is None else _wheel._check_owner(owner)
+        segment_name(name)
+        self.owner = None if owner is None else check_owner(owner)
         self.name = name
         self.actions = actions or TimeoutActions()
         self.capacity = capacity
@@ -840,7 +842,7 @@ class DriverSupervisor:
         self._proc = proc
         self._started = time.monotonic()
         give_up = self._started + self.start_timeout
-        with _wheel._attach(self.name, producer=False) as wheel:
+        with observe(self.name) as wheel:
             while wheel._raw_stats().driver_pid != proc.pid:
                 if proc.poll() is not None:
                     raise DriverStartError(
@@ -1039,7 +1041,7 @@ def _other_writers(name: str) -> str | None:
     """Who besides root can write the wheel ``name`` (in words), or None: the
     users a root driver of it would take orders from."""
     try:
-        st = os.stat(_wheel._SHM / _wheel._bare(name))
+        st = os.stat(SHM / bare_name(name))
     except FileNotFoundError:
         return None  # the driver's attach says so
     who = []
@@ -1062,7 +1064,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        _wheel._segment_name(args.name)
+        segment_name(args.name)
         actions = TimeoutActions.from_args(args)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
@@ -1104,10 +1106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.name,
                 writers,
             )
-        _dedicated_process()
+        dedicated_process()
         driver.run()
     except (ShmwheelError, OSError, ValueError, TypeError) as exc:
-        print(f"shmwheel.contrib.timeouts: {_message(exc)}", file=sys.stderr)
+        print(f"shmwheel.contrib.timeouts: {one_line(exc)}", file=sys.stderr)
         return 1
     finally:
         if parent_gone.is_set():
@@ -1128,12 +1130,12 @@ def _remove_unless_in_use(name: str) -> None:
     on; removing the wheel then would leave its workers one retry away from
     running without timeouts, and drop the timers of the requests in progress."""
     try:
-        with _wheel.observe(name) as wheel:
+        with observe(name) as wheel:
             users = [p.pid for p in wheel.producers() if p.alive is not False and p.pid != os.getpid()]
     except SegmentNotFoundError:
         return
     except (ShmwheelError, OSError) as exc:
-        _log.warning("wheel %r: not removed (%s)", name, _message(exc))
+        _log.warning("wheel %r: not removed (%s)", name, one_line(exc))
         return
     if users:
         _log.info(

@@ -63,7 +63,7 @@ from typing import Any, NoReturn
 from .._driver import Driver
 from .._errors import DriverRunningError, SegmentNotFoundError, ShmwheelError
 from .._process import alive, start_time
-from .._wheel import _attach, unlink
+from .._wheel import observe, unlink
 from .timeouts import (
     _LOG_FORMAT,
     DEFAULT_CAPACITY,
@@ -356,7 +356,7 @@ def driver() -> None:
     _watch_parent(master, lambda: signal.pthread_kill(main, signal.SIGTERM))
     try:
         try:
-            _attach(config.name, producer=False).close()
+            observe(config.name).close()
         except SegmentNotFoundError:  # lazy-apps: no master made it
             create_wheel(config.name, capacity=config.capacity)
             _remove_when_master_exits(config.name, master)
