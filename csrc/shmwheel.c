@@ -1299,6 +1299,14 @@ int shmw_reset_at(shmw_t *w, int64_t handle, double deadline_s)
     return rc ? rc : reset_checked(w, handle, deadline_ns);
 }
 
+/* A tick as a CLOCK_MONOTONIC time, saturated: a tick read back from the
+ * segment may be anything, and a product that wrapped negative would read
+ * as "no deadline" to the futex wait. */
+static inline int64_t ticks_to_ns(const shmw_t *w, uint64_t t)
+{
+    return t > (uint64_t)INT64_MAX / (uint64_t)w->tick_ns ? INT64_MAX : (int64_t)(t * (uint64_t)w->tick_ns);
+}
+
 static void set_elapsed(shmw_t *w, uint64_t t, int64_t now_ns)
 {
     struct shmw_header *h = w->hdr;
@@ -1489,7 +1497,7 @@ static int drain_inflight(shmw_t *w, uint32_t max, char *records, uint32_t *n)
     while (*n < max && h->inflight_head != SHMW_NIL) {
         uint32_t i = h->inflight_head;
         if (i >= w->capacity || entry_at(w, i)->state != SHMW_INFLIGHT || !entry_sane(w, entry_at(w, i)))
-            return SHMW_ECORRUPT;
+            return SHMW_ECORRUPT;       /* the caller hands out the *n before it */
         write_record(w, i, records + (uint64_t)*n * stride);
         if ((rc = inflight_unlink(w, i)))
             return rc;
@@ -1524,6 +1532,12 @@ int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *record
     else if ((rc = drain_inflight(w, max, records, &n)) == SHMW_OK)
         rc = advance(w, now_tick, now_ns, max - n, records + (uint64_t)n * stride, &fired, more);
     unlock(w);
+    /* The timers fired before an error are freed already: their records
+     * must reach the caller.  The error comes again with the next call. */
+    if (rc && n + fired > 0) {
+        *more = 1;
+        return (int)(n + fired);
+    }
     return rc ? rc : (int)(n + fired);
 }
 
@@ -1630,12 +1644,14 @@ int shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
         }
         STORE(h->sleep_until, 0);
         rc = advance(w, (uint64_t)now_ns / (uint64_t)w->tick_ns, now_ns, batch, NULL, &fired, &more);
-        if (rc) {
-            unlock(w);
-            return rc;
-        }
         if (fired)
             __atomic_add_fetch(&h->outbox_word, 1, __ATOMIC_SEQ_CST);
+        if (rc) {
+            unlock(w);
+            if (fired)          /* what it moved in flight before the error is the dispatcher's */
+                futex_wake_all(&h->outbox_word);
+            return rc;
+        }
         if (!more) {
             /* Nothing more is due: sleep until the earliest bucket, but
              * never longer than SHMW_MAX_SLEEP_NS.  The cap bounds the
@@ -1646,8 +1662,8 @@ int shmw_drive_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
             if (h->heap_len > 0 && h->heap_len <= w->nbuckets && w->heap[0] < w->nbuckets) {
                 uint64_t next = w->buckets[w->heap[0]].expires;
                 STORE(h->sleep_until, next);
-                if ((int64_t)(next * (uint64_t)w->tick_ns) < until_ns)
-                    until_ns = (int64_t)(next * (uint64_t)w->tick_ns);
+                if (ticks_to_ns(w, next) < until_ns)
+                    until_ns = ticks_to_ns(w, next);
             } else {
                 STORE(h->sleep_until, UINT64_MAX);
             }
@@ -1718,6 +1734,8 @@ int shmw_drive_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t cap
              * scribbled cursor, which would hand it out twice. */
             if (i >= w->capacity || (e = entry_at(w, i))->state != SHMW_INFLIGHT || !entry_sane(w, e)
                 || (e->flags & SHMW_SENT)) {
+                if (n > 0)
+                    break;      /* hand out what was taken; the next take meets it */
                 unlock(w);
                 return SHMW_ECORRUPT;
             }
@@ -1817,7 +1835,7 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
         return SHMW_ECLOSED;
     h = w->hdr;
     memset(out, 0, sizeof(*out));
-    if ((rc = lock(w)))
+    if ((rc = lock_raw(w)))     /* a damaged segment can still be looked at, and opened to repair */
         return rc;
     out->capacity = w->capacity;
     out->pending = pending_locked(w);
@@ -1835,7 +1853,7 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     out->buckets_in_heap = h->heap_len;
     out->next_expiry_ns = -1;
     if (h->heap_len > 0 && h->heap_len <= w->nbuckets && w->heap[0] < w->nbuckets)
-        out->next_expiry_ns = (int64_t)(w->buckets[w->heap[0]].expires * (uint64_t)w->tick_ns);
+        out->next_expiry_ns = ticks_to_ns(w, w->buckets[w->heap[0]].expires);
     /* Per level, from the non-empty buckets: O(heap_len), once per call,
      * instead of a counter that every add and cancel would write. */
     for (k = 0; k < h->heap_len && k < w->nbuckets; k++) {
@@ -1853,7 +1871,7 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     out->redelivered = h->redelivered;
     out->handler_errors = h->handler_errors;
     out->advanced_ns = h->advanced_ns;
-    out->clock_ns = (int64_t)(h->elapsed * (uint64_t)w->tick_ns);
+    out->clock_ns = ticks_to_ns(w, h->elapsed);
     out->recoveries = h->recoveries;
     out->repairs = h->repairs;
     out->quarantined = h->quarantined;
@@ -1908,7 +1926,7 @@ int shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t *pidns, u
         return SHMW_ECLOSED;
     if (max < SHMW_MAX_PRODUCERS)
         return SHMW_EINVAL;
-    if ((rc = lock(w)))
+    if ((rc = lock_raw(w)))     /* a look, which a damaged segment allows */
         return rc;
     for (k = 0; k < SHMW_MAX_PRODUCERS; k++) {
         pids[k] = w->hdr->producers[k].pid;
@@ -2043,10 +2061,12 @@ static int repair_locked(shmw_t *w, int64_t clock_limit_ns, char *reason, uint32
     uint64_t expires;
     int rc, said = reason && reason_len && reason[0];
 
-    if (clock_limit_ns >= 0 && h->elapsed > (uint64_t)clock_limit_ns / (uint64_t)w->tick_ns) {
+    /* (A wheel starts at its creation time rounded up to a tick: a clock
+     * up to that is not ahead.) */
+    if (clock_limit_ns >= 0 && h->elapsed > shmw_ticks_ceil(clock_limit_ns, w->tick_ns)) {
         SAY("header: the wheel clock, tick %llu, is ahead of the real clock",
             (unsigned long long)h->elapsed);
-        STORE(h->elapsed, (uint64_t)clock_limit_ns / (uint64_t)w->tick_ns);
+        STORE(h->elapsed, shmw_ticks_ceil(clock_limit_ns, w->tick_ns));
     }
 
     /* What an entry says about itself must make sense on its own, and a
@@ -2165,8 +2185,12 @@ int shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len)
         reason[0] = '\0';
     if ((rc = lock_raw(w)))
         return rc;
+    /* The clock is read again under the lock: the driver's clock may have
+     * moved the wheel past the caller's now meanwhile, which is no fault. */
+    if (shmw_now_ns() > now_ns)
+        now_ns = shmw_now_ns();
     if (check_locked(w, reason, reason_len) == SHMW_OK
-        && w->hdr->elapsed <= (uint64_t)now_ns / (uint64_t)w->tick_ns) {
+        && w->hdr->elapsed <= shmw_ticks_ceil(now_ns, w->tick_ns)) {
         unlock(w);
         return 0;
     }
@@ -2178,7 +2202,13 @@ int shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len)
     } else {
         STORE(w->hdr->flags, w->hdr->flags | SHMW_F_DAMAGED);
     }
+    /* The clock may be asleep on a bucket the repair moved, the dispatcher
+     * on fires the rebuilt list put back: both look again. */
+    __atomic_add_fetch(&w->hdr->wake_word, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&w->hdr->outbox_word, 1, __ATOMIC_SEQ_CST);
     unlock(w);
+    futex_wake_all(&w->hdr->wake_word);
+    futex_wake_all(&w->hdr->outbox_word);
     return rc ? rc : 1;
 }
 

@@ -407,6 +407,8 @@ def _unlink(args: argparse.Namespace) -> int:
     if (SHM / name).exists() and wheel_stat(name) is None:
         raise IncompatibleSegmentError(f"segment {name!r} is not a shmwheel segment: not removing it")
     if not args.force and (users := _users(name)):
+        if users.startswith("nobody can tell"):
+            raise DriverRunningError(f"not removing wheel {name!r}: {users}; --force removes it all the same")
         raise DriverRunningError(
             f"wheel {name!r} is in use: {users}; removing it would leave them adding timers that nothing "
             "fires until they notice (--force removes it all the same)"
@@ -423,8 +425,8 @@ def _users(name: str) -> str | None:
             producers = [p for p in wheel.producers() if p.alive is not False]
     except SegmentNotFoundError:
         return None
-    except ShmwheelError:
-        return None  # too damaged to open: nothing can be using it well
+    except ShmwheelError as exc:  # a lock held too long, another layout version...
+        return f"nobody can tell who uses it ({one_line(exc)})"
     said = []
     if st.driver_pid and alive(st.driver_pid, st.driver_start or 0):
         said.append(f"its driver, pid {st.driver_pid}, is running")

@@ -49,10 +49,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._binding import ffi, lib
-from ._errors import CorruptSegmentError, DriverRunningError, DriverStartError
+from ._checks import LOCK_TIMEOUT, check_lock_timeout
+from ._errors import CorruptSegmentError, DriverRunningError, DriverStartError, LockTimeoutError
 from ._process import alive, start_time
 from ._records import Fire, decode_records
-from ._wheel import Wheel, attach
+from ._wheel import Wheel, attach, observe
 
 __all__ = ["Driver", "DriverProcess", "FireReader", "driver_main", "start_driver"]
 
@@ -92,7 +93,9 @@ class Driver:
     external consumer instead, which reads them with :class:`FireReader`.
     Every ``audit_interval`` seconds (None: never) the driver checks the
     whole segment and repairs it if a scribble broke it; it also repairs at
-    once whenever one of its own operations meets corruption.
+    once whenever one of its own operations meets corruption.  A lock not
+    released within ``lock_timeout`` is said in the log (who holds it) and
+    waited out: never a reason for the driver to stop.
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class Driver:
         fifo: str | os.PathLike[str] | None = None,
         ack_timeout: float = 10.0,
         audit_interval: float | None = AUDIT_INTERVAL,
+        lock_timeout: float = LOCK_TIMEOUT,
     ) -> None:
         if fd is not None and fifo is not None:
             raise ValueError("give fd or fifo, not both")
@@ -120,7 +124,9 @@ class Driver:
         self._fifo = fifo
         self._ack_timeout = ack_timeout
         self._audit_interval = audit_interval
+        self._lock_timeout = check_lock_timeout(lock_timeout)
         self._repair_lock = threading.Lock()  # the clock, the dispatcher and the audit may all find it
+        self._stuck_said = -math.inf
         self._unseen: set[tuple[int, int]] = set()  # producers in another PID namespace, reported once
         # stop() sets the flag and writes a byte to the pipe, which the
         # main loop waits on.  Not a threading.Event: stop() is called from
@@ -157,7 +163,15 @@ class Driver:
 
     def run(self, on_ready: Callable[[], object] | None = None) -> None:
         """Register, drive until stopped, then finish the fires in flight and deregister."""
-        wheel = attach(self.name)
+        while True:  # a lock held too long (a stopped process, a jammed word) is waited out, and said
+            try:
+                # Not as a producer: attaching as one takes a sound segment.
+                wheel = observe(self.name, lock_timeout=self._lock_timeout)
+                break
+            except LockTimeoutError as exc:
+                self._say_stuck(exc)
+                if self._wait_stop(0):
+                    return
         self._wheel = wheel
         me, my_start = os.getpid(), start_time(os.getpid())
         assert my_start is not None
@@ -176,17 +190,33 @@ class Driver:
     # -- internals ----------------------------------------------------------
 
     def _register(self, wheel: Wheel, me: int, my_start: int) -> None:
-        while True:
+        """Register as the wheel's driver, repairing a segment a scribble
+        broke first: a driver that cannot start is a driver that restarts
+        for ever, and nothing fires meanwhile."""
+        pid = start = 0
+
+        def register() -> int:
+            nonlocal pid, start
             st = wheel._raw_stats()
             pid, start = st.driver_pid, st.driver_start
             if pid and alive(pid, start):
                 raise DriverRunningError(f"a driver (pid {pid}) is already running on wheel {self.name!r}")
-            rc = lib.shmw_driver_register(wheel._w, me, my_start, pid, start)
+            rc: int = lib.shmw_driver_register(wheel._w, me, my_start, pid, start)
+            if rc == 0 and st.inflight:
+                _log.warning("driver %d: redelivering %d fires left in flight", me, st.inflight)
+            return rc
+
+        while True:
+            try:
+                rc = self._repairing(wheel, "the registration", register)
+            except LockTimeoutError as exc:  # from the stats
+                self._say_stuck(exc)
+                if self._wait_stop(0):
+                    raise
+                continue
             if rc == 0:
                 if pid:
                     _log.warning("driver %d: took over wheel %r from driver %d, which is gone", me, self.name, pid)
-                if st.inflight:
-                    _log.warning("driver %d: redelivering %d fires left in flight", me, st.inflight)
                 return
             if rc != lib.SHMW_EDRIVER:
                 wheel._raise(rc)
@@ -252,15 +282,10 @@ class Driver:
             audit_at = time.monotonic() + (self._audit_interval or math.inf)
             while not self._wait_stop(_REAP_INTERVAL):
                 try:
-                    n = wheel.reap_dead_producers()
-                except CorruptSegmentError:
-                    self._repair(wheel, "the reaper")
-                    n = 0
-                if n:
-                    _log.info("driver %d: cancelled %d timers of producers that exited", me, n)
-                self._report_unseen(wheel, me)
+                    self._look_after(wheel, me, audit=time.monotonic() >= audit_at)
+                except LockTimeoutError as exc:
+                    self._say_stuck(exc)
                 if time.monotonic() >= audit_at:
-                    self._repair(wheel, "the audit")
                     audit_at = time.monotonic() + (self._audit_interval or math.inf)
         finally:
             # Graceful stop, and on any way out: no new fires; hand out what
@@ -278,6 +303,20 @@ class Driver:
                 self._await_external_acks(wheel)
         if errors:
             raise errors[0]
+
+    def _look_after(self, wheel: Wheel, me: int, audit: bool) -> None:
+        """The periodic jobs: the producers that have gone, those this driver
+        cannot see, and now and then an audit of the whole segment."""
+        try:
+            n = wheel.reap_dead_producers()
+        except CorruptSegmentError:
+            self._repair(wheel, "the reaper")
+            n = 0
+        if n:
+            _log.info("driver %d: cancelled %d timers of producers that exited", me, n)
+        self._report_unseen(wheel, me)
+        if audit:
+            self._repair(wheel, "the audit")
 
     def _repair(self, wheel: Wheel, who: str) -> bool:
         """Repair the segment if it needs it, and log what was wrong; whether it did."""
@@ -298,17 +337,34 @@ class Driver:
             return True
 
     def _repairing(self, wheel: Wheel, who: str, call: Callable[[], int]) -> int:
-        """``call()`` - a C loop of the clock or the writer - again after each
-        repair of a corruption it met; its last result otherwise."""
+        """``call()`` - a C loop of the clock or the writer, a take, an
+        acknowledgement - again after each repair of a corruption it met, and
+        after each lock timeout (a holder stopped, a jammed lock word: said
+        in the log, never a reason to stop); its last result otherwise."""
         in_a_row = 0
         while True:
             rc = call()
-            if rc != lib.SHMW_ECORRUPT:
-                return rc
-            in_a_row = 0 if self._repair(wheel, who) else in_a_row + 1
+            try:
+                if rc == lib.SHMW_ELOCK:
+                    raise wheel._error(rc)
+                if rc != lib.SHMW_ECORRUPT:
+                    return rc
+                in_a_row = 0 if self._repair(wheel, who) else in_a_row + 1
+            except LockTimeoutError as exc:
+                if self._stopping:
+                    return rc
+                self._say_stuck(exc)
+                continue
             if in_a_row >= _REPAIR_GIVE_UP:  # it keeps failing on what the checker finds sound
                 return rc
             time.sleep(0.01 * in_a_row)
+
+    def _say_stuck(self, exc: LockTimeoutError) -> None:
+        """A lock timeout, in the log at most once a minute; the caller tries again."""
+        now = time.monotonic()
+        if now - self._stuck_said >= 60.0:
+            self._stuck_said = now
+            _log.error("driver %d: %s; waiting for it", os.getpid(), exc)
 
     def _ack(self, wheel: Wheel, handles: list[int], errors: int) -> None:
         """Acknowledge a batch, repairing what the acknowledgement meets.  A

@@ -19,7 +19,7 @@ import posix_ipc
 from ._binding import lib
 from ._errors import IncompatibleSegmentError, SegmentNotFoundError
 
-__all__ = ["MAGIC", "SHM", "bare_name", "open_segment", "segment_name", "wheel_stat"]
+__all__ = ["MAGIC", "SHM", "SegmentFile", "bare_name", "open_segment", "segment_name", "wheel_stat"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
@@ -83,3 +83,22 @@ def open_segment(shm_name: str) -> posix_ipc.SharedMemory:
         raise IncompatibleSegmentError(
             f"segment {shm_name[1:]!r} is not a shmwheel segment: not a regular file"
         ) from None
+
+
+class SegmentFile:
+    """A segment's file descriptor, closed with its owner or when collected:
+    a Wheel dropped without close() (a replaced wheel a worker lets go) must
+    not leak one, or a long-lived worker runs out of them."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()

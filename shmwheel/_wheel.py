@@ -52,7 +52,7 @@ from ._errors import (
 )
 from ._process import alive, describe_lock_holder, pid_namespace, start_time
 from ._records import Fire, Payload, Producer, WheelStats, decode_records, record_struct
-from ._segment import SHM, open_segment, segment_name, wheel_stat
+from ._segment import SHM, SegmentFile, open_segment, segment_name, wheel_stat
 
 __all__ = ["Wheel", "attach", "create", "observe", "unlink"]
 
@@ -134,7 +134,7 @@ class Wheel:
     _producer: int  # this process's slot in the producer table, or -1
     _producer_retry_at: float  # no new ask for a producer slot before this time.monotonic()
     _lock_timeout: float
-    _fd: int  # the segment's file, kept open: fstat tells whether it was shrunk
+    _fd: SegmentFile  # the segment's file, kept open: fstat tells whether it was shrunk or replaced
 
     def __init__(self) -> None:
         raise TypeError("use shmwheel.create() or shmwheel.attach() to get a Wheel")
@@ -154,7 +154,7 @@ class Wheel:
         self._name = name
         self._mm = mm
         self._buf = buf
-        self._fd = fd
+        self._fd = SegmentFile(fd)
         self._w = ffi.gc(out[0], lib.shmw_close)
         self._lock_timeout = lock_timeout
         self._capacity = self._payload_size = 0  # for an error message until the stats say
@@ -165,7 +165,7 @@ class Wheel:
             self._w = ffi.NULL
             ffi.release(buf)
             mm.close()
-            os.close(fd)
+            self._fd.close()
             raise
         self._capacity = st.capacity
         self._payload_size = st.payload_size
@@ -207,7 +207,7 @@ class Wheel:
         ffi.release(w)
         ffi.release(self._buf)
         self._mm.close()
-        os.close(self._fd)
+        self._fd.close()
 
     def unlink(self) -> None:
         """Mark the segment removed and remove its name (see :func:`unlink`)."""
@@ -216,7 +216,7 @@ class Wheel:
 
     def owner(self) -> tuple[int, int]:
         """The (uid, gid) the segment's file belongs to."""
-        st = os.fstat(self._fd)
+        st = os.fstat(self._fd.fd)
         return st.st_uid, st.st_gid
 
     def is_current(self) -> bool:
@@ -228,7 +228,7 @@ class Wheel:
             there = os.stat(SHM / self._name)
         except OSError:
             return False
-        mine = os.fstat(self._fd)
+        mine = os.fstat(self._fd.fd)
         if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
             return False
         return not lib.shmw_is_removed(self._w)
@@ -515,6 +515,8 @@ class Wheel:
                 if n == lib.SHMW_EDRIVER and self._release_dead_driver():
                     continue
                 if n < 0:
+                    if out:  # fired and freed already: they are returned, the error comes next time
+                        return out
                     self._raise(n, "now", now)
                 if n:
                     out += decode_records(rec, ffi.buffer(records, n * rec.size))
@@ -598,7 +600,7 @@ class Wheel:
 
     def _short_by(self) -> int:
         """By how many bytes the segment's file is shorter than the mapping."""
-        return max(0, len(self._mm) - os.fstat(self._fd).st_size)
+        return max(0, len(self._mm) - os.fstat(self._fd.fd).st_size)
 
     # -- internals ----------------------------------------------------------
 

@@ -262,6 +262,16 @@ def test_unlink_keeps_open_mappings_working_and_refuses_new_timers(make_wheel) -
     w.check()
 
 
+def test_a_wheel_dropped_without_close_leaves_no_file_descriptor(make_wheel) -> None:
+    """A worker lets a replaced wheel go rather than close it under another
+    thread: collecting it must give back everything it held."""
+    w = make_wheel(capacity=4)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(200):
+        shmwheel.attach(w.name)  # dropped at once
+    assert len(os.listdir("/proc/self/fd")) <= before + 1
+
+
 def test_wheel_cannot_be_constructed_directly() -> None:
     with pytest.raises(TypeError, match="create"):
         shmwheel.Wheel()
@@ -706,15 +716,17 @@ def test_check_names_the_broken_invariant(wheel: shmwheel.Wheel) -> None:
 
 
 def test_damaged_segment_is_refused_until_repaired(wheel: shmwheel.Wheel) -> None:
-    """The flag a lock holder's death leaves behind stops every operation."""
+    """The flag a lock holder's death leaves behind stops every operation but
+    a look (stats, the producers: what a driver needs to open it and repair)."""
     h = wheel.add(60)
     header(wheel).flags |= lib.SHMW_F_DAMAGED
     try:
-        for call in (lambda: wheel.add(1), lambda: wheel.cancel(h), wheel.poll, wheel.stats):
+        for call in (lambda: wheel.add(1), lambda: wheel.cancel(h), wheel.poll, lambda: len(wheel)):
             with pytest.raises(shmwheel.CorruptSegmentError):
                 call()
         with pytest.raises(shmwheel.CorruptSegmentError, match="died holding the lock"):
             wheel.check()
+        assert wheel.stats().pending == 1 and len(wheel.producers()) == 1
     finally:
         header(wheel).flags &= ~lib.SHMW_F_DAMAGED
     assert wheel.cancel(h)

@@ -348,6 +348,16 @@ def test_unlink_refuses_a_wheel_in_use_unless_forced(name: str) -> None:
             w.add(1)
 
 
+def test_unlink_refuses_a_damaged_wheel_in_use_too(name: str) -> None:
+    """A wheel marked damaged is still looked into, and still in use."""
+    assert run("create", name, "--capacity", "10").returncode == 0
+    with shmwheel.attach(name) as w:
+        ffi.cast("struct shmw_header *", w._buf).flags |= lib.SHMW_F_DAMAGED
+        assert f"wheel {name!r} is in use: 1 process attached" in one_line_error(run("unlink", name))
+        assert (SHM / name).exists()
+        w.repair()
+
+
 def test_a_shrunk_segment_is_reported_by_check_stat_and_ls(name: str) -> None:
     """Shrinking the file under attached processes is beyond what they survive
     (SIGBUS), but the tools say so instead of dying of it."""

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -309,6 +310,62 @@ def test_request_timer_follows_its_wheel_when_it_is_replaced(name: str, caplog) 
     finally:
         old.close()
         new.close()
+
+
+def test_a_request_started_before_its_wheel_went_is_cancelled_there_even_with_no_wheel_to_follow(name: str) -> None:
+    """rm /dev/shm/NAME (or systemd-logind's RemoveIPC) under a running driver:
+    the worker finds nothing to attach, yet the request that ends in time must
+    still be cancelled in the old wheel, which the driver still drives."""
+    old = shmwheel.create(name, capacity=16, payload_size=PAYLOAD_SIZE)
+    timer = RequestTimer(name, 30.0, traceback_signal=None)
+    try:
+        h = timer.start("GET", "/finished-in-time")
+        os.unlink(f"/dev/shm/{name}")
+        timer._look_at = 0  # "a second later"
+        assert timer.start("GET", "/other") is None  # nothing to attach to
+        timer.finish(h)
+        assert len(old) == 0, "the finished request's timer would still fire"
+    finally:
+        old.close()
+
+
+def test_request_timer_threads_replacing_and_finishing_raise_nothing(name: str) -> None:
+    """finish() in some threads while another replaces the wheel (what a
+    thread does when its add says the wheel was removed) as fast as it can:
+    no AttributeError or closed-Wheel ValueError escapes into a request."""
+    shmwheel.create(name, capacity=1024, payload_size=PAYLOAD_SIZE).close()
+    timer = RequestTimer(name, 30.0, traceback_signal=None)
+    assert timer.prepare()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def finisher() -> None:
+        while not stop.is_set():
+            try:
+                timer.finish(12345)
+            except BaseException as exc:
+                errors.append(exc)
+
+    def replacer() -> None:
+        while not stop.is_set():
+            current = timer._wheel
+            if current is not None:
+                timer._replaced(current)
+            timer._ready()
+
+    threads = [threading.Thread(target=finisher) for _ in range(3)] + [threading.Thread(target=replacer)]
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(3.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(old_interval)
+    assert errors == []
 
 
 def test_request_timer_with_a_full_wheel_lets_requests_run(make_wheel, caplog) -> None:

@@ -74,6 +74,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -493,6 +494,20 @@ class TimeoutHandler:
 # -- the worker's side ------------------------------------------------------------
 
 
+# Every RequestTimer of this process, so that a forked child can give each a
+# lock of its own: the parent's may have been held, by a thread the child
+# does not have, at the moment of the fork.
+_request_timers: weakref.WeakSet[RequestTimer] = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    for timer in list(_request_timers):
+        timer._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks_after_fork)
+
+
 class RequestTimer:
     """A worker's request timers: :meth:`start` when a request comes in,
     :meth:`finish` when its response is done.
@@ -526,6 +541,7 @@ class RequestTimer:
         self._warned_at = -math.inf
         self._look_at = 0  # time.monotonic_ns() when to check the name still names our wheel
         self._old: list[Wheel] = []  # wheels replaced under us, for the cancels of their requests
+        _request_timers.add(self)
 
     def prepare(self) -> bool:
         """Attach this process and register the traceback signal now rather
@@ -534,8 +550,9 @@ class RequestTimer:
 
     def _ready(self) -> Wheel | None:
         pid = os.getpid()
-        if self._pid == pid and self._wheel is not None:
-            return self._wheel
+        wheel = self._wheel  # once: another thread may drop it meanwhile
+        if self._pid == pid and wheel is not None:
+            return wheel
         with self._lock:
             if self._pid != pid:  # first use in this process: forked, or new
                 self._pid = pid
@@ -565,8 +582,9 @@ class RequestTimer:
         now = time.monotonic_ns()
         if now >= self._look_at and self._pid == os.getpid():
             self._look_at = now + _LOOK_INTERVAL_NS
-            if self._wheel is not None and not self._wheel.is_current():  # removed by hand (rm, an old unlink)
-                self._replaced(self._wheel)
+            current = self._wheel  # once: another thread may drop it meanwhile
+            if current is not None and not current.is_current():  # removed by hand (rm, an old unlink)
+                self._replaced(current)
         wheel = self._ready()
         if wheel is None:
             return None
@@ -587,17 +605,22 @@ class RequestTimer:
             return None
 
     def finish(self, handle: int | None) -> None:
-        """Cancel the request's timer (nothing if it had none or it fired)."""
-        if handle is not None and self._wheel is not None and self._pid == os.getpid():
-            try:
-                # A handle cancels nothing in another wheel (each has its
-                # own key), so the old wheels are tried only when needed.
-                if not self._wheel.cancel(handle):
-                    for old in self._old:
-                        if old.cancel(handle):
-                            break
-            except ShmwheelError as exc:
-                self._warn(f"cancelling a request's timer failed: {exc}")
+        """Cancel the request's timer (nothing if it had none or it fired).
+
+        The wheel it was added to may have been replaced since, and none
+        attached again yet: its timer is still cancelled there, or a request
+        that ended in time would be timed out by a driver that still drives
+        the old wheel.  A handle cancels nothing in another wheel (each has
+        its own key), so the wheels are simply tried in turn."""
+        if handle is None or self._pid != os.getpid():
+            return
+        current, old = self._wheel, self._old  # once each: other threads replace them, never change them
+        try:
+            for wheel in (current, *old) if current is not None else old:
+                if wheel.cancel(handle):
+                    return
+        except ShmwheelError as exc:
+            self._warn(f"cancelling a request's timer failed: {exc}")
 
     def _replaced(self, wheel: Wheel) -> None:
         """``wheel`` was removed or replaced: attach the name again at the next start."""
@@ -606,10 +629,10 @@ class RequestTimer:
                 return  # another thread saw it first
             self._wheel = None
             self._retry_at = 0.0
-            self._old.insert(0, wheel)
-            for gone in self._old[_KEEP_OLD:]:  # their requests are long over
-                gone.close()
-            del self._old[_KEEP_OLD:]
+            # A new list, not the old one changed: a finish() in another
+            # thread may be walking that.  The oldest is let go, not closed,
+            # for the same reason; the collector unmaps it once unused.
+            self._old = [wheel, *self._old][:_KEEP_OLD]
         _log.info("wheel %r: it was removed or replaced; attaching the name again", self.name)
 
     def _warn(self, message: str) -> None:
