@@ -3,8 +3,8 @@
 Segments that are always unlinked, the driver's fire log, the exactly-once
 check, percentiles, CPU time over a window, the collection of producer
 reports, and the small helpers of every report (progress on stderr, strict
-JSON, SIGTERM as an exit).  ``driver.py``, ``micro.py`` and ``run.py`` import
-it; nothing here measures anything by itself.
+JSON, SIGTERM as an exit).  ``driver.py``, ``micro.py`` and ``compare/``
+import it; nothing here measures anything by itself.
 """
 
 from __future__ import annotations

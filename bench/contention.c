@@ -9,7 +9,7 @@
  * anonymous shared memory, adds a timer due in 5 s, keeps it for a while (the
  * last 600 of its timers are pending at any time) and cancels it; between
  * two operations it spins for GAP_NS (default 1200 ns, about what the
- * Python request loop of stress.py spends around each call).  It reports
+ * Python request loop of compare/stress.py spends around each call).  It reports
  * the time spent inside shmw_add and shmw_cancel, per operation, read with
  * clock_gettime around each call (two clock reads, some 50 ns, included).
  *

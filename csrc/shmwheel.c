@@ -1,6 +1,6 @@
 /*
- * shmwheel.c - the operations on a shmwheel segment.  See shmwheel.h for the
- * design and the byte layout.
+ * shmwheel.c - the operations on a shmwheel segment.  See docs/design.md for
+ * the design and the byte layout, shmwheel.h for the structs and the API.
  *
  * Conventions: public functions are shmw_*, file-local helpers have no
  * prefix.  Every public function checks its arguments and reads the clock

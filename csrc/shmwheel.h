@@ -1,136 +1,21 @@
 /*
  * shmwheel.h - a hierarchical timing wheel that lives in one POSIX
- * shared-memory segment and is shared by every process that maps it.
+ * shared-memory segment and is shared by every process that maps it: the
+ * segment's structs, its constants and the C API.  The design, with its
+ * reasons, is in docs/design.md.
  *
- * Design
- * ------
- * Producers (web workers, say) add and cancel timers; one driver advances
- * the clock and collects the timers that are due.  Everything lives in the
- * segment: there are no pointers in it, only fixed-width integers and
- * indices, because every process maps it at a different address.
+ * In short: `levels` levels of W = 2^wheel_bits buckets; level l buckets
+ * cover W^l ticks each (W=256, 1 ms tick: 1 ms, 256 ms, 65.5 s, 4.6 h,
+ * 49 days, 34.7 years), and a timer goes into the lowest level whose window
+ * of W buckets ahead of that level's clock holds it.  A min-heap of the
+ * non-empty buckets lets the clock jump between them.  Timers are slots of
+ * a slab, linked by index (SHMW_NIL ends a list); each bucket keeps one list
+ * per lane.  Byte layout from offset 0 (with its alignment in docs/design.md):
  *
- * Time is counted in ticks of tick_ns nanoseconds of CLOCK_MONOTONIC, which
- * all processes of a host share.  A timer asked for at deadline_ns expires
- * at tick
- *
- *     T = ceil(deadline_ns / tick_ns)
- *
- * and is handed out by the first poll whose "now" is >= T * tick_ns.  The
- * rounding is upward on purpose: a timer never fires before its deadline
- * and, with a driver polling every tick, at most one tick after it.
- * (Rounding down, as Kafka's wheel does, fires up to a tick early.)
- *
- * The wheel has `levels` levels of W = 2^wheel_bits buckets each.  Level l
- * has a granularity of W^l ticks.  The wheel clock is `elapsed`, the last
- * tick the driver has advanced to; level l's clock is elapsed rounded down
- * to its granularity.  A timer goes into the lowest level whose window of
- * W buckets ahead of that level's clock holds it (Kafka's placement):
- *
- *     level_for(elapsed, T) = min { l : (T >> l*wheel_bits)
- *                                       - (elapsed >> l*wheel_bits) < W }
- *
- * at slot (T >> l*wheel_bits) & (W - 1).  A bucket of level l covers W^l
- * consecutive ticks; its expiry is the first of them.  When the clock
- * reaches a bucket of level >= 1, the bucket is taken off whole and its
- * timers are put back relative to the new clock, which always lands them
- * in a strictly later bucket of a lower level (the "cascade"); a timer
- * cascades at most levels - 1 times in its life.  Level 0 buckets hold one
- * tick each, so reaching one fires everything in it.
- *
- *   level  granularity (W=256, 1 ms tick)   window ahead of the clock
- *   -----  ------------------------------   -------------------------
- *     0    1 tick          1 ms             255 ms
- *     1    W ticks         256 ms           65 s
- *     2    W^2 ticks       65.5 s           4.6 h
- *     3    W^3 ticks       4.6 h            49 days
- *     4    W^4 ticks       49 days          34.7 years
- *     5    W^5 ticks       34.7 years       8,900 years
- *
- * The number of levels is not a free parameter: create picks the smallest
- * count whose window covers SHMW_MAX_DELAY_NS from any clock value that an
- * int64 nanosecond count can hold, so a delay of up to SHMW_MAX_DELAY_NS
- * (2^62 ns, about 146 years) is always accepted and nothing overflows.
- *
- * Instead of ticking through empty buckets, the driver keeps a min-heap of
- * the non-empty buckets ordered by expiry (Kafka's DelayQueue idea).  A
- * poll pops due buckets only, so the clock jumps straight from one
- * non-empty bucket to the next; an idle wheel costs nothing to advance.
- * Adding to an empty bucket pushes it (O(log B) for B buckets); emptying
- * it by cancel removes it.
- *
- * Timer entries live in a slab allocated at create, with a free list.  A
- * handle names an entry and its generation:
- *
- *     handle = generation << slot_bits | index     (always < 2^63)
- *
- * where slot_bits is just enough bits for capacity - 1, and the generation
- * bits are XORed with the segment's handle key, a random number drawn at
- * create: a handle of another wheel names a generation that its slot here
- * has with a chance of 1 in 2^(63 - slot_bits), at most 1 in 2^32, so it
- * cancels nothing (cancel returns 0 as for a stale handle).  The generation
- * goes up every time an entry is freed, so a stale handle (fired,
- * cancelled, slot reused) never matches again and can never cancel
- * another process's timer.  An entry whose generation would wrap is
- * retired instead of reused, so a handle is never reused for the life of
- * the segment; with at least 31 generation bits that takes 2^31 reuses of
- * one entry.
- *
- * Lanes.  One lock serialises the producers, but what each of them writes
- * under it need not be shared.  Every attached process has a lane, its
- * producer slot modulo SHMW_LANES, and a timer lives in its adder's lane:
- * each bucket is SHMW_LANES lists, one a lane, and each lane keeps a
- * magazine of free slots, refilled from the shared free list and spilled
- * back to it SHMW_MAGAZINE at a time (the slab allocator's magazines).  An
- * add then writes its own lane's list, its own entries and its own
- * magazine; a cancel unlinks between its own entries.  The only line every
- * operation pulls from the last holder's CPU is the mutex's, which also
- * holds the counters they update (and the heap's, when a bucket turns
- * non-empty or empty).  With one list a bucket, two producers
- * interleave entries in the same list, and each add and cancel also
- * pulled the bucket's line, its list neighbours' and the free slot's from
- * the other CPU.  bench/contention.c, two processes on a 2-vCPU VM: 400 ns
- * an operation with one list a bucket, 245 with lanes, 120 alone (medians
- * of 8 runs).  The price: timers due in the same tick fire lane by lane
- * (each lane in add order), a bucket's lists cost 12 bytes a lane, and a
- * magazine may hold up to 2 * SHMW_MAGAZINE - 1 free slots, which another
- * lane takes only once the shared list is empty.
- *
- * Locking: one process-shared robust mutex guards every mutation and every
- * read of mutable state.  Nothing under it allocates, calls into Python or
- * makes a system call: the clock is read and every argument is checked
- * before it is taken.  The public functions release the GIL (cffi does).
- *
- * Trust: any process that maps the segment can scribble on it.  The
- * parameters are copied into process-private memory at open and only the
- * copies are used for bounds; every index read from the segment is checked
- * against them before use, and every walk is bounded.  A check that fails
- * returns SHMW_ECORRUPT.  Operations check what they will touch before they
- * change anything (the target bucket, the free slot, the in-flight tail),
- * so most failures leave the segment as it was; a scribble deep inside the
- * delay-heap can still be met half-way through a sift, and then the
- * segment is left for shmw_check to describe.
- *
- * Byte layout (all offsets from the start of the segment, host byte order)
- * -----------------------------------------------------------------------
- *
- *   0                 struct shmw_header      parameters, clocks, counters,
- *                                             the mutex (sizeof = H)
- *   align64(H)        struct shmw_bucket[B]   B = levels << wheel_bits;
- *                                             bucket (l, s) at l * W + s
- *   ... + 16 B        uint32_t heap[B]        the delay-heap of bucket
- *                                             indices, heap_len in use
- *   align64(...)      struct shmw_list        lane k's list of bucket b at
- *                       [SHMW_LANES][B]       k * B + b; 12 * B bytes a lane
- *                                             is whole 64-byte lines, as B
- *                                             is a multiple of 16
- *   align64(...)      slab[capacity]          `stride` bytes a slot: a
- *                                             struct shmw_entry, then
- *                                             payload_size bytes, then
- *                                             padding to 8
- *
- * Entries link by index; SHMW_NIL (0xffffffff) ends a list.  The magic is
- * written last at create, with release ordering, so a process that opens
- * a half-built segment sees no magic and refuses it.
+ *   struct shmw_header                       parameters, clocks, counters, mutex
+ *   struct shmw_bucket[B], uint32_t heap[B]  B = levels << wheel_bits
+ *   struct shmw_list[SHMW_LANES][B]          lane k's list of bucket b at k * B + b
+ *   slab[capacity]                           `stride` bytes a slot: entry, payload
  */
 #ifndef SHMWHEEL_H
 #define SHMWHEEL_H

@@ -31,7 +31,7 @@ unlinked however the run ends.
 
 Usage::
 
-    python bench/instructions.py [--requests N] [--json FILE]
+    python bench/compare/instructions.py [--requests N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -47,6 +48,10 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+# The helpers shared with the other benchmarks (_common) are one folder up,
+# in bench/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stress
 from _common import Segments, scratch

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """shmwheel side by side with the timers users pick today, in one run on this machine.
 
-``python bench/run.py`` from the repository root runs, in this order:
+``python bench/compare/run.py`` from the repository root runs, in this order:
 
-1. The micro-benchmark (``micro.py``): add, cancel, reset, the add+cancel
+1. The micro-benchmark (``bench/micro.py``): add, cancel, reset, the add+cancel
    pair, add_many and cancel_many, poll per fire, and the pair with 1 k to
    10 M timers pending (no 10 M level with ``--quick``).
 2. A tight loop of add+cancel pairs through each backend's adapter, from
@@ -42,8 +42,8 @@ round trip of one byte through a pipe to another process and back is
 measured too: every server-based peer pays at least that on each call.
 
 Output: a Markdown report on stdout, a progress bar on stderr, and with
-``--out FILE.json`` every figure plus the machine, and a PNG plot next to it
-(``--plot`` to put it elsewhere): requests/s by number of producers, and the
+``--out FILE.json`` its figures plus the machine (``--raw``: every sample
+too), and a PNG plot next to it (``--plot`` to put it elsewhere): requests/s by number of producers, and the
 lateness distribution of each backend with one producer.
 
 A backend whose server is not installed (no ``redis-server`` on PATH) is
@@ -59,8 +59,8 @@ removed.
 
 Usage::
 
-    python bench/run.py [--quick] [--out FILE.json] [--plot FILE.png]
-                        [--duration S] [--producers 1,2,4] [--skip-micro]
+    python bench/compare/run.py [--quick] [--out FILE.json] [--raw] [--plot FILE.png]
+                                [--duration S] [--producers 1,2,4] [--skip-micro]
 """
 
 from __future__ import annotations
@@ -77,6 +77,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# micro.py and the helpers shared with driver.py (_common, _machine) are one
+# folder up, in bench/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import micro
 import psutil
@@ -616,13 +620,40 @@ def document(results: Results, ts: list[Goal], machine: dict[str, Any], args: ar
     }
 
 
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` without its raw samples: every figure the report prints, no more.
+
+    What goes: each micro-benchmark case's repetitions (its minimum stays),
+    each run's lateness at every percentile (p50 to max stay), and the runs
+    inside each round but for their requests/s in all (the round's ratios
+    stay).
+    """
+
+    def round_summary(x: dict[str, Any]) -> dict[str, Any]:
+        rates = {f"{r['backend']} x{r['producers']}": r["requests_per_s_total"] for r in x["runs"]}
+        return {**{k: v for k, v in x.items() if k != "runs"}, "requests_per_s_total": rates}
+
+    return {
+        **doc,
+        "config": {k: v for k, v in doc["config"].items() if k != "lateness_cdf_pct"},
+        "stress": [{k: v for k, v in r.items() if k != "lateness_cdf_ms"} for r in doc["stress"]],
+        "rounds": [round_summary(x) for x in doc["rounds"]],
+        "micro": [{k: v for k, v in x.items() if k != "samples"} for x in doc["micro"]],
+    }
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs and no 10 M level: the CI smoke test")
-    parser.add_argument("--out", metavar="FILE.json", help="write every figure to FILE.json, and the plot beside it")
+    parser.add_argument(
+        "--out", metavar="FILE.json", help="write the figures of the report to FILE.json, and the plot beside it"
+    )
+    parser.add_argument(
+        "--raw", action="store_true", help="with --out: also every sample (repetitions, percentiles, each round's runs)"
+    )
     parser.add_argument("--plot", metavar="FILE.png", help="where the plot goes (default: beside --out)")
     parser.add_argument(
         "--duration", type=float, metavar="S", help=f"s of load a run (default {DURATION:g}, {QUICK_DURATION:g} quick)"
@@ -643,6 +674,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--producers must be between 1 and 64")
     if 1 not in args.producers:
         parser.error("--producers must include 1: every ratio is taken against one producer")
+    if args.raw and not args.out:
+        parser.error("--raw goes with --out")
     if args.duration is not None and not 0 < args.duration <= 600:
         parser.error("--duration must be more than 0 and at most 600 s")
     return args
@@ -684,6 +717,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         doc = document(results, ts, machine, args)
         doc["wall_s"] = wall
+        if not args.raw:
+            doc = summary(doc)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(strict_json(doc), f, indent=1, allow_nan=False)
             f.write("\n")
