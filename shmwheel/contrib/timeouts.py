@@ -1006,22 +1006,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def _user(value: str) -> int:
     """--user: a user name or a uid."""
-    if value.isdigit():
-        return int(value)
-    try:
-        return pwd.getpwnam(value).pw_uid
-    except KeyError:
-        raise argparse.ArgumentTypeError(f"no user named {value!r}") from None
+    return _id(value, "user", lambda name: pwd.getpwnam(name).pw_uid)
 
 
 def _group(value: str) -> int:
     """--group: a group name or a gid."""
+    return _id(value, "group", lambda name: grp.getgrnam(name).gr_gid)
+
+
+def _id(value: str, what: str, lookup: Callable[[str], int]) -> int:
     if value.isdigit():
         return int(value)
     try:
-        return grp.getgrnam(value).gr_gid
+        return lookup(value)
     except KeyError:
-        raise argparse.ArgumentTypeError(f"no group named {value!r}") from None
+        raise argparse.ArgumentTypeError(f"no {what} named {value!r}") from None
 
 
 def _target_ids(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int] | None:
