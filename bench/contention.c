@@ -2,7 +2,7 @@
  * contention.c - what an add or a cancel costs in C when other processes
  * share the segment, with no Python around it.
  *
- *     gcc -O2 -std=gnu11 -Icsrc bench/contention.c csrc/shmwheel.c -lpthread -lm -o /tmp/contention
+ *     gcc -O2 -flto -std=gnu11 -Icsrc bench/contention.c csrc/core/[a-z]*.c -lpthread -lm -o /tmp/contention
  *     /tmp/contention [GAP_NS [SECONDS [MAX_PRODUCERS [ROUNDS]]]]
  *
  * Each of 1 .. MAX_PRODUCERS (default 2) processes, forked onto one wheel in

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """How long the repair after a lock holder's death takes, by capacity.
 
-A child process is stopped (by the C core's test crash point) in the middle
-of an add, holding the lock, on a wheel with the given number of timers
+A child process is stopped (by a crash point of the core built for the
+tests, shmwheel._shmwheel_testing) in the middle of an add, holding the lock, on a wheel with the given number of timers
 pending; the time of the parent's next lock, which finds EOWNERDEAD and
 rebuilds the free list, buckets, heap and counters, is the repair time.
 Best of --repeat runs; the segment is removed whatever happens.
@@ -13,11 +13,23 @@ Usage: python bench/recovery.py [--capacity N ...] [--repeat N]
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import time
 
 import shmwheel
-from shmwheel._binding import lib
+from shmwheel import _shmwheel_testing as testing
+
+
+def crash_mid_add(name: str) -> None:
+    """In a child: map the segment, open it with the tests' core and die
+    half-way through an add, holding the lock."""
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+    with mmap.mmap(fd, 0) as mm:
+        out = testing.ffi.new("shmw_t **")
+        assert testing.lib.shmw_open(testing.ffi.from_buffer(mm), len(mm), out) == 0
+        testing.lib.shmw_test_crash_after(5)
+        testing.lib.shmw_add(out[0], 1.0, testing.ffi.NULL, 0, 0)
 
 
 def one_repair(capacity: int, fill: float) -> float:
@@ -29,9 +41,8 @@ def one_repair(capacity: int, fill: float) -> float:
             w.add_many([3600.0 + (start + i) * 1e-4 for i in range(min(100_000, n - start))])
         pid = os.fork()
         if pid == 0:
-            lib.shmw_test_crash_after(5)
             try:
-                w.add(1)
+                crash_mid_add(name)
             finally:
                 os._exit(0)
         os.waitpid(pid, 0)

@@ -1,9 +1,13 @@
-"""Build script for the cffi extension ``shmwheel._shmwheel``.
+"""Build script for the cffi extensions: ``shmwheel._shmwheel``, the core the
+package ships, and ``shmwheel._shmwheel_testing``, the same sources built
+with ``SHMW_TESTING`` for the test suite: a crash point before every store,
+the test hooks of ``testing.h``, and the segment's structs in its cdef for
+the white-box tests.  The shipped module has no test entry points.
 
-setuptools finds it through ``cffi_modules`` in setup.py.  The cdef is read
-from shmwheel.h itself, and names every constant with ``...`` so that the
-compiler, not Python, supplies the value: the header is the only place a
-declaration or a number is written down.
+setuptools finds both through ``cffi_modules`` in setup.py.  Each cdef is
+read from the headers themselves and names every constant with ``...``,
+so that the compiler, not Python, supplies the value: a header is the only
+place a declaration or a number is written down.
 """
 
 import re
@@ -11,93 +15,82 @@ from pathlib import Path
 
 from cffi import FFI
 
-HEADER = Path(__file__).with_name("shmwheel.h")
+CSRC = Path(__file__).resolve().parent
+# Relative to the project's root, where setuptools builds.
+CORE_SOURCES = sorted(f"csrc/core/{p.name}" for p in (CSRC / "core").glob("*.c"))
+CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-flto"]
+# The units are compiled apart and optimised together: the hot path
+# crosses wheel.c, slab.c and lock.c, and link-time optimisation inlines it
+# as if it were one file.
+LDFLAGS = ["-O2", "-flto"]
 
 
-def cdef_from_header(text: str) -> str:
-    """The cdef, read from shmwheel.h so that nothing is declared twice.
+def _read(name: str) -> str:
+    return (CSRC / name).read_text()
 
-    Every ``#define SHMW_*`` with a value becomes ``#define SHMW_* ...`` (the
-    compiler supplies the number), and the declarations between the "cffi
-    begin" and "cffi end" markers are taken as they stand, with array sizes
-    given as ``...``.
-    """
+
+def _between_markers(text: str) -> str:
+    return text[text.index("/* ---- cffi begin") : text.index("/* ---- cffi end")]
+
+
+def constants(text: str) -> str:
+    """Every ``#define SHMW_*`` with a value, as ``#define SHMW_* ...``."""
     names = re.findall(r"^#define (SHMW_\w+)\s+\S", text, flags=re.MULTILINE)
-    begin = text.index("/* ---- cffi begin")
-    end = text.index("/* ---- cffi end")
-    body = re.sub(r"\[SHMW_\w+\]", "[...]", text[begin:end])
-    return "\n".join(f"#define {name} ..." for name in names) + "\n" + SEGMENT_STRUCTS + body
+    return "".join(f"#define {name} ...\n" for name in names)
 
 
-# Partial views of the segment's own structs ("...;" lets the compiler fill
-# in the rest), for the white-box tests that read or scribble on a segment.
-SEGMENT_STRUCTS = """
-struct shmw_header {
-    uint64_t magic;
-    uint32_t version;
-    uint32_t capacity;
-    uint32_t payload_size;
-    uint32_t levels;
-    uint32_t stride;
-    uint64_t handle_key;
-    uint64_t elapsed;
-    uint32_t free_head;
-    uint32_t free_count;
-    uint32_t heap_len;
-    uint32_t flags;
-    uint32_t removed;
-    int32_t  driver_pid;
-    uint32_t driver_state;
-    int64_t  driver_start;
-    uint64_t sleep_until;
-    uint32_t inflight_head;
-    uint32_t inflight_tail;
-    uint32_t inflight_unsent;
-    uint32_t inflight;
-    uint32_t wake_word;
-    struct shmw_lane lanes[...];
-    ...;
-};
-struct shmw_lane {
-    uint32_t free_head;
-    uint32_t free_count;
-    ...;
-};
-struct shmw_bucket {
-    uint64_t expires;
-    uint32_t heap_pos;
-    uint32_t lanes;
-};
-struct shmw_list {
-    uint32_t head;
-    uint32_t tail;
-    uint32_t count;
-};
-struct shmw_entry {
-    int64_t  deadline_ns;
-    uint64_t generation;
-    int64_t  fired_at_ns;
-    uint32_t next;
-    uint32_t prev;
-    uint32_t bucket;
-    uint8_t  state;
-    uint8_t  flags;
-    uint16_t producer;
-    int32_t  owner_pid;
-    uint32_t payload_len;
-};
-"""
+def declarations(text: str) -> str:
+    """The declarations between the "cffi begin" and "cffi end" markers, as
+    they stand, with array sizes given as ``...``."""
+    return re.sub(r"\[SHMW_\w+\]", "[...]", _between_markers(text))
+
+
+def partial_structs(text: str) -> str:
+    """The structs between the markers as partial structs: attributes and
+    the fields cffi cannot name (the mutex) dropped, and ``...;`` at the
+    end of each, so that the compiler places the fields that are left."""
+    body = declarations(text)
+    body = re.sub(r"__attribute__\(\(\w+\(\d+\)\)\)", "", body)
+    body = "\n".join(line for line in body.splitlines() if "pthread_" not in line)
+    return re.sub(r"\n}\s*;", "\n    ...;\n};", body)
+
+
+SHIPPED = _read("shmwheel.h")
+TESTING = _read("testing.h")
+SEGMENT = _read("core/core.h")
 
 ffibuilder = FFI()
-ffibuilder.cdef(cdef_from_header(HEADER.read_text()))
+ffibuilder.cdef(constants(SHIPPED) + declarations(SHIPPED))
 ffibuilder.set_source(
     "shmwheel._shmwheel",
     '#include "shmwheel.h"',
-    sources=["csrc/shmwheel.c"],
+    sources=CORE_SOURCES,
     include_dirs=["csrc"],
-    extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden"],
+    extra_compile_args=CFLAGS,
+    extra_link_args=LDFLAGS,
+    libraries=["m", "pthread"],
+)
+
+testing_ffibuilder = FFI()
+testing_ffibuilder.cdef(
+    constants(SHIPPED)
+    + constants(SEGMENT)
+    + constants(TESTING)
+    + declarations(SHIPPED)
+    + partial_structs(SEGMENT)
+    + declarations(TESTING)
+)
+testing_ffibuilder.set_source(
+    "shmwheel._shmwheel_testing",
+    '#include "testing.h"\n#include "core/core.h"',
+    sources=[*CORE_SOURCES, "csrc/testing.c"],
+    include_dirs=["csrc"],
+    define_macros=[("SHMW_TESTING", None)],
+    extra_compile_args=CFLAGS,
+    extra_link_args=LDFLAGS,
     libraries=["m", "pthread"],
 )
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
+    testing_ffibuilder.compile(verbose=True)

@@ -55,10 +55,19 @@ _MESSAGES: dict[int, tuple[type[Exception], str]] = {
     lib.SHMW_ECLOSED: (ValueError, "operation on a closed Wheel"),
     lib.SHMW_EDRIVER: (DriverRunningError, "a driver is registered on segment {name!r}"),
     lib.SHMW_EIO: (OSError, "writing fires to the driver's fd or FIFO failed"),
-    lib.SHMW_EPRODUCER: (
+    lib.SHMW_EPRODUCERS: (
         WheelFullError,
         f"segment {{name!r}} records {lib.SHMW_MAX_PRODUCERS} attached processes: none is left for "
-        "cancel_on_exit (a driver frees the slots of those that have exited once a second)",
+        "cancel_on_exit (a driver frees the ids of those that have exited once a second)",
+    ),
+    lib.SHMW_ENOTATTACHED: (
+        RuntimeError,
+        "this process has no producer id in segment {name!r}: it has not attached since it was forked",
+    ),
+    lib.SHMW_ENOTDRIVER: (DriverRunningError, "another driver took over segment {name!r}"),
+    lib.SHMW_ESTALE: (
+        RuntimeError,
+        "the producer id in segment {name!r} no longer holds that process: another reaped it first",
     ),
     lib.SHMW_EREMOVED: (
         SegmentRemovedError,

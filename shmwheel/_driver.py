@@ -3,15 +3,15 @@ fires to a handler.
 
 Two threads besides the main one:
 
-* the clock (``shmw_drive_clock``, in C without the GIL) sleeps in
+* the clock (``shmw_driver_clock``, in C without the GIL) sleeps in
   FUTEX_WAIT until the earliest non-empty bucket is due, or until a
   producer adds an earlier timer, and moves what is due onto the segment's
   in-flight list, stamping ``fired_at``; a slow handler never holds it up;
 * the dispatcher takes the in-flight fires not yet handed out
-  (``shmw_drive_take``, which sleeps without the GIL until the clock fires
+  (``shmw_driver_take``, which sleeps without the GIL until the clock fires
   some), calls the handler for each, and acknowledges a batch once its
   handlers have returned, which frees the slots.  For an external consumer
-  the second thread is a writer instead (``shmw_drive_writer``): it writes
+  the second thread is a writer instead (``shmw_driver_writer``): it writes
   the fires as fixed-size records to an fd or a named FIFO, whose reader
   reads them with :class:`FireReader` and acknowledges them itself; a slow
   reader blocks the writer and only it.
@@ -181,7 +181,7 @@ class Driver:
                 self._drive(wheel, me, on_ready)
             finally:
                 rc = lib.shmw_driver_register(wheel._w, 0, 0, me, my_start)
-                if rc not in (0, lib.SHMW_EDRIVER):
+                if rc not in (0, lib.SHMW_ENOTDRIVER):
                     wheel._raise(rc)
                 _log.info("driver %d: stopped on wheel %r", me, self.name)
         finally:
@@ -218,7 +218,7 @@ class Driver:
                 if pid:
                     _log.warning("driver %d: took over wheel %r from driver %d, which is gone", me, self.name, pid)
                 return
-            if rc != lib.SHMW_EDRIVER:
+            if rc != lib.SHMW_ENOTDRIVER:
                 wheel._raise(rc)
 
     def _drive(self, wheel: Wheel, me: int, on_ready: Callable[[], object] | None) -> None:
@@ -231,7 +231,7 @@ class Driver:
 
         def clock() -> None:
             rc = self._repairing(
-                wheel, "the clock", lambda: lib.shmw_drive_clock(wheel._w, self._clock_stop, _CLOCK_BATCH)
+                wheel, "the clock", lambda: lib.shmw_driver_clock(wheel._w, self._clock_stop, _CLOCK_BATCH)
             )
             if rc:
                 errors.append(wheel._error(rc))
@@ -241,7 +241,7 @@ class Driver:
             buf = ffi.new("char[]", _SEND_BATCH * wheel._record.size)
             try:
                 rc = self._repairing(
-                    wheel, "the writer", lambda: lib.shmw_drive_writer(wheel._w, fd, self._send_stop, buf, _SEND_BATCH)
+                    wheel, "the writer", lambda: lib.shmw_driver_writer(wheel._w, fd, self._send_stop, buf, _SEND_BATCH)
                 )
                 if rc == lib.SHMW_EIO:
                     errors.append(OSError(ffi.errno, f"writing fires failed: {os.strerror(ffi.errno)}"))
@@ -446,7 +446,7 @@ class Driver:
 
         def take() -> int:
             return self._repairing(
-                wheel, "the dispatcher", lambda: lib.shmw_drive_take(wheel._w, self._send_stop, buf, _SEND_BATCH)
+                wheel, "the dispatcher", lambda: lib.shmw_driver_take(wheel._w, self._send_stop, buf, _SEND_BATCH)
             )
 
         while (n := take()) > 0:

@@ -80,7 +80,7 @@ _reset = lib.shmw_reset
 _reset_at = lib.shmw_reset_at
 _pending = lib.shmw_pending
 _CANCEL_ON_EXIT = lib.SHMW_CANCEL_ON_EXIT
-_EPRODUCER = lib.SHMW_EPRODUCER
+_ENOTATTACHED = lib.SHMW_ENOTATTACHED
 _REAP_CHUNK = 65536  # slots a reap looks at per lock hold
 #: Seconds a Wheel waits before it asks again for a producer slot the
 #: table had none of: the ask is one lock hold, but an add that needs the
@@ -295,8 +295,8 @@ class Wheel:
         except OverflowError:
             raise too_big(delay, "delay") from None
         if h < 0:
-            if h == _EPRODUCER and self._attach_producer():  # first use, or forked since
-                h = _add(self._w, delay, payload, len(payload), _CANCEL_ON_EXIT)
+            if h == _ENOTATTACHED:  # first use, or forked since
+                h = self._attach_producer() or _add(self._w, delay, payload, len(payload), _CANCEL_ON_EXIT)
             if h < 0:
                 self._raise(h, "delay", delay)
         return h
@@ -314,8 +314,8 @@ class Wheel:
         except OverflowError:
             raise too_big(deadline, "deadline") from None
         if h < 0:
-            if h == _EPRODUCER and self._attach_producer():  # first use, or forked since
-                h = _add_at(self._w, deadline, payload, len(payload), _CANCEL_ON_EXIT)
+            if h == _ENOTATTACHED:  # first use, or forked since
+                h = self._attach_producer() or _add_at(self._w, deadline, payload, len(payload), _CANCEL_ON_EXIT)
             if h < 0:
                 self._raise(h, "deadline", deadline)
         return h
@@ -336,14 +336,14 @@ class Wheel:
                 continue
             for first in range(0, self._capacity, _REAP_CHUNK):  # short lock holds
                 n = lib.shmw_producer_reap(self._w, slot, pid, start, first, _REAP_CHUNK)
-                if n == _EPRODUCER:
+                if n == lib.SHMW_ESTALE:
                     break  # reaped by someone else meanwhile
                 if n < 0:
                     self._raise(n)
                 cancelled += n
             else:
                 rc = lib.shmw_producer_release(self._w, slot, pid, start)
-                if rc not in (0, _EPRODUCER):
+                if rc not in (0, lib.SHMW_ESTALE):
                     self._raise(rc)
         return cancelled
 
@@ -357,23 +357,23 @@ class Wheel:
             self._raise(rc)
         return [(k, pids[k], starts[k], spaces[k]) for k in range(lib.SHMW_MAX_PRODUCERS) if pids[k]]
 
-    def _attach_producer(self) -> bool:
-        """Take this process's slot in the producer table; False if it is full.
+    def _attach_producer(self) -> int:
+        """Take this process's producer id: 0, or SHMW_EPRODUCERS if the table is full.
 
         One lock hold: a full table is not swept here (judging a thousand
         processes takes a thousand reads of /proc); the driver frees the
-        slots of the processes that have exited once a second, and this
+        ids of the processes that have exited once a second, and this
         Wheel asks again at most once a second meanwhile.
         """
         if time.monotonic() < self._producer_retry_at:
-            return False
+            return int(lib.SHMW_EPRODUCERS)
         me = os.getpid()
         rc: int = lib.shmw_producer_attach(self._w, me, start_time(me) or 0, pid_namespace())
-        if rc < 0 and rc != _EPRODUCER:
+        if rc < 0 and rc != lib.SHMW_EPRODUCERS:
             self._raise(rc)
         self._producer = rc
         self._producer_retry_at = -math.inf if rc >= 0 else time.monotonic() + _PRODUCER_RETRY
-        return rc >= 0
+        return min(rc, 0)
 
     def cancel(self, handle: int) -> bool:
         """Cancel a pending timer.  True exactly when it will now never fire."""
@@ -619,7 +619,7 @@ class Wheel:
         rc = lib.shmw_driver_register(self._w, 0, 0, pid, start)
         if rc == 0:
             _log.warning("wheel %r: released the registration of driver %d, which is gone", self._name, pid)
-        elif rc != lib.SHMW_EDRIVER:
+        elif rc != lib.SHMW_ENOTDRIVER:  # another process released it first
             self._raise(rc)
         return True
 

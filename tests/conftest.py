@@ -9,8 +9,13 @@ or like the wheels the servers and the demo under test make, is left in
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import itertools
 import os
+import sys
 import threading
 import time
 import uuid
@@ -21,9 +26,30 @@ from typing import NamedTuple
 import posix_ipc
 import pytest
 
-import shmwheel
-from shmwheel._binding import ffi, lib
-from shmwheel._process import start_time
+
+class _TestingCore(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Gives the package the core built for the tests (csrc/testing.h) where
+    it imports its shipped one: the same sources with a crash point before
+    every store, the test hooks and the segment's structs.  In this process
+    only: the servers and commands the tests start run the shipped core."""
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "shmwheel._shmwheel":
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> object:
+        return importlib.import_module("shmwheel._shmwheel_testing")
+
+    def exec_module(self, module: object) -> None:
+        pass
+
+
+sys.meta_path.insert(0, _TestingCore())
+
+import shmwheel  # noqa: E402  (after the finder: the package binds the core it imports)
+from shmwheel._binding import ffi, lib  # noqa: E402
+from shmwheel._process import start_time  # noqa: E402
 
 PREFIX = f"shmwheel-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -112,7 +138,7 @@ class Layout(NamedTuple):
 
 def layout(w: shmwheel.Wheel) -> Layout:
     outs = [ffi.new("uint64_t *") for _ in Layout._fields]
-    assert lib.shmw_layout(w._w, *outs) == 0
+    assert lib.shmw_test_layout(w._w, *outs) == 0
     return Layout(*(int(o[0]) for o in outs))
 
 
@@ -131,9 +157,9 @@ def entry(w: shmwheel.Wheel, index: int):  # type: ignore[no-untyped-def]
 
 def handle_of(w: shmwheel.Wheel, index: int, generation: int) -> int:
     """The handle of slab slot ``index`` at ``generation``, as the C core makes it."""
-    slot_bits = (w.capacity - 1).bit_length()
-    key = ffi.cast("struct shmw_header *", w._buf).handle_key & ((1 << (63 - slot_bits)) - 1)
-    return (generation ^ key) << slot_bits | index
+    index_bits = lib.shmw_index_bits(w.capacity)
+    key = ffi.cast("struct shmw_header *", w._buf).handle_key & ((1 << (63 - index_bits)) - 1)
+    return (generation ^ key) << index_bits | index
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
@@ -155,7 +181,7 @@ def put_in_flight(w: shmwheel.Wheel, at_least: int) -> None:
     assert lib.shmw_driver_register(w._w, me, me_start, 0, 0) == 0
     stop = ffi.new("int *")
     result: list[int] = []
-    clock = threading.Thread(target=lambda: result.append(lib.shmw_drive_clock(w._w, stop, 8)))
+    clock = threading.Thread(target=lambda: result.append(lib.shmw_driver_clock(w._w, stop, 8)))
     clock.start()
     give_up = time.monotonic() + 10
     while w.stats().in_flight < at_least and time.monotonic() < give_up:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import math
 import os
 import pickle
 import random
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -789,3 +791,25 @@ def test_threads_share_a_wheel_and_the_gil_is_released(make_wheel) -> None:
         if gaps[-1] < switch:
             break
     assert min(gaps) < switch, f"no Python ran for {min(gaps):.4f} s of a {end - start:.4f} s call into C, 5 times"
+
+
+def test_the_shipped_core_has_no_test_entry_points() -> None:
+    """The suite runs on the core built with the test hooks (conftest.py);
+    the module the package ships is the same sources without them, and
+    without the segment's structs in its cdef."""
+    probe = (
+        "import json\n"
+        "from shmwheel import _shmwheel as shipped, _shmwheel_testing as testing\n"
+        "def names(m): return sorted(n for n in dir(m.lib) if n.startswith(('shmw_', 'SHMW_')))\n"
+        "def structs(m): return sorted(n for n in m.ffi.list_types()[1] if n.startswith('shmw_'))\n"
+        "print(json.dumps([names(shipped), names(testing), structs(shipped), structs(testing)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    shipped, testing, shipped_structs, testing_structs = json.loads(out)
+    hooks = {"shmw_test_crash_after", "shmw_test_stop_after", "shmw_test_layout", "SHMW_CRASH_EXIT"}
+    assert hooks <= set(testing), "the tests' core lost a hook"
+    assert not hooks & set(shipped), "a test hook ships"
+    assert set(shipped) < set(testing), "the tests' core lacks something the shipped one has"
+    assert shipped_structs == ["shmw_fire", "shmw_params", "shmw_stats"]
+    assert {"shmw_header", "shmw_entry", "shmw_bucket"} <= set(testing_structs)
+    assert hasattr(lib, "shmw_test_crash_after"), "this process should run on the tests' core"

@@ -134,9 +134,9 @@ def test_ticks_ceil_boundaries(tick_ns: int) -> None:
     assert lib.shmw_ticks_ceil(big, tick_ns) == -(-big // tick_ns)
 
 
-def test_slot_bits() -> None:
+def test_index_bits() -> None:
     for capacity, bits in [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (1024, 10), (1025, 11), (2**31 - 1, 31)]:
-        assert lib.shmw_slot_bits(capacity) == bits
+        assert lib.shmw_index_bits(capacity) == bits
 
 
 def seconds_to_ns(x: float) -> int:

@@ -136,9 +136,9 @@ def test_a_scribbled_generation_is_retired_and_the_driver_goes_on(make_wheel, st
     wheel = make_wheel(capacity=100)
     out = tmp_path / "fires.jsonl"
     handles = [wheel.add(0.5, b"t%d" % i) for i in range(10)]
-    slot_bits = (wheel.capacity - 1).bit_length()
-    victim = handles[3] & ((1 << slot_bits) - 1)
-    entry(wheel, victim).generation |= 1 << (63 - slot_bits)  # the handle's sign bit
+    index_bits = lib.shmw_index_bits(wheel.capacity)
+    victim = handles[3] & ((1 << index_bits) - 1)
+    entry(wheel, victim).generation |= 1 << (63 - index_bits)  # the handle's sign bit
     driver = start(wheel.name, functools.partial(record, str(out)))
     wait_for(lambda: len(read_records(out)) >= 9)
     later = wheel.add(0.05, b"after")  # and it goes on firing

@@ -80,7 +80,7 @@ def test_scribbled_bucket_expiry_fails_an_add_without_changing_anything(make_whe
     st = w.stats()
     # The bucket the first timer went to: the one with a lane in use.
     buckets = ffi.cast("struct shmw_bucket *", w._buf + layout(w).buckets)
-    used = next(i for i in range(w.levels * w.wheel_size) if buckets[i].lanes)
+    used = next(i for i in range(w.levels * w.wheel_size) if buckets[i].lane_mask)
     buckets[used].expires += 1
     try:
         with pytest.raises(shmwheel.CorruptSegmentError):
@@ -93,7 +93,7 @@ def test_scribbled_bucket_expiry_fails_an_add_without_changing_anything(make_whe
 
 def my_lane(w: shmwheel.Wheel):
     """This process's magazine of free slots."""
-    return header(w).lanes[w._producer % lib.SHMW_LANES]
+    return header(w).magazines[w._producer % lib.SHMW_LANES]
 
 
 def test_a_scribbled_magazine_count_is_reported_before_the_checker_walks_it(make_wheel) -> None:
@@ -119,13 +119,13 @@ def test_scribbled_lane_bits_fail_a_cancel_without_changing_anything(make_wheel)
     w = make_wheel(capacity=16)
     h = w.add(60)
     buckets = ffi.cast("struct shmw_bucket *", w._buf + layout(w).buckets)
-    used = next(i for i in range(w.levels * w.wheel_size) if buckets[i].lanes)
-    buckets[used].lanes |= 1 << lib.SHMW_LANES
+    used = next(i for i in range(w.levels * w.wheel_size) if buckets[i].lane_mask)
+    buckets[used].lane_mask |= 1 << lib.SHMW_LANES
     try:
         with pytest.raises(shmwheel.CorruptSegmentError):
             w.cancel(h)
     finally:
-        buckets[used].lanes &= ~(1 << lib.SHMW_LANES)
+        buckets[used].lane_mask &= ~(1 << lib.SHMW_LANES)
     assert w.cancel(h), "the failed cancel changed the timer"
     assert header(w).heap_len == 0, "the emptied bucket stayed in the delay-heap"
 
@@ -144,7 +144,7 @@ def test_a_scribbled_producer_fails_a_cancel_without_touching_another_lane(make_
     try:
         assert slot >= 0 and slot % lib.SHMW_LANES != w._producer % lib.SHMW_LANES
         theirs = [other.add_at(at) for _ in range(2)]
-        middle = entry(w, mine[1] & ((1 << lib.shmw_slot_bits(w.capacity)) - 1))
+        middle = entry(w, mine[1] & ((1 << lib.shmw_index_bits(w.capacity)) - 1))
         real = middle.producer
         middle.producer = slot
         st = w.stats()
@@ -254,7 +254,7 @@ def test_scribbled_in_flight_tail_stops_the_clock_cleanly(make_wheel) -> None:
         hd.inflight_tail = 0x20000000
         stop = ffi.new("int *")
         try:
-            assert lib.shmw_drive_clock(w._w, stop, 16) == lib.SHMW_ECORRUPT
+            assert lib.shmw_driver_clock(w._w, stop, 16) == lib.SHMW_ECORRUPT
         finally:
             hd.inflight_tail = lib.SHMW_NIL
         assert len(w) == 1 and w.stats().in_flight == 0, "the timer left its bucket"

@@ -167,7 +167,7 @@ def run_clock(w: shmwheel.Wheel, seconds: float) -> None:
     """This process as the driver's clock for a while (it must be registered)."""
     stop = ffi.new("int *")
     result = []
-    t = threading.Thread(target=lambda: result.append(lib.shmw_drive_clock(w._w, stop, 4)))
+    t = threading.Thread(target=lambda: result.append(lib.shmw_driver_clock(w._w, stop, 4)))
     t.start()
     time.sleep(seconds)
     stop[0] = 1
@@ -218,7 +218,7 @@ def case_with_fires_sent() -> Case:
     hd = ffi.cast("struct shmw_header *", case.wheel._buf)
     case.extra["in_flight"] = sorted(in_flight(case.wheel))
     assert len(case.extra["in_flight"]) == hd.inflight >= 5
-    hd.inflight_unsent = lib.SHMW_NIL  # all of it taken, as shmw_drive_take marks it
+    hd.inflight_unsent = lib.SHMW_NIL  # all of it taken, as shmw_driver_take marks it
     for _, e in entries(case.wheel):
         if e.state == lib.SHMW_INFLIGHT:
             e.flags |= lib.SHMW_SENT

@@ -1,0 +1,404 @@
+/*
+ * driver.c - the in-flight FIFO and the driver's registration and loops.
+ *
+ * A timer the driver's clock fires does not leave the segment: it moves,
+ * in state SHMW_INFLIGHT, to the tail of the in-flight FIFO, and stays
+ * there until its handler has run and the driver acknowledges it, so that
+ * a driver that dies loses nothing - the next one sends all of it again,
+ * marked redelivered.  The clock (driver_clock) and the dispatcher or
+ * writer (driver_take, driver_writer) are two threads of the driver's
+ * process that sleep on the header's futex words, not on the lock.
+ *
+ * Invariants kept: the FIFO is doubly linked, exactly `inflight` long, and
+ * holds exactly the entries in flight; the unsent cursor is NIL or on it,
+ * and the entries before it, and only those, are marked SHMW_SENT.  Every
+ * loop here stops with SHMW_ENOTDRIVER as soon as the registration names
+ * another process: what is unsent is then the new driver's to hand out.
+ */
+#include "core.h"
+#include "heap-inl.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ---- the in-flight FIFO ----------------------------------------------------- */
+
+int shmw__inflight_can_take(const shmw_t *w)
+{
+    /* Whether the FIFO's tail can be appended to (checked before the entry
+     * leaves its bucket). */
+    const struct shmw_header *h = w->hdr;
+
+    if (h->inflight_tail == SHMW_NIL)
+        return h->inflight == 0 && h->inflight_head == SHMW_NIL ? SHMW_OK : SHMW_ECORRUPT;
+    return h->inflight > 0 && h->inflight_tail < w->capacity ? SHMW_OK : SHMW_ECORRUPT;
+}
+
+void shmw__inflight_append(shmw_t *w, uint32_t i)
+{
+    struct shmw_header *h = w->hdr;
+    struct shmw_entry *e = entry_at(w, i);
+
+    COMMIT(e->state, SHMW_INFLIGHT);
+    STORE(e->bucket, SHMW_NIL);
+    STORE(e->next, SHMW_NIL);
+    STORE(e->prev, h->inflight_tail);
+    if (h->inflight_tail == SHMW_NIL)
+        STORE(h->inflight_head, i);
+    else
+        STORE(entry_at(w, h->inflight_tail)->next, i);
+    STORE(h->inflight_tail, i);
+    if (h->inflight_unsent == SHMW_NIL)
+        STORE(h->inflight_unsent, i);
+    STORE(h->inflight, h->inflight + 1);
+}
+
+#define FAIL(...) do { \
+        if (reason) snprintf(reason, reason_len, __VA_ARGS__); \
+        return SHMW_ECORRUPT; \
+    } while (0)
+
+int shmw__inflight_audit(const shmw_t *w, char *reason, uint32_t reason_len)
+{
+    /* The one walk of the whole FIFO: `inflight` steps from the head, each
+     * an entry in flight linked back to the one before, then NIL at the
+     * tail; the entries before the unsent cursor marked sent, the rest
+     * not; the cursor NIL or on the list.  It bounds and checks every
+     * step, so the caller may walk the list again unchecked. */
+    const struct shmw_header *h = w->hdr;
+    uint32_t i = h->inflight_head, prev = SHMW_NIL, k;
+    int past_cursor = 0;
+
+    if (h->inflight > w->capacity)
+        FAIL("in-flight list: %u entries, over the capacity", h->inflight);
+    for (k = 0; k < h->inflight; k++) {
+        const struct shmw_entry *e;
+        if (i >= w->capacity)
+            FAIL("in-flight list: step %u has index %u out of bounds", k, i);
+        e = entry_at(w, i);
+        if (e->state != SHMW_INFLIGHT || e->prev != prev)
+            FAIL("in-flight list: entry %u is not linked as in flight", i);
+        past_cursor |= i == h->inflight_unsent;
+        if (((e->flags & SHMW_SENT) != 0) == past_cursor)
+            FAIL("in-flight list: entry %u is %s the unsent cursor", i,
+                 past_cursor ? "marked sent after" : "not marked sent before");
+        prev = i;
+        i = e->next;
+    }
+    if (i != SHMW_NIL || h->inflight_tail != prev)
+        FAIL("in-flight list: does not end after %u entries", h->inflight);
+    if (!past_cursor && h->inflight_unsent != SHMW_NIL)
+        FAIL("in-flight list: the unsent cursor %u is not on it", h->inflight_unsent);
+    return SHMW_OK;
+}
+
+#undef FAIL
+
+static int inflight_unlink(shmw_t *w, uint32_t i)
+{
+    struct shmw_header *h = w->hdr;
+    uint32_t next = entry_at(w, i)->next;
+
+    if (h->inflight == 0)
+        return SHMW_ECORRUPT;
+    if (shmw__list_unlink(w, &h->inflight_head, &h->inflight_tail, i))
+        return SHMW_ECORRUPT;
+    if (h->inflight_unsent == i)
+        STORE(h->inflight_unsent, next);
+    STORE(h->inflight, h->inflight - 1);
+    return SHMW_OK;
+}
+
+int shmw__ack_entry(shmw_t *w, uint32_t i)
+{
+    /* In-flight entry i off the FIFO, freed and counted acknowledged. */
+    int rc = inflight_unlink(w, i);
+
+    if (rc == SHMW_OK)
+        shmw__slab_free(w, i, &w->hdr->acked);
+    return rc;
+}
+
+void shmw__write_record(const shmw_t *w, uint32_t i, char *rec)
+{
+    /* One fire record from entry i. */
+    struct shmw_entry *e = entry_at(w, i);
+    struct shmw_fire *f = (struct shmw_fire *)rec;
+    uint32_t len = e->payload_len <= w->payload_size ? e->payload_len : 0;
+
+    f->handle = handle_of(w, i);
+    f->deadline_ns = e->deadline_ns;
+    f->fired_at_ns = e->fired_at_ns;
+    f->owner_pid = e->owner_pid;
+    f->payload_len = len;
+    f->flags = e->flags & SHMW_REDELIVERED;
+    f->_pad = 0;
+    if (len)
+        memcpy(rec + sizeof(*f), (char *)(e + 1), len);
+}
+
+int shmw__inflight_drain(shmw_t *w, uint32_t max, char *records, uint32_t *n)
+{
+    /* For poll, on a wheel with no driver: up to `max` fires left in
+     * flight by a dead driver, into `records`, acknowledged at once. */
+    struct shmw_header *h = w->hdr;
+    uint32_t stride = record_stride(w);
+    int rc;
+
+    *n = 0;
+    while (*n < max && h->inflight_head != SHMW_NIL) {
+        uint32_t i = h->inflight_head;
+        if (i >= w->capacity || entry_at(w, i)->state != SHMW_INFLIGHT || !shmw__entry_sane(w, entry_at(w, i)))
+            return SHMW_ECORRUPT;       /* the caller hands out the *n before it */
+        shmw__write_record(w, i, records + (uint64_t)*n * stride);
+        if ((rc = shmw__ack_entry(w, i)))
+            return rc;
+        (*n)++;
+    }
+    return SHMW_OK;
+}
+
+/* ---- registration ------------------------------------------------------------ */
+
+void shmw_wake(shmw_t *w)
+{
+    if (!w)
+        return;
+    __atomic_add_fetch(&w->hdr->wake_word, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&w->hdr->outbox_word, 1, __ATOMIC_SEQ_CST);
+    shmw__futex_wake_all(&w->hdr->wake_word);
+    shmw__futex_wake_all(&w->hdr->outbox_word);
+}
+
+int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_pid, int64_t expect_start)
+{
+    struct shmw_header *h;
+    uint32_t i;
+    int rc;
+
+    if (pid < 0)
+        return SHMW_EINVAL;
+    if ((rc = shmw__enter(w)))
+        return rc;
+    h = w->hdr;
+    if (h->driver_pid != expect_pid || (expect_pid != 0 && h->driver_start != expect_start)) {
+        shmw__unlock(w);
+        return SHMW_ENOTDRIVER;
+    }
+    if (shmw__inflight_audit(w, NULL, 0)) {
+        shmw__unlock(w);
+        return SHMW_ECORRUPT;
+    }
+    /* Whatever is in flight now was fired by a driver that is gone: send
+     * all of it again, marked.  The audit has bounded the walk. */
+    for (i = h->inflight_head; i != SHMW_NIL; i = entry_at(w, i)->next) {
+        struct shmw_entry *e = entry_at(w, i);
+        if (!(e->flags & SHMW_REDELIVERED))
+            STORE(h->redelivered, h->redelivered + 1);
+        STORE(e->flags, (uint8_t)((e->flags | SHMW_REDELIVERED) & ~SHMW_SENT));
+    }
+    STORE(h->inflight_unsent, h->inflight_head);
+    STORE(h->driver_pid, pid);
+    STORE(h->driver_start, pid ? start : 0);
+    STORE(h->driver_state, pid ? SHMW_DRIVER_RUNNING : SHMW_DRIVER_NONE);
+    STORE(h->sleep_until, 0);
+    shmw__unlock(w);
+    return SHMW_OK;
+}
+
+int shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state)
+{
+    int rc;
+
+    if (state > SHMW_DRIVER_STOPPING)
+        return SHMW_EINVAL;
+    if ((rc = shmw__enter(w)))
+        return rc;
+    if (w->hdr->driver_pid != pid)
+        rc = SHMW_ENOTDRIVER;
+    else
+        STORE(w->hdr->driver_state, state);
+    shmw__unlock(w);
+    return rc;
+}
+
+/* ---- the clock ------------------------------------------------------------------ */
+
+int shmw_driver_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
+{
+    /* Fires what is due in batches of at most `batch` per lock hold, so a
+     * burst of a million timers does not shut producers out, then sleeps
+     * until the earliest bucket is due or a producer adds an earlier one.
+     * There is no periodic tick: an idle wheel sleeps in FUTEX_WAIT. */
+    struct shmw_header *h;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (batch == 0)
+        return SHMW_EINVAL;
+    h = w->hdr;
+    while (!*stop) {
+        int64_t now_ns = shmw_now_ns();
+        int64_t until_ns = -1;
+        uint32_t fired = 0, seen;
+        uint64_t next;
+        int more = 0;
+
+        if ((rc = shmw__lock(w)))
+            return rc;
+        if (h->driver_pid != shmw__pid) {
+            shmw__unlock(w);
+            return SHMW_ENOTDRIVER;   /* someone took over: stop at once */
+        }
+        STORE(h->sleep_until, 0);
+        rc = shmw__advance(w, (uint64_t)now_ns / (uint64_t)w->tick_ns, now_ns, batch, NULL, &fired, &more);
+        if (fired)
+            __atomic_add_fetch(&h->outbox_word, 1, __ATOMIC_SEQ_CST);
+        if (rc) {
+            shmw__unlock(w);
+            if (fired)          /* what it moved in flight before the error is the dispatcher's */
+                shmw__futex_wake_all(&h->outbox_word);
+            return rc;
+        }
+        if (!more) {
+            /* Nothing more is due: sleep until the earliest bucket, but
+             * never longer than SHMW_MAX_SLEEP_NS.  The cap bounds the
+             * stall if a producer dies between lowering sleep_until and
+             * its FUTEX_WAKE (or under the lock): a later add for the same
+             * moment skips the wake, so only the sleeper can recover. */
+            until_ns = now_ns + SHMW_MAX_SLEEP_NS;
+            if (heap_top(w, &next)) {
+                STORE(h->sleep_until, next);
+                if (ticks_to_ns(w, next) < until_ns)
+                    until_ns = ticks_to_ns(w, next);
+            } else {
+                STORE(h->sleep_until, UINT64_MAX);
+            }
+        }
+        seen = __atomic_load_n(&h->wake_word, __ATOMIC_SEQ_CST);
+        shmw__unlock(w);
+        if (fired)
+            shmw__futex_wake_all(&h->outbox_word);
+        if (!more && !*stop)
+            shmw__futex_wait_until(&h->wake_word, seen, until_ns);
+    }
+    return SHMW_OK;
+}
+
+/* ---- the dispatcher and the writer ------------------------------------------- */
+
+int shmw_driver_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t cap)
+{
+    /* Copies up to `cap` unsent fires out of the segment under the lock
+     * and marks them sent; with none unsent, sleeps until the clock fires
+     * some.  Returns how many, or 0 once *stop is set and nothing is left
+     * unsent. */
+    struct shmw_header *h;
+    uint32_t stride;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (cap == 0 || cap > INT32_MAX)
+        return SHMW_EINVAL;
+    h = w->hdr;
+    stride = record_stride(w);
+    for (;;) {
+        uint32_t n = 0, seen, i;
+        int stopping;
+
+        if ((rc = shmw__lock(w)))
+            return rc;
+        if (h->driver_pid != shmw__pid) {
+            shmw__unlock(w);
+            return SHMW_ENOTDRIVER;
+        }
+        /* *stop is read after the word: a stop set before this load is
+         * seen here, and one set after it bumps the word past `seen`, so
+         * the FUTEX_WAIT below returns at once.  No stop is missed. */
+        seen = __atomic_load_n(&h->outbox_word, __ATOMIC_SEQ_CST);
+        stopping = __atomic_load_n(stop, __ATOMIC_SEQ_CST);
+        i = h->inflight_unsent;
+        while (n < cap && i != SHMW_NIL) {
+            struct shmw_entry *e;
+            /* An entry marked sent is one the cursor should be past: a
+             * scribbled cursor, which would hand it out twice. */
+            if (i >= w->capacity || (e = entry_at(w, i))->state != SHMW_INFLIGHT || !shmw__entry_sane(w, e)
+                || (e->flags & SHMW_SENT)) {
+                if (n > 0)
+                    break;      /* hand out what was taken; the next take meets it */
+                shmw__unlock(w);
+                return SHMW_ECORRUPT;
+            }
+            shmw__write_record(w, i, buf + (uint64_t)n * stride);
+            STORE(e->flags, e->flags | SHMW_SENT);
+            n++;
+            i = e->next;
+        }
+        STORE(h->inflight_unsent, i);
+        shmw__unlock(w);
+        if (n)
+            return (int)n;
+        if (stopping)
+            return 0;
+        shmw__futex_wait_until(&h->outbox_word, seen, -1);
+    }
+}
+
+static int write_all(int fd, const char *buf, size_t len)
+{
+    while (len > 0) {
+        ssize_t k = write(fd, buf, len);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            return SHMW_EIO;
+        }
+        buf += k;
+        len -= (size_t)k;
+    }
+    return SHMW_OK;
+}
+
+int shmw_driver_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap)
+{
+    /* Takes fires and writes them to the fd outside the lock.  A slow
+     * reader blocks this thread only: the clock goes on firing into the
+     * in-flight FIFO meanwhile. */
+    int n;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    while ((n = shmw_driver_take(w, stop, buf, cap)) > 0) {
+        int rc = write_all(fd, buf, (size_t)n * record_stride(w));
+        if (rc)
+            return rc;
+    }
+    return n;
+}
+
+int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors)
+{
+    uint32_t k, done = 0;
+    int rc;
+
+    for (k = 0; k < n; k++)
+        if (handles[k] < 0)
+            return SHMW_EHANDLE;
+    if ((rc = shmw__enter(w)))
+        return rc;
+    STORE(w->hdr->handler_errors, w->hdr->handler_errors + errors);
+    for (k = 0; k < n; k++) {
+        uint32_t i = shmw__lookup(w, handles[k], SHMW_INFLIGHT);
+        if (i == SHMW_NIL)
+            continue;
+        if ((rc = shmw__ack_entry(w, i)))
+            break;
+        done++;
+    }
+    shmw__unlock(w);
+    return rc ? rc : (int)done;
+}

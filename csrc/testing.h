@@ -1,0 +1,29 @@
+/*
+ * testing.h - the test hooks, built only into the tests' module
+ * (shmwheel._shmwheel_testing, with SHMW_TESTING defined) and never into the
+ * shipped one.  csrc/build_shmwheel.py reads the declarations below for the
+ * tests' cdef, as it reads shmwheel.h for the shipped one.
+ */
+#ifndef SHMWHEEL_TESTING_H
+#define SHMWHEEL_TESTING_H
+
+#include "shmwheel.h"
+
+/* The exit status of a process stopped by shmw_test_crash_after. */
+#define SHMW_CRASH_EXIT 86
+
+/* ---- cffi begin ---------------------------------------------------------- */
+
+/* _exit(SHMW_CRASH_EXIT) before this process's n-th store to any segment
+ * from now on (0: never). */
+void shmw_test_crash_after(long n);
+/* The same, but the process stops itself (SIGSTOP) there, holding the
+ * lock, and carries on when it is continued. */
+void shmw_test_stop_after(long n);
+/* Where the regions after the header start, in bytes from the segment's. */
+int  shmw_test_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t *lists_off,
+                      uint64_t *slab_off);
+
+/* ---- cffi end ------------------------------------------------------------ */
+
+#endif /* SHMWHEEL_TESTING_H */
