@@ -180,9 +180,9 @@ class Driver:
             try:
                 self._drive(wheel, me, on_ready)
             finally:
-                rc = lib.shmw_driver_register(wheel._w, 0, 0, me, my_start)
+                rc = lib.shmw_driver_register(wheel.core, 0, 0, me, my_start)
                 if rc not in (0, lib.SHMW_EDRIVER):
-                    wheel._raise(rc)
+                    raise wheel.error(rc)
                 _log.info("driver %d: stopped on wheel %r", me, self.name)
         finally:
             wheel.close()
@@ -197,11 +197,11 @@ class Driver:
 
         def register() -> int:
             nonlocal pid, start
-            st = wheel._raw_stats()
+            st = wheel.raw_stats()
             pid, start = st.driver_pid, st.driver_start
             if pid and alive(pid, start):
                 raise DriverRunningError(f"a driver (pid {pid}) is already running on wheel {self.name!r}")
-            rc: int = lib.shmw_driver_register(wheel._w, me, my_start, pid, start)
+            rc: int = lib.shmw_driver_register(wheel.core, me, my_start, pid, start)
             if rc == 0 and st.inflight:
                 _log.warning("driver %d: redelivering %d fires left in flight", me, st.inflight)
             return rc
@@ -219,7 +219,7 @@ class Driver:
                     _log.warning("driver %d: took over wheel %r from driver %d, which is gone", me, self.name, pid)
                 return
             if rc != lib.SHMW_EDRIVER:
-                wheel._raise(rc)
+                raise wheel.error(rc)
 
     def _drive(self, wheel: Wheel, me: int, on_ready: Callable[[], object] | None) -> None:
         out_fd = None
@@ -231,22 +231,24 @@ class Driver:
 
         def clock() -> None:
             rc = self._repairing(
-                wheel, "the clock", lambda: lib.shmw_drive_clock(wheel._w, self._clock_stop, _CLOCK_BATCH)
+                wheel, "the clock", lambda: lib.shmw_drive_clock(wheel.core, self._clock_stop, _CLOCK_BATCH)
             )
             if rc:
-                errors.append(wheel._error(rc))
+                errors.append(wheel.error(rc))
                 self.stop()
 
         def writer(fd: int) -> None:
-            buf = ffi.new("char[]", _SEND_BATCH * wheel._record.size)
+            buf = ffi.new("char[]", _SEND_BATCH * wheel.fire_record.size)
             try:
                 rc = self._repairing(
-                    wheel, "the writer", lambda: lib.shmw_drive_writer(wheel._w, fd, self._send_stop, buf, _SEND_BATCH)
+                    wheel,
+                    "the writer",
+                    lambda: lib.shmw_drive_writer(wheel.core, fd, self._send_stop, buf, _SEND_BATCH),
                 )
                 if rc == lib.SHMW_EIO:
                     errors.append(OSError(ffi.errno, f"writing fires failed: {os.strerror(ffi.errno)}"))
                 elif rc:  # taking them out of the segment failed: ECORRUPT, ELOCK...
-                    errors.append(wheel._error(rc))
+                    errors.append(wheel.error(rc))
                 if rc:
                     self.stop()
             finally:
@@ -292,12 +294,12 @@ class Driver:
             # has fired; let the handlers finish and acknowledge.  The
             # threads use the mapping, so they must be gone before run()
             # closes the wheel.
-            lib.shmw_driver_set_state(wheel._w, me, lib.SHMW_DRIVER_STOPPING)
+            lib.shmw_driver_set_state(wheel.core, me, lib.SHMW_DRIVER_STOPPING)
             self._clock_stop[0] = 1
-            lib.shmw_wake(wheel._w)
+            lib.shmw_wake(wheel.core)
             clock_thread.join()
             self._send_stop[0] = 1
-            lib.shmw_wake(wheel._w)
+            lib.shmw_wake(wheel.core)
             sender.join()
             if self._external:
                 self._await_external_acks(wheel)
@@ -346,7 +348,7 @@ class Driver:
             rc = call()
             try:
                 if rc == lib.SHMW_ELOCK:
-                    raise wheel._error(rc)
+                    raise wheel.error(rc)
                 if rc != lib.SHMW_ECORRUPT:
                     return rc
                 in_a_row = 0 if self._repair(wheel, who) else in_a_row + 1
@@ -373,13 +375,13 @@ class Driver:
         count = [errors]  # counted by the first call only
 
         def ack() -> int:
-            rc: int = lib.shmw_ack_many(wheel._w, arr, len(handles), count[0])
+            rc: int = lib.shmw_ack_many(wheel.core, arr, len(handles), count[0])
             count[0] = 0
             return rc
 
         rc = self._repairing(wheel, "an acknowledgement", ack)
         if rc < 0:
-            wheel._raise(rc)
+            raise wheel.error(rc)
 
     def _report_unseen(self, wheel: Wheel, me: int) -> None:
         """Say once per producer that runs in another PID namespace what this driver cannot do for it."""
@@ -404,7 +406,7 @@ class Driver:
         that for a consumer that is merely a little behind.
         """
         give_up = time.monotonic() + self._ack_timeout
-        while wheel._raw_stats().inflight and time.monotonic() < give_up:
+        while wheel.raw_stats().inflight and time.monotonic() < give_up:
             time.sleep(0.01)
 
     def _open_output(self) -> int | None:
@@ -440,13 +442,13 @@ class Driver:
         no pipe, no writer thread to wake, no system call but the futex
         wait when there is nothing to do.
         """
-        rec = wheel._record
+        rec = wheel.fire_record
         buf = ffi.new("char[]", _SEND_BATCH * rec.size)
         view = memoryview(ffi.buffer(buf))
 
         def take() -> int:
             return self._repairing(
-                wheel, "the dispatcher", lambda: lib.shmw_drive_take(wheel._w, self._send_stop, buf, _SEND_BATCH)
+                wheel, "the dispatcher", lambda: lib.shmw_drive_take(wheel.core, self._send_stop, buf, _SEND_BATCH)
             )
 
         while (n := take()) > 0:
@@ -463,7 +465,7 @@ class Driver:
             self.handler_errors += errors
             self._ack(wheel, [f.handle for f in fires], errors)
         if n < 0:
-            wheel._raise(n)
+            raise wheel.error(n)
 
     def _handle(self, fires: list[Fire]) -> int:
         """Call the handler on each fire of a batch; return how many failed.
@@ -497,7 +499,7 @@ def _read_batches(wheel: Wheel, fd: int) -> Iterator[list[Fire]]:
     Reads into one buffer allocated up front: os.read would allocate (and
     glibc mmap and munmap) a fresh 256 KiB object for every read.
     """
-    rec = wheel._record
+    rec = wheel.fire_record
     buf = bytearray(max(rec.size, _READ_SIZE - _READ_SIZE % rec.size))
     view = memoryview(buf)
     have = 0
@@ -518,9 +520,9 @@ def _ack(wheel: Wheel, handles: list[int], errors: int) -> None:
     if not handles and not errors:
         return
     arr = ffi.new("int64_t[]", handles) if handles else ffi.NULL
-    rc = lib.shmw_ack_many(wheel._w, arr, len(handles), errors)
+    rc = lib.shmw_ack_many(wheel.core, arr, len(handles), errors)
     if rc < 0:
-        wheel._raise(rc)
+        raise wheel.error(rc)
 
 
 class FireReader:

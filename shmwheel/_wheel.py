@@ -160,7 +160,7 @@ class Wheel:
         self._capacity = self._payload_size = 0  # for an error message until the stats say
         lib.shmw_set_lock_timeout(self._w, round(lock_timeout * 1e9))
         try:
-            st = self._raw_stats()
+            st = self.raw_stats()
         except BaseException:  # the lock not taken in time
             self._w = ffi.NULL
             ffi.release(buf)
@@ -533,7 +533,7 @@ class Wheel:
         return n
 
     def stats(self) -> WheelStats:
-        st = self._raw_stats()
+        st = self.raw_stats()
         tick_ns = st.tick_ns
         return WheelStats(
             pending=st.pending,
@@ -610,7 +610,7 @@ class Wheel:
         What it had in flight is marked redelivered and handed out by the
         next poll (or the next driver).
         """
-        st = self._raw_stats()
+        st = self.raw_stats()
         pid, start = st.driver_pid, st.driver_start
         if pid == 0:
             return True
@@ -632,18 +632,37 @@ class Wheel:
         exc.holder_pid = pid
         return exc
 
-    def _raw_stats(self) -> Any:
+    def _raise(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> NoReturn:
+        raise self.error(rc, what, value, detail)
+
+    # -- for the package: the driver's way into the segment -----------------
+
+    @property
+    def core(self) -> Any:
+        """For the package: the C core's ``shmw_t *`` for this mapping (NULL
+        once closed), the first argument of a ``lib.shmw_*`` call.  The
+        methods on the add/cancel path read the slot behind it directly."""
+        return self._w
+
+    @property
+    def fire_record(self) -> struct.Struct:
+        """For the package: the layout of one fire record of this segment,
+        as ``shmw_poll`` and the driver's takes and writes hand them out."""
+        return self._record
+
+    def raw_stats(self) -> Any:
+        """For the package: the C core's ``struct shmw_stats``, read in one
+        lock hold (:meth:`stats` is what it says in Python)."""
         st = ffi.new("struct shmw_stats *")
         rc = lib.shmw_stats(self._w, st)
         if rc < 0:
             self._raise(rc)
         return st
 
-    def _raise(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> NoReturn:
-        raise self._error(rc, what, value, detail)
-
-    def _error(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> Exception:
-        """The exception for the C core's negative code ``rc`` on this wheel."""
+    def error(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> Exception:
+        """For the package: the exception for the C core's negative code
+        ``rc`` on this wheel, ``what`` and ``value`` naming the argument a
+        time error is about, ``detail`` added to the message."""
         if rc in (lib.SHMW_ETIME, lib.SHMW_ERANGE) and value is not None:
             what = f"{what} {value!r}"
         if rc == lib.SHMW_ELOCK:
