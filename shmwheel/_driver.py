@@ -50,8 +50,8 @@ from typing import Any
 
 from ._binding import ffi, lib
 from ._checks import LOCK_TIMEOUT, check_lock_timeout
-from ._errors import CorruptSegmentError, DriverRunningError, DriverStartError, LockTimeoutError
-from ._process import alive, start_time
+from ._errors import CorruptSegmentError, DriverStartError, LockTimeoutError
+from ._process import start_time
 from ._records import Fire, decode_records
 from ._wheel import Wheel, attach, observe
 
@@ -190,18 +190,16 @@ class Driver:
     # -- internals ----------------------------------------------------------
 
     def _register(self, wheel: Wheel, me: int, my_start: int) -> None:
-        """Register as the wheel's driver, repairing a segment a scribble
+        """Register as the wheel's driver, taking over from one that is gone
+        (:meth:`Wheel.take_over_driver`) and repairing a segment a scribble
         broke first: a driver that cannot start is a driver that restarts
         for ever, and nothing fires meanwhile."""
-        pid = start = 0
+        gone = 0
 
         def register() -> int:
-            nonlocal pid, start
-            st = wheel.raw_stats()
-            pid, start = st.driver_pid, st.driver_start
-            if pid and alive(pid, start):
-                raise DriverRunningError(f"a driver (pid {pid}) is already running on wheel {self.name!r}")
-            rc: int = lib.shmw_driver_register(wheel.core, me, my_start, pid, start)
+            nonlocal gone
+            rc, st = wheel.take_over_driver(me, my_start)
+            gone = st.driver_pid
             if rc == 0 and st.inflight:
                 _log.warning("driver %d: redelivering %d fires left in flight", me, st.inflight)
             return rc
@@ -215,8 +213,8 @@ class Driver:
                     raise
                 continue
             if rc == 0:
-                if pid:
-                    _log.warning("driver %d: took over wheel %r from driver %d, which is gone", me, self.name, pid)
+                if gone:
+                    _log.warning("driver %d: took over wheel %r from driver %d, which is gone", me, self.name, gone)
                 return
             if rc != lib.SHMW_EDRIVER:
                 raise wheel.error(rc)

@@ -43,6 +43,7 @@ from ._checks import (
 )
 from ._errors import (
     CorruptSegmentError,
+    DriverRunningError,
     IncompatibleSegmentError,
     LockTimeoutError,
     SegmentExistsError,
@@ -610,16 +611,13 @@ class Wheel:
         What it had in flight is marked redelivered and handed out by the
         next poll (or the next driver).
         """
-        st = self.raw_stats()
-        pid, start = st.driver_pid, st.driver_start
-        if pid == 0:
-            return True
-        if alive(pid, start):
-            return False
-        rc = lib.shmw_driver_register(self._w, 0, 0, pid, start)
-        if rc == 0:
-            _log.warning("wheel %r: released the registration of driver %d, which is gone", self._name, pid)
-        elif rc != lib.SHMW_EDRIVER:
+        try:
+            rc, st = self.take_over_driver()
+        except DriverRunningError:
+            return False  # poll() raises its own EDRIVER
+        if rc == 0 and st.driver_pid:
+            _log.warning("wheel %r: released the registration of driver %d, which is gone", self._name, st.driver_pid)
+        elif rc not in (0, lib.SHMW_EDRIVER):
             self._raise(rc)
         return True
 
@@ -658,6 +656,31 @@ class Wheel:
         if rc < 0:
             self._raise(rc)
         return st
+
+    def take_over_driver(self, pid: int = 0, start: int = 0) -> tuple[int, Any]:
+        """For the package: the one takeover of a dead driver's registration,
+        by :meth:`poll` (``pid`` 0: it only releases it) and by a driver
+        (its own pid and start time: it takes it).
+
+        A registered driver whose pid is alive and started when the
+        registration says is never taken over: DriverRunningError.  Any
+        other registration is replaced by ``(pid, start)`` in one lock
+        hold, which marks what the dead driver had in flight redelivered,
+        for the next driver or poll.  Returns the C core's code for that -
+        0; SHMW_EDRIVER if the registration changed since it was read (call
+        again); an error for the caller to raise or repair - and the stats
+        read before it (``driver_pid``: the driver replaced, 0 for none;
+        ``inflight``: what is redelivered).  Releasing a registration that
+        nobody holds does nothing and returns 0.
+        """
+        st = self.raw_stats()
+        gone, gone_start = st.driver_pid, st.driver_start
+        if gone and alive(gone, gone_start):
+            raise DriverRunningError(f"a driver (pid {gone}) is already running on wheel {self._name!r}")
+        if not gone and not pid:
+            return 0, st
+        rc: int = lib.shmw_driver_register(self._w, pid, start, gone, gone_start)
+        return rc, st
 
     def error(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> Exception:
         """For the package: the exception for the C core's negative code
