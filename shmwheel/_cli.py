@@ -1,7 +1,9 @@
 """The ``shmwheel`` command line (``python -m shmwheel`` or ``shmwheel``).
 
 ``create``, ``stat``, ``ls``, ``check`` and ``unlink`` manage segments;
-``driver`` runs a wheel's driver (shmwheel._driver); ``demo`` shows it all.
+``driver`` runs a wheel's :class:`~shmwheel.Driver` in the foreground, its
+fires going to a handler it loads by name, to stdout as lines of JSON
+(``--jsonl``) or to the log; ``demo`` shows it all.
 As the Unix tools around it do: results on stdout, an error as one line
 "shmwheel: ..." on stderr and exit status 1, a usage error exit status 2
 (argparse's), Ctrl-C 130, and a reader that goes away (``shmwheel ls | head
@@ -11,7 +13,10 @@ As the Unix tools around it do: results on stdout, an error as one line
 from __future__ import annotations
 
 import argparse
+import importlib
+import itertools
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -26,6 +31,7 @@ from typing import Any, TypeVar
 
 from ._binding import lib
 from ._checks import CAPACITIES, PAYLOAD_SIZES, not_a_tick, not_a_wheel_size, not_between
+from ._driver import Driver, Handler, OutputFailed, dedicated_process
 from ._errors import DriverRunningError, IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError, one_line
 from ._process import alive
 from ._records import Fire, Producer, WheelStats
@@ -296,10 +302,91 @@ def _create(args: argparse.Namespace) -> int:
     return 0
 
 
-def _driver(args: argparse.Namespace) -> int:
-    from ._driver import driver_main  # only this command needs the driver's machinery
+# -- the driver command ---------------------------------------------------------
 
-    return driver_main(args.name, args.handler, args.jsonl)
+
+def _load_handler(spec: str) -> Handler:
+    """The function ``--handler pkg.module:function`` names.
+
+    The module is looked for in the current directory first, as uvicorn and
+    gunicorn do: ``python -m shmwheel`` has it on sys.path, the installed
+    ``shmwheel`` script would not.  It stays there, so that the handler's own
+    imports find their neighbours as they would under ``python -m``.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--handler takes pkg.module:function, not {spec!r}")
+    cwd = os.getcwd()
+    if sys.path[:1] != [cwd]:
+        sys.path.insert(0, cwd)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import handler module {module_name!r}: {exc}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"module {module_name!r} has no {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"handler {spec!r} is not callable")
+    handler: Handler = obj
+    return handler
+
+
+def _json_line(fire: Fire) -> bytes:
+    obj = {
+        "handle": fire.handle,
+        "deadline": fire.deadline,
+        "fired_at": fire.fired_at,
+        "payload_hex": fire.payload.hex(),
+        "owner_pid": fire.owner_pid,
+        "redelivered": fire.redelivered,
+    }
+    return (json.dumps(obj) + "\n").encode()
+
+
+class _JsonLinesDriver(Driver):
+    """``driver --jsonl``: a line of JSON a fire on stdout.
+
+    A fire counts as handled once its line is written, so a batch is written
+    before it is acknowledged, with write(2) straight to the fd (one call for
+    the batch, as a flush would be): on an error it is known which lines got
+    out.  When the reader has gone (EPIPE) or the output fails otherwise,
+    the driver stops and leaves the fire whose line did not get out, and
+    those after it, in flight for the next driver.
+    """
+
+    def __init__(self, name: str, fd: int) -> None:
+        super().__init__(name)
+        self._out = fd
+
+    def handle_batch(self, fires: list[Fire]) -> int:
+        lines = [_json_line(fire) for fire in fires]
+        data = memoryview(b"".join(lines))
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(self._out, data[written:])
+        except OSError as exc:
+            ends = itertools.accumulate(len(line) for line in lines)
+            raise OutputFailed(sum(1 for end in ends if end <= written), exc) from None
+        return 0
+
+
+def _driver(args: argparse.Namespace) -> int:
+    """``shmwheel driver NAME``: drive a wheel in the foreground until SIGTERM or SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    dedicated_process()
+    if args.jsonl:
+        sys.stdout.flush()  # the lines go straight to the fd, past this buffer
+        driver: Driver = _JsonLinesDriver(args.name, sys.stdout.fileno())
+    else:
+        driver = Driver(args.name, _load_handler(args.handler) if args.handler else None)
+    signal.signal(signal.SIGTERM, lambda *_: driver.stop())
+    signal.signal(signal.SIGINT, lambda *_: driver.stop())
+    driver.run()
+    return 0
 
 
 def _report(

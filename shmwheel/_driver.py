@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import importlib
-import itertools
-import json
 import logging
 import math
 import multiprocessing as mp
@@ -42,7 +39,6 @@ import os
 import queue
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -55,7 +51,7 @@ from ._process import start_time
 from ._records import Fire, decode_records
 from ._wheel import Wheel, attach, observe
 
-__all__ = ["Driver", "DriverProcess", "FireReader", "driver_main", "start_driver"]
+__all__ = ["Driver", "DriverProcess", "FireReader", "Handler", "OutputFailed", "dedicated_process", "start_driver"]
 
 _log = logging.getLogger("shmwheel.driver")
 
@@ -255,7 +251,7 @@ class Driver:
         def dispatch() -> None:
             try:
                 self._dispatch(wheel)
-            except _OutputFailed as exc:
+            except OutputFailed as exc:
                 # How a pipeline ends (`--jsonl | head -1`), not a failure of ours: no traceback.
                 _log.info("driver %d: stopping: writing the fires failed (%s)", me, exc.error.strerror)
                 errors.append(exc.error)
@@ -452,8 +448,8 @@ class Driver:
         while (n := take()) > 0:
             fires = decode_records(rec, view[: n * rec.size])
             try:
-                errors = self._handle(fires)
-            except _OutputFailed as exc:
+                errors = self.handle_batch(fires)
+            except OutputFailed as exc:
                 # The fire it failed on and those after it stay in flight:
                 # the next driver (or poll()) hands them out again.
                 self.fired += exc.delivered
@@ -465,10 +461,12 @@ class Driver:
         if n < 0:
             raise wheel.error(n)
 
-    def _handle(self, fires: list[Fire]) -> int:
-        """Call the handler on each fire of a batch; return how many failed.
+    def handle_batch(self, fires: list[Fire]) -> int:
+        """For the package: call the handler on each fire of a batch; return
+        how many failed.  A driver that hands fires out otherwise (the
+        command line's ``--jsonl``) overrides it.
 
-        Raises _OutputFailed, with how many fires got out, when the rest of
+        Raises OutputFailed, with how many fires got out, when the rest of
         the batch cannot be delivered and the driver must stop.
         """
         errors = 0
@@ -481,7 +479,7 @@ class Driver:
         return errors
 
 
-class _OutputFailed(Exception):
+class OutputFailed(Exception):
     """Where a driver writes its fires failed for good (stdout's reader has
     gone): the first ``delivered`` fires of the batch got out, the rest did not."""
 
@@ -655,90 +653,3 @@ def start_driver(
         proc.join()
         raise result
     return DriverProcess(proc)
-
-
-# -- the command line ------------------------------------------------------------
-
-
-def _load_handler(spec: str) -> Handler:
-    """The function ``--handler pkg.module:function`` names.
-
-    The module is looked for in the current directory first, as uvicorn and
-    gunicorn do: ``python -m shmwheel`` has it on sys.path, the installed
-    ``shmwheel`` script would not.  It stays there, so that the handler's own
-    imports find their neighbours as they would under ``python -m``.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--handler takes pkg.module:function, not {spec!r}")
-    cwd = os.getcwd()
-    if sys.path[:1] != [cwd]:
-        sys.path.insert(0, cwd)
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import handler module {module_name!r}: {exc}") from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"module {module_name!r} has no {attr!r}") from None
-    if not callable(obj):
-        raise ValueError(f"handler {spec!r} is not callable")
-    handler: Handler = obj
-    return handler
-
-
-def _json_line(fire: Fire) -> bytes:
-    obj = {
-        "handle": fire.handle,
-        "deadline": fire.deadline,
-        "fired_at": fire.fired_at,
-        "payload_hex": fire.payload.hex(),
-        "owner_pid": fire.owner_pid,
-        "redelivered": fire.redelivered,
-    }
-    return (json.dumps(obj) + "\n").encode()
-
-
-class _JsonLinesDriver(Driver):
-    """``driver --jsonl``: a line of JSON a fire on stdout.
-
-    A fire counts as handled once its line is written, so a batch is written
-    before it is acknowledged, with write(2) straight to the fd (one call for
-    the batch, as a flush would be): on an error it is known which lines got
-    out.  When the reader has gone (EPIPE) or the output fails otherwise,
-    the driver stops and leaves the fire whose line did not get out, and
-    those after it, in flight for the next driver.
-    """
-
-    def __init__(self, name: str, fd: int) -> None:
-        super().__init__(name)
-        self._out = fd
-
-    def _handle(self, fires: list[Fire]) -> int:
-        lines = [_json_line(fire) for fire in fires]
-        data = memoryview(b"".join(lines))
-        written = 0
-        try:
-            while written < len(data):
-                written += os.write(self._out, data[written:])
-        except OSError as exc:
-            ends = itertools.accumulate(len(line) for line in lines)
-            raise _OutputFailed(sum(1 for end in ends if end <= written), exc) from None
-        return 0
-
-
-def driver_main(name: str, handler: str | None, jsonl: bool) -> int:
-    """``shmwheel driver NAME``: drive a wheel in the foreground until SIGTERM or SIGINT."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    dedicated_process()
-    if jsonl:
-        sys.stdout.flush()  # the lines go straight to the fd, past this buffer
-        driver: Driver = _JsonLinesDriver(name, sys.stdout.fileno())
-    else:
-        driver = Driver(name, _load_handler(handler) if handler else None)
-    signal.signal(signal.SIGTERM, lambda *_: driver.stop())
-    signal.signal(signal.SIGINT, lambda *_: driver.stop())
-    driver.run()
-    return 0

@@ -27,7 +27,8 @@ from conftest import entry, wait_for
 
 import shmwheel
 from shmwheel._binding import lib
-from shmwheel._driver import _json_line, _JsonLinesDriver, _OutputFailed
+from shmwheel._cli import _json_line, _JsonLinesDriver
+from shmwheel._driver import OutputFailed
 from shmwheel._process import start_time
 
 # -- handlers (run in the driver process) -------------------------------------------
@@ -385,8 +386,8 @@ def test_jsonl_output_cut_short_delivers_only_the_lines_written_whole() -> None:
     leave = threading.Timer(0.2, os.close, (r,))  # the reader goes away while the write waits for it
     leave.start()
     try:
-        with pytest.raises(_OutputFailed) as failed:
-            driver._handle(fires)
+        with pytest.raises(OutputFailed) as failed:
+            driver.handle_batch(fires)
     finally:
         leave.join()
         os.close(w)
