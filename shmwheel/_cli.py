@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ._binding import lib
-from ._checks import CAPACITIES, PAYLOAD_SIZES, not_a_tick, not_a_wheel_size, not_between
+from ._checks import CAPACITIES, PAYLOAD_SIZES, check_seconds, not_a_tick, not_a_wheel_size, not_between
 from ._demo import demo
 from ._driver import Driver, Handler, OutputFailed, dedicated_process
 from ._errors import DriverRunningError, IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError, one_line
@@ -49,8 +49,22 @@ _V = TypeVar("_V", int, float)
 # created.
 
 
+def _seconds(text: str) -> float:
+    """A time in seconds: the text as a number, put through the package's
+    one check of a time (check_seconds), whose error is a usage error here."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
+    try:
+        return check_seconds(value, "the time")
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive(text: str) -> float:
-    value = float(text)
+    """A time in seconds that is finite and more than 0 (a duration, an interval)."""
+    value = _seconds(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
     return value
@@ -61,13 +75,6 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
 
 
 def _option(parse: Callable[[str], _V], problem: Callable[[_V], str | None]) -> Callable[[str], _V]:
