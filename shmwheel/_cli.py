@@ -1,7 +1,9 @@
 """The ``shmwheel`` command line (``python -m shmwheel`` or ``shmwheel``).
 
 ``create``, ``stat``, ``ls``, ``check`` and ``unlink`` manage segments;
-``driver`` runs a wheel's driver (shmwheel._driver); ``demo`` shows it all.
+``driver`` runs a wheel's :class:`~shmwheel.Driver` in the foreground, its
+fires going to a handler it loads by name, to stdout as lines of JSON
+(``--jsonl``) or to the log; ``demo`` shows it all.
 As the Unix tools around it do: results on stdout, an error as one line
 "shmwheel: ..." on stderr and exit status 1, a usage error exit status 2
 (argparse's), Ctrl-C 130, and a reader that goes away (``shmwheel ls | head
@@ -11,12 +13,13 @@ As the Unix tools around it do: results on stdout, an error as one line
 from __future__ import annotations
 
 import argparse
+import importlib
+import itertools
 import json
+import logging
 import math
-import multiprocessing as mp
 import os
 import pwd
-import random
 import signal
 import stat
 import sys
@@ -25,104 +28,18 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ._binding import lib
-from ._checks import CAPACITIES, PAYLOAD_SIZES, not_a_tick, not_a_wheel_size, not_between
+from ._checks import CAPACITIES, PAYLOAD_SIZES, check_seconds, not_a_tick, not_a_wheel_size, not_between
+from ._demo import demo
+from ._driver import Driver, Handler, OutputFailed, dedicated_process
 from ._errors import DriverRunningError, IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError, one_line
 from ._process import alive
 from ._records import Fire, Producer, WheelStats
 from ._segment import SHM, bare_name, wheel_stat
-from ._wheel import Wheel, create, observe, unlink
+from ._wheel import create, observe, unlink
 
 __all__ = ["main"]
 
 _V = TypeVar("_V", int, float)
-
-
-def _request_worker(wheel: Wheel, seed: int, until: float) -> None:
-    """A stand-in for a web worker: every request runs under its own timeout."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_OVER_FORK)  # held by the parent while it forked us
-    rng = random.Random(seed)
-    n = 0
-    while time.monotonic() < until:
-        n += 1
-        limit = rng.choice((0.05, 0.1, 0.2))
-        payload = f"pid {os.getpid()} request {n} limit {limit * 1000:.0f} ms".encode()
-        with wheel.timeout(limit, payload):
-            # Most requests finish well inside their limit; a few hang.
-            time.sleep(rng.uniform(0.1, 0.3) if rng.random() < 0.05 else rng.uniform(0, 0.02))
-    wheel.close()
-
-
-def _print_timeout(fire: Fire) -> None:
-    """The demo's handler; it runs in the driver process."""
-    print(
-        f"  {fire.fired_at:12.3f}  timeout  {fire.payload.decode()}"
-        f"  (fired {fire.lateness * 1000:.2f} ms after its deadline)",
-        flush=True,
-    )
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    sys.exit(128 + signum)  # unwinds through the finally blocks that clean up
-
-
-# The exception a signal handler raises inside os.fork() is raised in the
-# fork hooks, which print it as "Exception ignored" and carry on: a Ctrl-C
-# there would be lost.  The demo holds these signals while it forks.
-_HELD_OVER_FORK = frozenset({signal.SIGINT, signal.SIGTERM})
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from ._driver import start_driver
-
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    name = f"shmwheel-demo-{os.getpid()}"
-    wheel = create(name, capacity=10_000, tick=0.001, payload_size=64)
-    print(f"created wheel {name!r} in /dev/shm: capacity 10000, tick 1 ms, {wheel.levels} levels")
-    driver = None
-    workers = []
-    status = 0
-    try:
-        driver = start_driver(name, _print_timeout)
-        print(f"started its driver, pid {driver.pid}")
-        print(f"{args.workers} worker processes run requests under per-request timeouts for {args.duration:g} s;")
-        print("the driver prints each timeout as it fires:\n", flush=True)
-        until = time.monotonic() + args.duration
-        signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_OVER_FORK)
-        try:
-            workers = [
-                mp.Process(target=_request_worker, args=(wheel, seed, until), daemon=True)
-                for seed in range(args.workers)
-            ]
-            for p in workers:
-                p.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_OVER_FORK)  # one that came meanwhile lands here
-        for p in workers:
-            p.join()
-        # Let the last timeouts fire and their handlers finish.
-        give_up = time.monotonic() + 5
-        while (len(wheel) or wheel.stats().in_flight) and time.monotonic() < give_up:
-            time.sleep(0.01)
-    except KeyboardInterrupt:
-        print("\ninterrupted")
-        status = 128 + signal.SIGINT  # as the shell reports a command Ctrl-C ended
-    finally:
-        for p in workers:
-            if p.is_alive():  # interrupted: end the requests now, cancelling their timers on the way out
-                p.terminate()
-        for p in workers:
-            p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
-        if driver is not None:
-            driver.stop()
-        st = wheel.stats()
-        wheel.close()
-        unlink(name)
-    print(f"\n{st.added} timers added, {st.cancelled} cancelled by finished requests, {st.fired} fired")
-    print(f"stopped the driver and removed {name!r} from /dev/shm")
-    return status
 
 
 # -- option values ----------------------------------------------------------------
@@ -132,8 +49,22 @@ def _demo(args: argparse.Namespace) -> int:
 # created.
 
 
+def _seconds(text: str) -> float:
+    """A time in seconds: the text as a number, put through the package's
+    one check of a time (check_seconds), whose error is a usage error here."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
+    try:
+        return check_seconds(value, "the time")
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive(text: str) -> float:
-    value = float(text)
+    """A time in seconds that is finite and more than 0 (a duration, an interval)."""
+    value = _seconds(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
     return value
@@ -144,13 +75,6 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
 
 
 def _option(parse: Callable[[str], _V], problem: Callable[[_V], str | None]) -> Callable[[str], _V]:
@@ -278,6 +202,10 @@ def _segments() -> list[dict[str, Any]]:
 # -- commands -------------------------------------------------------------------
 
 
+def _demo(args: argparse.Namespace) -> int:
+    return demo(args.workers, args.duration)
+
+
 def _create(args: argparse.Namespace) -> int:
     with create(
         args.name,
@@ -296,10 +224,91 @@ def _create(args: argparse.Namespace) -> int:
     return 0
 
 
-def _driver(args: argparse.Namespace) -> int:
-    from ._driver import driver_main  # only this command needs the driver's machinery
+# -- the driver command ---------------------------------------------------------
 
-    return driver_main(args.name, args.handler, args.jsonl)
+
+def _load_handler(spec: str) -> Handler:
+    """The function ``--handler pkg.module:function`` names.
+
+    The module is looked for in the current directory first, as uvicorn and
+    gunicorn do: ``python -m shmwheel`` has it on sys.path, the installed
+    ``shmwheel`` script would not.  It stays there, so that the handler's own
+    imports find their neighbours as they would under ``python -m``.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--handler takes pkg.module:function, not {spec!r}")
+    cwd = os.getcwd()
+    if sys.path[:1] != [cwd]:
+        sys.path.insert(0, cwd)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import handler module {module_name!r}: {exc}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"module {module_name!r} has no {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"handler {spec!r} is not callable")
+    handler: Handler = obj
+    return handler
+
+
+def _json_line(fire: Fire) -> bytes:
+    obj = {
+        "handle": fire.handle,
+        "deadline": fire.deadline,
+        "fired_at": fire.fired_at,
+        "payload_hex": fire.payload.hex(),
+        "owner_pid": fire.owner_pid,
+        "redelivered": fire.redelivered,
+    }
+    return (json.dumps(obj) + "\n").encode()
+
+
+class _JsonLinesDriver(Driver):
+    """``driver --jsonl``: a line of JSON a fire on stdout.
+
+    A fire counts as handled once its line is written, so a batch is written
+    before it is acknowledged, with write(2) straight to the fd (one call for
+    the batch, as a flush would be): on an error it is known which lines got
+    out.  When the reader has gone (EPIPE) or the output fails otherwise,
+    the driver stops and leaves the fire whose line did not get out, and
+    those after it, in flight for the next driver.
+    """
+
+    def __init__(self, name: str, fd: int) -> None:
+        super().__init__(name)
+        self._out = fd
+
+    def handle_batch(self, fires: list[Fire]) -> int:
+        lines = [_json_line(fire) for fire in fires]
+        data = memoryview(b"".join(lines))
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(self._out, data[written:])
+        except OSError as exc:
+            ends = itertools.accumulate(len(line) for line in lines)
+            raise OutputFailed(sum(1 for end in ends if end <= written), exc) from None
+        return 0
+
+
+def _driver(args: argparse.Namespace) -> int:
+    """``shmwheel driver NAME``: drive a wheel in the foreground until SIGTERM or SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    dedicated_process()
+    if args.jsonl:
+        sys.stdout.flush()  # the lines go straight to the fd, past this buffer
+        driver: Driver = _JsonLinesDriver(args.name, sys.stdout.fileno())
+    else:
+        driver = Driver(args.name, _load_handler(args.handler) if args.handler else None)
+    signal.signal(signal.SIGTERM, lambda *_: driver.stop())
+    signal.signal(signal.SIGINT, lambda *_: driver.stop())
+    driver.run()
+    return 0
 
 
 def _report(

@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import importlib
-import itertools
-import json
 import logging
 import math
 import multiprocessing as mp
@@ -42,7 +39,6 @@ import os
 import queue
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,12 +46,12 @@ from typing import Any
 
 from ._binding import ffi, lib
 from ._checks import LOCK_TIMEOUT, check_lock_timeout
-from ._errors import CorruptSegmentError, DriverRunningError, DriverStartError, LockTimeoutError
-from ._process import alive, start_time
+from ._errors import CorruptSegmentError, DriverStartError, LockTimeoutError
+from ._process import start_time
 from ._records import Fire, decode_records
 from ._wheel import Wheel, attach, observe
 
-__all__ = ["Driver", "DriverProcess", "FireReader", "driver_main", "start_driver"]
+__all__ = ["Driver", "DriverProcess", "FireReader", "Handler", "OutputFailed", "dedicated_process", "start_driver"]
 
 _log = logging.getLogger("shmwheel.driver")
 
@@ -180,9 +176,9 @@ class Driver:
             try:
                 self._drive(wheel, me, on_ready)
             finally:
-                rc = lib.shmw_driver_register(wheel._w, 0, 0, me, my_start)
+                rc = lib.shmw_driver_register(wheel.core, 0, 0, me, my_start)
                 if rc not in (0, lib.SHMW_ENOTDRIVER):
-                    wheel._raise(rc)
+                    raise wheel.error(rc)
                 _log.info("driver %d: stopped on wheel %r", me, self.name)
         finally:
             wheel.close()
@@ -190,18 +186,16 @@ class Driver:
     # -- internals ----------------------------------------------------------
 
     def _register(self, wheel: Wheel, me: int, my_start: int) -> None:
-        """Register as the wheel's driver, repairing a segment a scribble
+        """Register as the wheel's driver, taking over from one that is gone
+        (:meth:`Wheel.take_over_driver`) and repairing a segment a scribble
         broke first: a driver that cannot start is a driver that restarts
         for ever, and nothing fires meanwhile."""
-        pid = start = 0
+        gone = 0
 
         def register() -> int:
-            nonlocal pid, start
-            st = wheel._raw_stats()
-            pid, start = st.driver_pid, st.driver_start
-            if pid and alive(pid, start):
-                raise DriverRunningError(f"a driver (pid {pid}) is already running on wheel {self.name!r}")
-            rc: int = lib.shmw_driver_register(wheel._w, me, my_start, pid, start)
+            nonlocal gone
+            rc, st = wheel.take_over_driver(me, my_start)
+            gone = st.driver_pid
             if rc == 0 and st.inflight:
                 _log.warning("driver %d: redelivering %d fires left in flight", me, st.inflight)
             return rc
@@ -215,11 +209,11 @@ class Driver:
                     raise
                 continue
             if rc == 0:
-                if pid:
-                    _log.warning("driver %d: took over wheel %r from driver %d, which is gone", me, self.name, pid)
+                if gone:
+                    _log.warning("driver %d: took over wheel %r from driver %d, which is gone", me, self.name, gone)
                 return
             if rc != lib.SHMW_ENOTDRIVER:
-                wheel._raise(rc)
+                raise wheel.error(rc)
 
     def _drive(self, wheel: Wheel, me: int, on_ready: Callable[[], object] | None) -> None:
         out_fd = None
@@ -231,22 +225,24 @@ class Driver:
 
         def clock() -> None:
             rc = self._repairing(
-                wheel, "the clock", lambda: lib.shmw_driver_clock(wheel._w, self._clock_stop, _CLOCK_BATCH)
+                wheel, "the clock", lambda: lib.shmw_driver_clock(wheel.core, self._clock_stop, _CLOCK_BATCH)
             )
             if rc:
-                errors.append(wheel._error(rc))
+                errors.append(wheel.error(rc))
                 self.stop()
 
         def writer(fd: int) -> None:
-            buf = ffi.new("char[]", _SEND_BATCH * wheel._record.size)
+            buf = ffi.new("char[]", _SEND_BATCH * wheel.fire_record.size)
             try:
                 rc = self._repairing(
-                    wheel, "the writer", lambda: lib.shmw_driver_writer(wheel._w, fd, self._send_stop, buf, _SEND_BATCH)
+                    wheel,
+                    "the writer",
+                    lambda: lib.shmw_driver_writer(wheel.core, fd, self._send_stop, buf, _SEND_BATCH),
                 )
                 if rc == lib.SHMW_EIO:
                     errors.append(OSError(ffi.errno, f"writing fires failed: {os.strerror(ffi.errno)}"))
                 elif rc:  # taking them out of the segment failed: ECORRUPT, ELOCK...
-                    errors.append(wheel._error(rc))
+                    errors.append(wheel.error(rc))
                 if rc:
                     self.stop()
             finally:
@@ -255,7 +251,7 @@ class Driver:
         def dispatch() -> None:
             try:
                 self._dispatch(wheel)
-            except _OutputFailed as exc:
+            except OutputFailed as exc:
                 # How a pipeline ends (`--jsonl | head -1`), not a failure of ours: no traceback.
                 _log.info("driver %d: stopping: writing the fires failed (%s)", me, exc.error.strerror)
                 errors.append(exc.error)
@@ -292,12 +288,12 @@ class Driver:
             # has fired; let the handlers finish and acknowledge.  The
             # threads use the mapping, so they must be gone before run()
             # closes the wheel.
-            lib.shmw_driver_set_state(wheel._w, me, lib.SHMW_DRIVER_STOPPING)
+            lib.shmw_driver_set_state(wheel.core, me, lib.SHMW_DRIVER_STOPPING)
             self._clock_stop[0] = 1
-            lib.shmw_wake(wheel._w)
+            lib.shmw_wake(wheel.core)
             clock_thread.join()
             self._send_stop[0] = 1
-            lib.shmw_wake(wheel._w)
+            lib.shmw_wake(wheel.core)
             sender.join()
             if self._external:
                 self._await_external_acks(wheel)
@@ -346,7 +342,7 @@ class Driver:
             rc = call()
             try:
                 if rc == lib.SHMW_ELOCK:
-                    raise wheel._error(rc)
+                    raise wheel.error(rc)
                 if rc != lib.SHMW_ECORRUPT:
                     return rc
                 in_a_row = 0 if self._repair(wheel, who) else in_a_row + 1
@@ -373,13 +369,13 @@ class Driver:
         count = [errors]  # counted by the first call only
 
         def ack() -> int:
-            rc: int = lib.shmw_ack_many(wheel._w, arr, len(handles), count[0])
+            rc: int = lib.shmw_ack_many(wheel.core, arr, len(handles), count[0])
             count[0] = 0
             return rc
 
         rc = self._repairing(wheel, "an acknowledgement", ack)
         if rc < 0:
-            wheel._raise(rc)
+            raise wheel.error(rc)
 
     def _report_unseen(self, wheel: Wheel, me: int) -> None:
         """Say once per producer that runs in another PID namespace what this driver cannot do for it."""
@@ -404,7 +400,7 @@ class Driver:
         that for a consumer that is merely a little behind.
         """
         give_up = time.monotonic() + self._ack_timeout
-        while wheel._raw_stats().inflight and time.monotonic() < give_up:
+        while wheel.raw_stats().inflight and time.monotonic() < give_up:
             time.sleep(0.01)
 
     def _open_output(self) -> int | None:
@@ -440,20 +436,20 @@ class Driver:
         no pipe, no writer thread to wake, no system call but the futex
         wait when there is nothing to do.
         """
-        rec = wheel._record
+        rec = wheel.fire_record
         buf = ffi.new("char[]", _SEND_BATCH * rec.size)
         view = memoryview(ffi.buffer(buf))
 
         def take() -> int:
             return self._repairing(
-                wheel, "the dispatcher", lambda: lib.shmw_driver_take(wheel._w, self._send_stop, buf, _SEND_BATCH)
+                wheel, "the dispatcher", lambda: lib.shmw_driver_take(wheel.core, self._send_stop, buf, _SEND_BATCH)
             )
 
         while (n := take()) > 0:
             fires = decode_records(rec, view[: n * rec.size])
             try:
-                errors = self._handle(fires)
-            except _OutputFailed as exc:
+                errors = self.handle_batch(fires)
+            except OutputFailed as exc:
                 # The fire it failed on and those after it stay in flight:
                 # the next driver (or poll()) hands them out again.
                 self.fired += exc.delivered
@@ -463,12 +459,14 @@ class Driver:
             self.handler_errors += errors
             self._ack(wheel, [f.handle for f in fires], errors)
         if n < 0:
-            wheel._raise(n)
+            raise wheel.error(n)
 
-    def _handle(self, fires: list[Fire]) -> int:
-        """Call the handler on each fire of a batch; return how many failed.
+    def handle_batch(self, fires: list[Fire]) -> int:
+        """For the package: call the handler on each fire of a batch; return
+        how many failed.  A driver that hands fires out otherwise (the
+        command line's ``--jsonl``) overrides it.
 
-        Raises _OutputFailed, with how many fires got out, when the rest of
+        Raises OutputFailed, with how many fires got out, when the rest of
         the batch cannot be delivered and the driver must stop.
         """
         errors = 0
@@ -481,7 +479,7 @@ class Driver:
         return errors
 
 
-class _OutputFailed(Exception):
+class OutputFailed(Exception):
     """Where a driver writes its fires failed for good (stdout's reader has
     gone): the first ``delivered`` fires of the batch got out, the rest did not."""
 
@@ -497,7 +495,7 @@ def _read_batches(wheel: Wheel, fd: int) -> Iterator[list[Fire]]:
     Reads into one buffer allocated up front: os.read would allocate (and
     glibc mmap and munmap) a fresh 256 KiB object for every read.
     """
-    rec = wheel._record
+    rec = wheel.fire_record
     buf = bytearray(max(rec.size, _READ_SIZE - _READ_SIZE % rec.size))
     view = memoryview(buf)
     have = 0
@@ -518,9 +516,9 @@ def _ack(wheel: Wheel, handles: list[int], errors: int) -> None:
     if not handles and not errors:
         return
     arr = ffi.new("int64_t[]", handles) if handles else ffi.NULL
-    rc = lib.shmw_ack_many(wheel._w, arr, len(handles), errors)
+    rc = lib.shmw_ack_many(wheel.core, arr, len(handles), errors)
     if rc < 0:
-        wheel._raise(rc)
+        raise wheel.error(rc)
 
 
 class FireReader:
@@ -655,90 +653,3 @@ def start_driver(
         proc.join()
         raise result
     return DriverProcess(proc)
-
-
-# -- the command line ------------------------------------------------------------
-
-
-def _load_handler(spec: str) -> Handler:
-    """The function ``--handler pkg.module:function`` names.
-
-    The module is looked for in the current directory first, as uvicorn and
-    gunicorn do: ``python -m shmwheel`` has it on sys.path, the installed
-    ``shmwheel`` script would not.  It stays there, so that the handler's own
-    imports find their neighbours as they would under ``python -m``.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--handler takes pkg.module:function, not {spec!r}")
-    cwd = os.getcwd()
-    if sys.path[:1] != [cwd]:
-        sys.path.insert(0, cwd)
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import handler module {module_name!r}: {exc}") from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"module {module_name!r} has no {attr!r}") from None
-    if not callable(obj):
-        raise ValueError(f"handler {spec!r} is not callable")
-    handler: Handler = obj
-    return handler
-
-
-def _json_line(fire: Fire) -> bytes:
-    obj = {
-        "handle": fire.handle,
-        "deadline": fire.deadline,
-        "fired_at": fire.fired_at,
-        "payload_hex": fire.payload.hex(),
-        "owner_pid": fire.owner_pid,
-        "redelivered": fire.redelivered,
-    }
-    return (json.dumps(obj) + "\n").encode()
-
-
-class _JsonLinesDriver(Driver):
-    """``driver --jsonl``: a line of JSON a fire on stdout.
-
-    A fire counts as handled once its line is written, so a batch is written
-    before it is acknowledged, with write(2) straight to the fd (one call for
-    the batch, as a flush would be): on an error it is known which lines got
-    out.  When the reader has gone (EPIPE) or the output fails otherwise,
-    the driver stops and leaves the fire whose line did not get out, and
-    those after it, in flight for the next driver.
-    """
-
-    def __init__(self, name: str, fd: int) -> None:
-        super().__init__(name)
-        self._out = fd
-
-    def _handle(self, fires: list[Fire]) -> int:
-        lines = [_json_line(fire) for fire in fires]
-        data = memoryview(b"".join(lines))
-        written = 0
-        try:
-            while written < len(data):
-                written += os.write(self._out, data[written:])
-        except OSError as exc:
-            ends = itertools.accumulate(len(line) for line in lines)
-            raise _OutputFailed(sum(1 for end in ends if end <= written), exc) from None
-        return 0
-
-
-def driver_main(name: str, handler: str | None, jsonl: bool) -> int:
-    """``shmwheel driver NAME``: drive a wheel in the foreground until SIGTERM or SIGINT."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    dedicated_process()
-    if jsonl:
-        sys.stdout.flush()  # the lines go straight to the fd, past this buffer
-        driver: Driver = _JsonLinesDriver(name, sys.stdout.fileno())
-    else:
-        driver = Driver(name, _load_handler(handler) if handler else None)
-    signal.signal(signal.SIGTERM, lambda *_: driver.stop())
-    signal.signal(signal.SIGINT, lambda *_: driver.stop())
-    driver.run()
-    return 0

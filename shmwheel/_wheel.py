@@ -43,6 +43,7 @@ from ._checks import (
 )
 from ._errors import (
     CorruptSegmentError,
+    DriverRunningError,
     IncompatibleSegmentError,
     LockTimeoutError,
     SegmentExistsError,
@@ -160,7 +161,7 @@ class Wheel:
         self._capacity = self._payload_size = 0  # for an error message until the stats say
         lib.shmw_set_lock_timeout(self._w, round(lock_timeout * 1e9))
         try:
-            st = self._raw_stats()
+            st = self.raw_stats()
         except BaseException:  # the lock not taken in time
             self._w = ffi.NULL
             ffi.release(buf)
@@ -533,7 +534,7 @@ class Wheel:
         return n
 
     def stats(self) -> WheelStats:
-        st = self._raw_stats()
+        st = self.raw_stats()
         tick_ns = st.tick_ns
         return WheelStats(
             pending=st.pending,
@@ -610,16 +611,13 @@ class Wheel:
         What it had in flight is marked redelivered and handed out by the
         next poll (or the next driver).
         """
-        st = self._raw_stats()
-        pid, start = st.driver_pid, st.driver_start
-        if pid == 0:
-            return True
-        if alive(pid, start):
-            return False
-        rc = lib.shmw_driver_register(self._w, 0, 0, pid, start)
-        if rc == 0:
-            _log.warning("wheel %r: released the registration of driver %d, which is gone", self._name, pid)
-        elif rc != lib.SHMW_ENOTDRIVER:  # another process released it first
+        try:
+            rc, st = self.take_over_driver()
+        except DriverRunningError:
+            return False  # poll() raises its own EDRIVER
+        if rc == 0 and st.driver_pid:
+            _log.warning("wheel %r: released the registration of driver %d, which is gone", self._name, st.driver_pid)
+        elif rc not in (0, lib.SHMW_ENOTDRIVER):
             self._raise(rc)
         return True
 
@@ -632,18 +630,62 @@ class Wheel:
         exc.holder_pid = pid
         return exc
 
-    def _raw_stats(self) -> Any:
+    def _raise(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> NoReturn:
+        raise self.error(rc, what, value, detail)
+
+    # -- for the package: the driver's way into the segment -----------------
+
+    @property
+    def core(self) -> Any:
+        """For the package: the C core's ``shmw_t *`` for this mapping (NULL
+        once closed), the first argument of a ``lib.shmw_*`` call.  The
+        methods on the add/cancel path read the slot behind it directly."""
+        return self._w
+
+    @property
+    def fire_record(self) -> struct.Struct:
+        """For the package: the layout of one fire record of this segment,
+        as ``shmw_poll`` and the driver's takes and writes hand them out."""
+        return self._record
+
+    def raw_stats(self) -> Any:
+        """For the package: the C core's ``struct shmw_stats``, read in one
+        lock hold (:meth:`stats` is what it says in Python)."""
         st = ffi.new("struct shmw_stats *")
         rc = lib.shmw_stats(self._w, st)
         if rc < 0:
             self._raise(rc)
         return st
 
-    def _raise(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> NoReturn:
-        raise self._error(rc, what, value, detail)
+    def take_over_driver(self, pid: int = 0, start: int = 0) -> tuple[int, Any]:
+        """For the package: the one takeover of a dead driver's registration,
+        by :meth:`poll` (``pid`` 0: it only releases it) and by a driver
+        (its own pid and start time: it takes it).
 
-    def _error(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> Exception:
-        """The exception for the C core's negative code ``rc`` on this wheel."""
+        A registered driver whose pid is alive and started when the
+        registration says is never taken over: DriverRunningError.  Any
+        other registration is replaced by ``(pid, start)`` in one lock
+        hold, which marks what the dead driver had in flight redelivered,
+        for the next driver or poll.  Returns the C core's code for that -
+        0; SHMW_ENOTDRIVER if the registration changed since it was read (call
+        again); an error for the caller to raise or repair - and the stats
+        read before it (``driver_pid``: the driver replaced, 0 for none;
+        ``inflight``: what is redelivered).  Releasing a registration that
+        nobody holds does nothing and returns 0.
+        """
+        st = self.raw_stats()
+        gone, gone_start = st.driver_pid, st.driver_start
+        if gone and alive(gone, gone_start):
+            raise DriverRunningError(f"a driver (pid {gone}) is already running on wheel {self._name!r}")
+        if not gone and not pid:
+            return 0, st
+        rc: int = lib.shmw_driver_register(self._w, pid, start, gone, gone_start)
+        return rc, st
+
+    def error(self, rc: int, what: str = "delay", value: object = None, detail: str = "") -> Exception:
+        """For the package: the exception for the C core's negative code
+        ``rc`` on this wheel, ``what`` and ``value`` naming the argument a
+        time error is about, ``detail`` added to the message."""
         if rc in (lib.SHMW_ETIME, lib.SHMW_ERANGE) and value is not None:
             what = f"{what} {value!r}"
         if rc == lib.SHMW_ELOCK:

@@ -138,7 +138,7 @@ class Layout(NamedTuple):
 
 def layout(w: shmwheel.Wheel) -> Layout:
     outs = [ffi.new("uint64_t *") for _ in Layout._fields]
-    assert lib.shmw_test_layout(w._w, *outs) == 0
+    assert lib.shmw_test_layout(w.core, *outs) == 0
     return Layout(*(int(o[0]) for o in outs))
 
 
@@ -178,19 +178,19 @@ def put_in_flight(w: shmwheel.Wheel, at_least: int) -> None:
     me = os.getpid()
     me_start = start_time(me)
     assert me_start is not None
-    assert lib.shmw_driver_register(w._w, me, me_start, 0, 0) == 0
+    assert lib.shmw_driver_register(w.core, me, me_start, 0, 0) == 0
     stop = ffi.new("int *")
     result: list[int] = []
-    clock = threading.Thread(target=lambda: result.append(lib.shmw_driver_clock(w._w, stop, 8)))
+    clock = threading.Thread(target=lambda: result.append(lib.shmw_driver_clock(w.core, stop, 8)))
     clock.start()
     give_up = time.monotonic() + 10
     while w.stats().in_flight < at_least and time.monotonic() < give_up:
         time.sleep(0.0005)
     stop[0] = 1
-    lib.shmw_wake(w._w)
+    lib.shmw_wake(w.core)
     clock.join()
     assert result == [0]
-    assert lib.shmw_driver_register(w._w, 0, 0, me, me_start) == 0
+    assert lib.shmw_driver_register(w.core, 0, 0, me, me_start) == 0
     assert w.stats().in_flight >= at_least, "the clock put too few in flight"
 
 

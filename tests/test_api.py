@@ -779,7 +779,7 @@ def test_threads_share_a_wheel_and_the_gil_is_released(make_wheel) -> None:
         t.start()
         time.sleep(0.01)
         start = time.monotonic()
-        rc = lib.shmw_add_many(w._w, delays, n, ffi.NULL, ffi.NULL, handles)
+        rc = lib.shmw_add_many(w.core, delays, n, ffi.NULL, ffi.NULL, handles)
         end = time.monotonic()
         stop.set()
         t.join()

@@ -155,6 +155,20 @@ def test_create_accepts_the_limits(name: str) -> None:
         assert (w.capacity, w.tick, w.payload_size, w.wheel_size) == (1, 60, lib.SHMW_MAX_PAYLOAD, 16)
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["stat", "x", "--interval", "soon"], "argument --interval: invalid number of seconds: 'soon'"),
+        (["stat", "x", "--interval", "0"], "argument --interval: must be a finite number > 0, not 0"),
+        (["demo", "--duration", "soon"], "argument --duration: invalid number of seconds: 'soon'"),
+        (["demo", "--duration", "inf"], "argument --duration: must be a finite number > 0, not inf"),
+    ],
+)
+def test_every_option_in_seconds_parses_as_tick_does(args: list[str], says: str) -> None:
+    """--interval and --duration are read by the same type as --tick: one check of a time."""
+    assert says in one_line_error(run(*args), 2)
+
+
 # -- errors common to the commands that take a NAME --------------------------------
 
 

@@ -513,7 +513,7 @@ def test_supervisor_refuses_a_wheel_with_a_live_driver_and_replaces_a_stale_one(
     gone = subprocess.Popen(["true"])
     gone.wait()
     stale = shmwheel.create(name, capacity=10)
-    assert lib.shmw_driver_register(stale._w, gone.pid, 1, 0, 0) == 0  # its driver died
+    assert lib.shmw_driver_register(stale.core, gone.pid, 1, 0, 0) == 0  # its driver died
     stale.close()
     first = DriverSupervisor(name)
     with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
@@ -592,7 +592,7 @@ def test_a_wheel_whose_driver_died_is_replaced_with_a_warning_that_counts_its_ti
     gone.wait()
     stale = shmwheel.create(name, capacity=10)
     stale.add(60.0)
-    assert lib.shmw_driver_register(stale._w, gone.pid, 1, 0, 0) == 0
+    assert lib.shmw_driver_register(stale.core, gone.pid, 1, 0, 0) == 0
     stale.close()
     with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
         create_wheel(name)

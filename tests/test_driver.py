@@ -27,7 +27,8 @@ from conftest import entry, wait_for
 
 import shmwheel
 from shmwheel._binding import lib
-from shmwheel._driver import _json_line, _JsonLinesDriver, _OutputFailed
+from shmwheel._cli import _json_line, _JsonLinesDriver
+from shmwheel._driver import OutputFailed
 from shmwheel._process import start_time
 
 # -- handlers (run in the driver process) -------------------------------------------
@@ -246,7 +247,7 @@ def test_a_driver_whose_registration_is_taken_hands_out_nothing_more(make_wheel,
     # The dispatcher waits in the blocker's handler; the clock fires the rest.
     wait_for(lambda: len(read_records(out)) == 1 and wheel.stats().in_flight == 4)
     me, my_start, d1_start = os.getpid(), start_time(os.getpid()), wheel.stats().driver_start
-    assert lib.shmw_driver_register(wheel._w, me, my_start, d1.pid, d1_start) == 0
+    assert lib.shmw_driver_register(wheel.core, me, my_start, d1.pid, d1_start) == 0
     gate.touch()  # the handler returns; the dispatcher comes back for more
     wait_for(lambda: not d1.is_alive())
     assert d1.stop() == 1  # it has exited, with the error
@@ -254,7 +255,7 @@ def test_a_driver_whose_registration_is_taken_hands_out_nothing_more(make_wheel,
     # The blocker's handler did run, so its acknowledgement stands; the
     # three behind it wait for whoever drives next.
     wait_for(lambda: wheel.stats().in_flight == 3)
-    assert lib.shmw_driver_register(wheel._w, 0, 0, me, my_start) == 0
+    assert lib.shmw_driver_register(wheel.core, 0, 0, me, my_start) == 0
     start(wheel.name, functools.partial(record, str(out)))
     wait_for(lambda: len(read_records(out)) == 4 and wheel.stats().in_flight == 0)
     again = read_records(out)[1:]
@@ -385,8 +386,8 @@ def test_jsonl_output_cut_short_delivers_only_the_lines_written_whole() -> None:
     leave = threading.Timer(0.2, os.close, (r,))  # the reader goes away while the write waits for it
     leave.start()
     try:
-        with pytest.raises(_OutputFailed) as failed:
-            driver._handle(fires)
+        with pytest.raises(OutputFailed) as failed:
+            driver.handle_batch(fires)
     finally:
         leave.join()
         os.close(w)

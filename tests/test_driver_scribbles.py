@@ -138,7 +138,7 @@ def test_an_audit_of_a_sound_busy_wheel_repairs_nothing(make_wheel) -> None:
     """The clock moving past the auditor's reading of the time is no fault."""
     w = make_wheel(capacity=64)
     w.add(60)
-    assert lib.shmw_repair(w._w, 0, ffi.NULL, 0) == 0  # "now" long past: read again under the lock
+    assert lib.shmw_repair(w.core, 0, ffi.NULL, 0) == 0  # "now" long past: read again under the lock
 
 
 def test_a_jammed_lock_word_is_waited_out_and_said_not_fatal(make_wheel, drive, caplog) -> None:

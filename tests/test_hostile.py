@@ -140,7 +140,7 @@ def test_a_scribbled_producer_fails_a_cancel_without_touching_another_lane(make_
     fake_start = 12345  # a second slot for this pid: a second lane
     at = time.monotonic() + 60
     mine = [w.add_at(at) for _ in range(3)]
-    slot = lib.shmw_producer_attach(other._w, os.getpid(), fake_start, 0)
+    slot = lib.shmw_producer_attach(other.core, os.getpid(), fake_start, 0)
     try:
         assert slot >= 0 and slot % lib.SHMW_LANES != w._producer % lib.SHMW_LANES
         theirs = [other.add_at(at) for _ in range(2)]
@@ -157,7 +157,7 @@ def test_a_scribbled_producer_fails_a_cancel_without_touching_another_lane(make_
         w.check()
         assert w.cancel_many(mine + theirs) == 5
     finally:
-        lib.shmw_producer_release(other._w, slot, os.getpid(), fake_start)
+        lib.shmw_producer_release(other.core, slot, os.getpid(), fake_start)
         other.close()
 
 
@@ -206,7 +206,7 @@ def test_in_flight_walk_is_bounded_by_capacity(make_wheel) -> None:
             "import os, shmwheel\n"
             "from shmwheel._binding import lib\n"
             f"w = shmwheel.attach({w.name!r})\n"
-            "print(lib.shmw_driver_register(w._w, os.getpid(), 1, 0, 0))\n"
+            "print(lib.shmw_driver_register(w.core, os.getpid(), 1, 0, 0))\n"
         )
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
         assert int(done.stdout) == lib.SHMW_ECORRUPT, done.stderr
@@ -246,7 +246,7 @@ def test_a_scribbled_in_flight_link_is_reported_not_followed(make_wheel, link: s
 def test_scribbled_in_flight_tail_stops_the_clock_cleanly(make_wheel) -> None:
     w = make_wheel(capacity=8)
     me = os.getpid()
-    assert lib.shmw_driver_register(w._w, me, start_time(me), 0, 0) == 0
+    assert lib.shmw_driver_register(w.core, me, start_time(me), 0, 0) == 0
     try:
         w.add(0)
         time.sleep(0.005)
@@ -254,12 +254,12 @@ def test_scribbled_in_flight_tail_stops_the_clock_cleanly(make_wheel) -> None:
         hd.inflight_tail = 0x20000000
         stop = ffi.new("int *")
         try:
-            assert lib.shmw_driver_clock(w._w, stop, 16) == lib.SHMW_ECORRUPT
+            assert lib.shmw_driver_clock(w.core, stop, 16) == lib.SHMW_ECORRUPT
         finally:
             hd.inflight_tail = lib.SHMW_NIL
         assert len(w) == 1 and w.stats().in_flight == 0, "the timer left its bucket"
     finally:
-        assert lib.shmw_driver_register(w._w, 0, 0, me, start_time(me)) == 0
+        assert lib.shmw_driver_register(w.core, 0, 0, me, start_time(me)) == 0
 
 
 # -- bounded lock holds ---------------------------------------------------------------
@@ -565,7 +565,7 @@ def test_a_full_producer_table_fails_a_cancel_on_exit_add_in_one_lock_hold(make_
     gone = [(1 << 22) + k for k in range(lib.SHMW_MAX_PRODUCERS - 1)]  # above any pid_max: never alive
     try:
         for pid in gone:
-            assert lib.shmw_producer_attach(other._w, pid, 1, 0) >= 0
+            assert lib.shmw_producer_attach(other.core, pid, 1, 0) >= 0
         pid = os.fork()
         if pid == 0:
             code = 1

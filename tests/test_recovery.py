@@ -167,11 +167,11 @@ def run_clock(w: shmwheel.Wheel, seconds: float) -> None:
     """This process as the driver's clock for a while (it must be registered)."""
     stop = ffi.new("int *")
     result = []
-    t = threading.Thread(target=lambda: result.append(lib.shmw_driver_clock(w._w, stop, 4)))
+    t = threading.Thread(target=lambda: result.append(lib.shmw_driver_clock(w.core, stop, 4)))
     t.start()
     time.sleep(seconds)
     stop[0] = 1
-    lib.shmw_wake(w._w)
+    lib.shmw_wake(w.core)
     t.join()
     assert result == [0]
 
@@ -181,7 +181,7 @@ def test_driver_fire_killed_at_every_store() -> None:
 
     def op(case: Case) -> None:
         me = os.getpid()
-        assert lib.shmw_driver_register(case.wheel._w, me, start_time(me), 0, 0) == 0
+        assert lib.shmw_driver_register(case.wheel.core, me, start_time(me), 0, 0) == 0
         run_clock(case.wheel, 0.05)
 
     def verify(case: Case, crashed: bool) -> None:
@@ -213,7 +213,7 @@ def case_with_fires_sent() -> Case:
     writer has (as far as the segment knows) sent."""
     case = make_case(due=5)
     me = os.getpid()
-    assert lib.shmw_driver_register(case.wheel._w, me, start_time(me), 0, 0) == 0
+    assert lib.shmw_driver_register(case.wheel.core, me, start_time(me), 0, 0) == 0
     run_clock(case.wheel, 0.02)
     hd = ffi.cast("struct shmw_header *", case.wheel._buf)
     case.extra["in_flight"] = sorted(in_flight(case.wheel))
@@ -230,13 +230,13 @@ def test_ack_killed_at_every_store() -> None:
     def op(case: Case) -> None:
         handles = case.extra["in_flight"]
         arr = ffi.new("int64_t[]", handles)
-        assert lib.shmw_ack_many(case.wheel._w, arr, len(handles), 0) == len(handles)
+        assert lib.shmw_ack_many(case.wheel.core, arr, len(handles), 0) == len(handles)
 
     def verify(case: Case, crashed: bool) -> None:
         w, me = case.wheel, os.getpid()
         left = w.stats().in_flight
         assert crashed or left == 0
-        assert lib.shmw_driver_register(w._w, 0, 0, me, start_time(me)) == 0
+        assert lib.shmw_driver_register(w.core, 0, 0, me, start_time(me)) == 0
         got = everything(w)
         redelivered = {h for h, f in got.items() if f.redelivered}
         assert len(redelivered) == left, "only what was still in flight comes again"
@@ -283,6 +283,6 @@ def test_a_producer_crash_leaves_what_the_driver_has_sent_alone() -> None:
         assert sorted(in_flight(case.wheel)) == case.extra["in_flight"]
         assert case.wheel.stats().redelivered == 0
         me = os.getpid()
-        assert lib.shmw_driver_register(case.wheel._w, 0, 0, me, start_time(me)) == 0
+        assert lib.shmw_driver_register(case.wheel.core, 0, 0, me, start_time(me)) == 0
 
     assert sweep(op, verify, case_with_fires_sent) > 10

@@ -149,11 +149,11 @@ def producer(wheel: shmwheel.Wheel, incarnation: int, log_path: str, stop: objec
         if rng.random() < 0.5:
             # Fixed width: every batch's payloads have the length `lens` says.
             rc = lib.shmw_add_many(
-                wheel._w, delays, BALLAST, b"b%06d:%06d" % (incarnation, batch) * BALLAST, lens, handles
+                wheel.core, delays, BALLAST, b"b%06d:%06d" % (incarnation, batch) * BALLAST, lens, handles
             )
             assert rc == 0, f"ballast add_many failed with code {rc}"
             os.write(fd, b"A %d\n" % batch)
-            count = lib.shmw_cancel_many(wheel._w, handles, BALLAST)
+            count = lib.shmw_cancel_many(wheel.core, handles, BALLAST)
             os.write(fd, b"C %d %d\n" % (batch, count))
             batch += 1
         del live[:-100]

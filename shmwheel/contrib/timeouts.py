@@ -866,7 +866,7 @@ class DriverSupervisor:
         self._started = time.monotonic()
         give_up = self._started + self.start_timeout
         with observe(self.name) as wheel:
-            while wheel._raw_stats().driver_pid != proc.pid:
+            while wheel.raw_stats().driver_pid != proc.pid:
                 if proc.poll() is not None:
                     raise DriverStartError(
                         f"the driver of wheel {self.name!r} exited on start (status {proc.returncode})"
