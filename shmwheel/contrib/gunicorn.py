@@ -40,15 +40,11 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from .timeouts import (
-    DEFAULT_CAPACITY,
-    DEFAULT_KILL_AFTER,
-    DEFAULT_TRACEBACK_SIGNAL,
-    DriverSupervisor,
-    RequestTimer,
-    TimeoutActions,
-    _seconds,
-)
+from .._checks import check_seconds
+from ._handler import DEFAULT_KILL_AFTER, TimeoutActions
+from ._record import DEFAULT_TRACEBACK_SIGNAL
+from ._supervisor import DEFAULT_CAPACITY, DriverSupervisor
+from ._worker import RequestTimer
 
 __all__ = ["install"]
 
@@ -108,7 +104,7 @@ def install(
         raise TypeError(f"install() takes the config's namespace, globals(), not {type(config).__name__}")
     settings = _Settings(
         name=name,
-        timeout=_seconds(timeout, "timeout"),
+        timeout=check_seconds(timeout, "timeout", positive=True),
         actions=TimeoutActions(
             log=log,
             tracebacks=tracebacks,

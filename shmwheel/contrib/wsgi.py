@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .timeouts import DEFAULT_TRACEBACK_SIGNAL, RequestTimer
+from ._record import DEFAULT_TRACEBACK_SIGNAL
+from ._worker import RequestTimer
 
 __all__ = ["TimeoutMiddleware"]
 
