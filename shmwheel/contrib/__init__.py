@@ -16,6 +16,8 @@ all importable from :mod:`shmwheel.contrib.timeouts`):
 One thin adapter a server:
 
 * :mod:`shmwheel.contrib.wsgi`: a WSGI middleware for any server;
+* :mod:`shmwheel.contrib.asgi`: an ASGI middleware for any server, whose
+  workers start the driver themselves under Uvicorn and Hypercorn;
 * :mod:`shmwheel.contrib.gunicorn`: Gunicorn server hooks, from a config file;
 * :mod:`shmwheel.contrib.uwsgi`: the same for uWSGI, the driver as a mule.
 """

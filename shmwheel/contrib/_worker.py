@@ -20,18 +20,25 @@ import time
 import weakref
 
 from .._checks import check_seconds, check_signal
-from .._errors import SegmentRemovedError, ShmwheelError, one_line
+from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, one_line
 from .._process import start_time
 from .._segment import segment_name
 from .._wheel import Wheel, attach
 from ._record import DEFAULT_TRACEBACK_SIGNAL, KIND_REQUEST, PAYLOAD_SIZE, REQUEST_ID, encode_request
+from ._supervisor import AutoDriver
 
-__all__ = ["RequestTimer"]
+__all__ = ["RequestTimer", "timed_apps"]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
 LOOK_INTERVAL_NS = 1_000_000_000  # how often a worker checks that its wheel's name still names it
 KEEP_OLD = 2  # wheels replaced under a worker that it keeps open for the cancels of their requests
+ATTACH_TRIES = 3  # an AutoDriver's wheel may be removed between its making and the attach: made again
+
+#: The middlewares (WSGI, ASGI) made in this process: a server adapter that
+#: cannot time requests itself looks here to tell whether the application
+#: has been wrapped.
+timed_apps: weakref.WeakSet[object] = weakref.WeakSet()
 
 # Every RequestTimer of this process, so that a forked child can give each a
 # lock of its own: the parent's may have been held, by a thread the child
@@ -63,9 +70,19 @@ class RequestTimer:
     requests started before are still cancelled in the old wheel.
     """
 
-    def __init__(self, name: str, timeout: float, *, traceback_signal: int | None = DEFAULT_TRACEBACK_SIGNAL) -> None:
+    def __init__(
+        self,
+        name: str,
+        timeout: float,
+        *,
+        traceback_signal: int | None = DEFAULT_TRACEBACK_SIGNAL,
+        auto_driver: AutoDriver | None = None,
+    ) -> None:
         segment_name(name)  # a bad name fails here, not at the first request
         self.name = name
+        #: Makes the wheel and starts its driver when there is none (the
+        #: ASGI middleware's own wheel); without it both come from elsewhere.
+        self.auto_driver = auto_driver
         self.timeout = check_seconds(timeout, "timeout", positive=True)
         if traceback_signal is not None:
             traceback_signal = check_signal(traceback_signal, "traceback_signal")
@@ -103,7 +120,7 @@ class RequestTimer:
                     faulthandler.register(self.traceback_signal, file=sys.stderr, all_threads=True)
             if self._wheel is None and time.monotonic() >= self._retry_at:
                 try:
-                    wheel = attach(self.name)
+                    wheel = self._attach()
                 except (ShmwheelError, OSError) as exc:  # PermissionError: the wheel is another user's
                     self._retry_at = time.monotonic() + 1.0
                     who = f" (this process runs as uid {os.geteuid()}, gid {os.getegid()})"
@@ -116,6 +133,30 @@ class RequestTimer:
                 self._wheel = wheel
             return self._wheel
 
+    def _attach(self) -> Wheel:
+        """This process's attach of the wheel; with an AutoDriver, the wheel
+        made first if it is missing, and a driver started if none runs."""
+        auto = self.auto_driver
+        if auto is None:
+            return attach(self.name)
+        for tries in range(1, ATTACH_TRIES + 1):
+            auto.make_wheel()
+            try:
+                wheel = attach(self.name)
+            except SegmentNotFoundError:  # removed by its driver, which had just found it unused
+                if tries == ATTACH_TRIES:
+                    raise
+                continue
+            self._drive(auto)
+            return wheel
+        raise AssertionError("unreachable")
+
+    def _drive(self, auto: AutoDriver) -> None:
+        try:
+            auto.ensure_running()
+        except OSError as exc:
+            self._warn(f"no driver could be started, so no request times out: {one_line(exc)}")
+
     def start(self, method: str, path: str, request_id: str | None = None) -> int | None:
         """Add the request's timer; return its handle, or None if it has none."""
         now = time.monotonic_ns()
@@ -124,6 +165,8 @@ class RequestTimer:
             current = self._wheel  # once: another thread may drop it meanwhile
             if current is not None and not current.is_current():  # removed by hand (rm, an old unlink)
                 self._replaced(current)
+            elif current is not None and self.auto_driver is not None:  # its driver may have died
+                self._drive(self.auto_driver)
         wheel = self._ready()
         if wheel is None:
             return None

@@ -49,7 +49,7 @@ from ._record import (
     decode_request,
     encode_request,
 )
-from ._supervisor import DEFAULT_CAPACITY, LOG_FORMAT, DriverSupervisor, create_wheel, watch_parent
+from ._supervisor import DEFAULT_CAPACITY, LOG_FORMAT, DriverSupervisor, create_wheel, watch_parent, watch_use
 from ._worker import RequestTimer
 
 __all__ = [
@@ -92,6 +92,14 @@ def _parser() -> argparse.ArgumentParser:
         "program's), are left alone: an error",
     )
     p.add_argument("--parent", type=int, metavar="PID", help="stop, and remove the wheel, if process PID exits")
+    p.add_argument(
+        "--while-used",
+        action="store_true",
+        help="drive the wheel while processes use it: SIGTERM and SIGINT do not end it (a stopping server's "
+        "workers still finish their requests); once no process has used the wheel for a moment it removes "
+        "the wheel and exits.  What the ASGI middleware's workers start by themselves",
+    )
+    p.add_argument("--lock-fd", type=int, metavar="FD", help=argparse.SUPPRESS)  # the flock of AutoDriver
     p.add_argument("--no-log", dest="log", action="store_false", help="no WARNING line per timeout")
     p.add_argument("--no-tracebacks", dest="tracebacks", action="store_false", help="do not ask workers for tracebacks")
     p.add_argument("--traceback-signal", default=DEFAULT_TRACEBACK_SIGNAL.name, metavar="SIG")
@@ -202,13 +210,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     target = _target_ids(parser, args)
+    if args.while_used and (args.create or args.parent is not None):
+        parser.error("--while-used goes with neither --create nor --parent: the wheel lives as long as its users")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
     parent_gone = threading.Event()
+    unused = threading.Event()
     owns = False
+    if args.lock_fd is not None:
+        os.set_inheritable(args.lock_fd, False)  # held by this process alone, for its whole life
     try:
         driver = Driver(args.name, TimeoutHandler(args.name, actions))
-        signal.signal(signal.SIGTERM, lambda *_: driver.stop())
-        signal.signal(signal.SIGINT, lambda *_: driver.stop())
+        if args.while_used:
+            said: list[int] = []
+
+            def stays(signum: int, frame: object) -> None:
+                if not said:
+                    said.append(signum)
+                    _log.info(
+                        "driver %d: %s: it stops by itself once no process uses wheel %r",
+                        os.getpid(),
+                        signal.Signals(signum).name,
+                        args.name,
+                    )
+
+            signal.signal(signal.SIGTERM, stays)
+            signal.signal(signal.SIGINT, stays)
+
+            def idle(why: str, gone: bool) -> None:
+                _log.info("driver %d: stopping: wheel %r is not used any more (%s)", os.getpid(), args.name, why)
+                if not gone:
+                    unused.set()  # to remove: nobody else will
+                driver.stop()
+
+            watch_use(args.name, idle)
+        else:
+            signal.signal(signal.SIGTERM, lambda *_: driver.stop())
+            signal.signal(signal.SIGINT, lambda *_: driver.stop())
         if args.parent is not None:
 
             def orphaned() -> None:
@@ -247,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if parent_gone.is_set():
             _remove(args.name)  # the server that made the wheel is gone without removing it
-        elif owns:
+        elif unused.is_set() or owns:
             _remove_unless_in_use(args.name)
     return 0
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ._record import DEFAULT_TRACEBACK_SIGNAL
-from ._worker import RequestTimer
+from ._worker import RequestTimer, timed_apps
 
 __all__ = ["TimeoutMiddleware"]
 
@@ -49,6 +49,7 @@ class TimeoutMiddleware:
             raise TypeError(f"app must be a WSGI application, not {type(app).__name__}")
         self.app = app
         self.timer = RequestTimer(name, timeout, traceback_signal=traceback_signal)
+        timed_apps.add(self)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         timer = self.timer
