@@ -4,12 +4,15 @@ public function makes before it touches a segment.
 Each check says what is wrong with a value in words that ``create()`` puts
 after the parameter's name and the command line after its option's, so
 both parse against the same limits, stated once; and there is one check
-for a time in seconds, which the request-timeout code uses too.
+for a time in seconds, and one for a signal, which the request-timeout
+code uses too.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
+import signal
 from typing import Any
 
 from ._binding import MAX_DELAY, lib
@@ -26,6 +29,7 @@ __all__ = [
     "check_owner",
     "check_payload",
     "check_seconds",
+    "check_signal",
     "not_a_tick",
     "not_a_wheel_size",
     "not_between",
@@ -73,19 +77,41 @@ def check_int(value: object, what: str, lo: int, hi: int) -> int:
     return value
 
 
-def check_seconds(value: object, what: str) -> float:
+def check_seconds(value: object, what: str, *, positive: bool = False) -> float:
     """Type errors for a time argument; the C core checks the value.
 
     A bool is a number here, as everywhere in Python (``time.sleep(True)``):
     the call into C takes it as 1 on the fast path, and this check, which
     runs only after that call has refused something, must agree with it.
+    With ``positive``, for a duration no C call checks (a request timeout,
+    a wait), the value must also be finite and above zero.
     """
     if not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
     try:
-        return float(value)
+        seconds = float(value)
     except OverflowError:  # an int past the range of a double
         raise too_big(value, what) from None
+    if positive and not 0 < seconds < math.inf:  # NaN is not
+        raise ValueError(f"{what} must be a positive number of seconds, not {seconds}")
+    return seconds
+
+
+def check_signal(value: object, what: str) -> signal.Signals:
+    """A signal from a number, a Signals member or a name ("TERM", "SIGTERM")."""
+    if isinstance(value, str):
+        name = value.upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        try:
+            return signal.Signals[name]
+        except KeyError:
+            raise ValueError(f"{what}: no signal named {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be a signal number or name, not {type(value).__name__}")
+    try:
+        return signal.Signals(value)
+    except ValueError:
+        raise ValueError(f"{what}: {value} is not a signal number") from None
 
 
 def check_payload(payload: object) -> bytes:

@@ -200,8 +200,8 @@ def wheel(make_wheel: Callable[..., shmwheel.Wheel]) -> shmwheel.Wheel:
 
 
 # Besides the fixtures' names: the wheels that the servers under test
-# (Gunicorn, uWSGI) and the demo name after their own pid.
-OTHER_NAMES = ("gunicorn-*", "uwsgi-*", "shmwheel-demo-*")
+# (Gunicorn, uWSGI, the ASGI middleware's own) and the demo name after a pid.
+OTHER_NAMES = ("gunicorn-*", "uwsgi-*", "asgi-*", "shmwheel-demo-*")
 _there_before: set[str] = set()
 
 

@@ -270,36 +270,93 @@ def test_gunicorn_warns_when_its_own_timeout_would_kill_a_sync_worker_first(tmp_
         assert_nothing_left(server)
 
 
-ASGI_APP = """
-async def application(scope, receive, send):
-    if scope["type"] == "http":
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": b"ok"})
-"""
-
-
-def test_gunicorn_says_when_its_worker_class_cannot_time_requests_and_adds_no_timers(tmp_path: Path) -> None:
-    """Gunicorn's asgi worker calls pre_request but never post_request: a
-    timer would never be cancelled, and every request would "time out".
-    The master says so at startup and the workers add no timers."""
-    (tmp_path / "asgi_app.py").write_text(ASGI_APP)
+def test_gunicorn_wraps_the_app_of_its_own_asgi_worker(tmp_path: Path) -> None:
+    """Gunicorn's asgi worker: install() wraps each worker's application in
+    the ASGI middleware on the master's wheel.  Fast requests add timers and
+    cancel every one; a request that overstays is timed out, and finishes."""
     config = tmp_path / "gunicorn.conf.py"
     config.write_text(
         "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\n"
-        "shmwheel_gunicorn.install(globals(), timeout=0.2)\n"
+        "shmwheel_gunicorn.install(globals(), timeout=0.5)\n"
     )
     port = free_port()
     cmd = [str(BIN / "gunicorn"), "-c", str(config), "--bind", f"127.0.0.1:{port}", "--worker-class", "asgi"]
-    cmd += ["--chdir", str(tmp_path), "--no-control-socket", "asgi_app:application"]
-    with serve(cmd, port, tmp_path, "gunicorn") as server:
+    with serve([*cmd, "--no-control-socket", "asgi_app:routes"], port, tmp_path, "gunicorn") as server:
         server.wait_for(
-            r"\[WARNING\] shmwheel: worker class gunicorn\.workers\.gasgi\.ASGIWorker does not call Gunicorn's "
-            r"pre_request and post_request hooks around each request: its requests run without a timeout; "
+            r"\[INFO\] shmwheel: worker class gunicorn\.workers\.gasgi\.ASGIWorker calls no request hook: each "
+            r"worker wraps its ASGI application in shmwheel.contrib.asgi.TimeoutMiddleware$"
         )
         for _ in range(5):
             assert get(server.port, "/")[0] == 200
         with shmwheel.attach(server.wheel) as wheel:
-            assert len(wheel) == 0 and wheel.stats().added == 0  # no timer was ever added
+            # Each request had its timer, cancelled once its response was
+            # sent: maybe a moment after the client has read it.
+            give_up = time.monotonic() + WAIT
+            while len(wheel) or wheel.stats().added < 5:
+                assert time.monotonic() < give_up, wheel.stats()
+                time.sleep(0.01)
+        status, body = get(server.port, "/sleep?s=1.5")
+        assert status == 200
+        pid = int(server.wait_for(timed_out_line("/sleep") + "; dumping its tracebacks$").group(1))
+        assert body == f"done by pid {pid}\n"
+        assert len(re.findall("request timed out", server.log())) == 1
+        assert server.stop(signal.SIGTERM) == 0
+        assert_nothing_left(server)
+
+
+# A worker class that serves with wsgiref and calls none of Gunicorn's
+# request hooks, as tornado's and gevent_pywsgi's do not: what the master
+# cannot time by hooks nor wrap by itself.
+PLAIN_WORKER = """
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+from gunicorn.workers.base import Worker
+
+class Quiet(WSGIRequestHandler):
+    def log_message(self, *args):
+        pass
+
+class PlainWorker(Worker):
+    def run(self):
+        listener = self.sockets[0]
+        server = WSGIServer(listener.getsockname(), Quiet, bind_and_activate=False)
+        server.socket.close()
+        server.socket = listener.sock
+        server.server_name, server.server_port = listener.getsockname()[:2]
+        server.setup_environ()
+        server.set_app(self.wsgi)
+        server.timeout = 0.5
+        while self.alive:
+            self.notify()
+            server.handle_request()
+"""
+
+
+def test_gunicorn_says_at_boot_when_a_worker_class_without_hooks_serves_an_unwrapped_app(tmp_path: Path) -> None:
+    """A worker class that calls no request hook, with an application that is
+    not wrapped: the master warns at startup, each worker logs an ERROR at
+    boot saying what to add, requests are served and no timer is added."""
+    (tmp_path / "plain_worker.py").write_text(PLAIN_WORKER)
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text(
+        "workers = 1\n"
+        "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\n"
+        "shmwheel_gunicorn.install(globals(), timeout=0.2)\n"
+    )
+    port = free_port()
+    cmd = [str(BIN / "gunicorn"), "-c", str(config), "--bind", f"127.0.0.1:{port}", "--pythonpath", str(tmp_path)]
+    cmd += ["--worker-class", "plain_worker.PlainWorker", "--no-control-socket", "app:application"]
+    with serve(cmd, port, tmp_path, "gunicorn") as server:
+        server.wait_for(
+            r"\[WARNING\] shmwheel: worker class plain_worker\.PlainWorker does not call Gunicorn's pre_request and "
+            r"post_request hooks around each request: its requests are timed only if the application is wrapped"
+        )
+        server.wait_for(
+            r"\[ERROR\] shmwheel: worker class plain_worker\.PlainWorker calls no request hook and the application "
+            r"is not wrapped: its requests run without a timeout; wrap it in shmwheel\.contrib\.wsgi\.TimeoutMiddleware"
+        )
+        assert get(server.port, "/sleep?s=0.5")[0] == 200
+        with shmwheel.attach(server.wheel) as wheel:
+            assert wheel.stats().added == 0
         assert "request timed out" not in server.log()
         assert server.stop(signal.SIGTERM) == 0
         assert_nothing_left(server)
@@ -639,3 +696,116 @@ def test_a_standalone_driver_restarted_under_a_serving_gunicorn_keeps_timing_req
         if driver.poll() is None:
             driver.kill()
             driver.wait()
+
+
+# -- ASGI: Uvicorn, Gunicorn's Uvicorn worker, Hypercorn -----------------------------
+
+# examples/asgi_app.py: ``app`` is wrapped in the ASGI middleware (2 s,
+# killing on), ``routes`` is not.  /sleep awaits asyncio.sleep, /block is a
+# synchronous endpoint in time.sleep, in the thread Starlette runs it in.
+STUCK_ROUTES = ("/sleep", "/block")
+
+
+def auto_driver_of(server: Server) -> int:
+    """The pid of the driver the workers of a server started on its own wheel."""
+    return int(server.wait_for(rf"driver (\d+): running on wheel '{server.wheel}'").group(1))
+
+
+def stuck_requests_time_out_and_their_workers_are_replaced(server: Server, replaced: str) -> None:
+    """Fast requests never fire; a request stuck in each route is timed out
+    once, with its path and worker pid, and its worker is ended and replaced
+    (``replaced``: the server's line for it, with {pid})."""
+    for _ in range(20):
+        assert get(server.port, "/")[0] == 200
+    ended = []
+    for path in STUCK_ROUTES:
+        assert get(server.port, f"{path}?s=60", timeout=WAIT)[0] == 0  # the worker ended under the request
+        pid = int(server.wait_for(timed_out_line(path) + "; dumping its tracebacks, sending it SIGTERM").group(1))
+        server.wait_for(replaced.format(pid=pid))
+        ended.append(pid)
+    server.wait_for(r'File ".*/examples/asgi_app.py", line \d+ in block')  # the stuck thread's own stack
+    give_up = time.monotonic() + WAIT
+    while True:  # served by the workers that replaced them
+        answers = {get(server.port, "/")[1] for _ in range(10)}
+        if all(a.startswith("done by pid ") for a in answers):
+            break
+        assert time.monotonic() < give_up, answers
+        time.sleep(0.1)
+    assert not answers & {f"done by pid {pid}\n" for pid in ended}
+    assert len(re.findall("request timed out", server.log())) == len(STUCK_ROUTES)
+
+
+def assert_nothing_left_of_asgi(server: Server, driver: int) -> None:
+    """Once the server has stopped: its processes are gone, and the driver its
+    workers started (in a session of its own) has removed the wheel and exited."""
+    give_up = time.monotonic() + WAIT
+    while not no_segment(server.wheel) or start_time(driver) is not None:  # it outlives the workers by 2 s
+        assert time.monotonic() < give_up, f"{server.wheel} or its driver outlived the server"
+        time.sleep(0.05)
+    assert f"driver {driver}: stopping: wheel '{server.wheel}' is not used any more" in server.log()
+    assert_nothing_left(server)
+
+
+@contextlib.contextmanager
+def serve_asgi(cmd: list[str], port: int, tmp_path: Path) -> Iterator[Server]:
+    """serve(), and the driver the workers started stopped if the test failed half-way."""
+    with serve(cmd, port, tmp_path, "asgi") as server:
+        try:
+            yield server
+        finally:
+            with contextlib.suppress(shmwheel.ShmwheelError), shmwheel._wheel.observe(server.wheel) as wheel:
+                pid = wheel.stats().driver_pid
+                if pid is not None and server.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+
+
+# How each server is started on the wrapped app with two workers, and the
+# line it logs when one ends.  Hypercorn replaces a worker that exits with
+# status 0 and stops altogether when one ends by a signal, so the
+# middleware has its workers exit 0 on the driver's SIGTERM.
+ASGI_SERVERS = {
+    "uvicorn": (
+        ["uvicorn", "asgi_app:app", "--host", "127.0.0.1", "--port", "{port}"],
+        r"Child process \[{pid}\] died",
+    ),
+    "hypercorn": (
+        ["hypercorn", "asgi_app:app", "--bind", "127.0.0.1:{port}"],
+        r"shmwheel: worker {pid} exits on SIGTERM",
+    ),
+}
+
+
+@pytest.mark.parametrize("server_name", sorted(ASGI_SERVERS))
+def test_asgi_server_workers_time_out_and_are_replaced_with_nothing_but_the_middleware(
+    server_name: str, tmp_path: Path
+) -> None:
+    """``uvicorn`` or ``hypercorn`` with ``--workers 2`` on the wrapped app: a
+    worker starts the driver of the server's own wheel; stuck requests are
+    timed out, their workers ended and replaced; SIGTERM leaves nothing."""
+    port = free_port()
+    args, replaced = ASGI_SERVERS[server_name]
+    cmd = [str(BIN / args[0]), *(a.format(port=port) for a in args[1:]), "--workers", "2"]
+    with serve_asgi(cmd, port, tmp_path) as server:
+        driver = auto_driver_of(server)
+        stuck_requests_time_out_and_their_workers_are_replaced(server, replaced)
+        assert server.stop(signal.SIGTERM) == 0
+        assert_nothing_left_of_asgi(server, driver)
+
+
+def test_gunicorn_with_uvicorn_workers_wraps_the_app_and_ends_workers_without_a_core_dump(tmp_path: Path) -> None:
+    """Gunicorn with uvicorn_worker.UvicornWorker and install() on an app that
+    is not wrapped: each worker wraps it on the master's wheel; a stuck
+    request's worker gets SIGTERM, not the SIGABRT that would dump its core
+    (the worker class sets SIGABRT back to its default), then SIGKILL."""
+    port = free_port()
+    cmd = [str(BIN / "gunicorn"), "-c", str(EXAMPLES / "gunicorn_asgi.conf.py"), "--bind", f"127.0.0.1:{port}"]
+    with serve([*cmd, "--no-control-socket", "asgi_app:routes"], port, tmp_path, "gunicorn") as server:
+        server.wait_for(r"worker class uvicorn_worker\._workers\.UvicornWorker calls no request hook: each worker")
+        stuck_requests_time_out_and_their_workers_are_replaced(server, r"Worker \(pid:{pid}\) was sent SIGKILL")
+        log = server.log()
+        assert "SIGABRT" not in log and "core dumped" not in log
+        assert "running on wheel 'asgi-" not in log  # the master's wheel, no wheel of the workers' own
+        assert server.stop(signal.SIGTERM) == 0
+        assert "driver stopped, wheel" in server.log()
+        assert_nothing_left(server)

@@ -14,16 +14,27 @@ calls any that were defined above it, so it must come after them):
   the workers as ``user``/``group``, the wheel is made theirs and the
   driver runs as them too: it can signal the workers and nothing else;
 * ``post_worker_init`` (each worker): attaches to the wheel and registers
-  :mod:`faulthandler` on the traceback signal;
+  :mod:`faulthandler` on the traceback signal.  With an ASGI worker class
+  (Uvicorn's ``uvicorn_worker.UvicornWorker`` or the older
+  ``uvicorn.workers.UvicornWorker``, Gunicorn's ``asgi``) it wraps the
+  application in :class:`shmwheel.contrib.asgi.TimeoutMiddleware` on the
+  master's wheel (an application wrapped already is timed once); with
+  another class that calls no request hooks, it logs an ERROR unless the
+  application is wrapped in one of the middlewares;
 * ``pre_request`` / ``post_request`` (each worker, in the thread that runs
-  the request, so sync and gthread workers alike): add the request's timer
-  and cancel it;
+  the request, so sync, gthread, eventlet and gevent workers alike): add
+  the request's timer and cancel it;
 * ``on_exit`` (master): stops the driver and removes the wheel.
 
+The master names the wheel to its workers in the ``SHMWHEEL_WHEEL``
+environment variable, so that a middleware without a name uses it.
+
 When a timer fires the driver logs the request, has the worker dump its
-tracebacks, and, with ``kill=True``, sends it ``kill_signal`` (SIGABRT by
-default: the worker runs ``worker_abort`` and exits, as on Gunicorn's own
-timeout), then SIGKILL ``kill_after`` seconds later if it is still there.
+tracebacks, and, with ``kill=True``, sends it ``kill_signal`` (by default
+SIGABRT for Gunicorn's own workers: the worker runs ``worker_abort`` and
+exits, as on Gunicorn's own timeout; SIGTERM for Uvicorn's, which set
+SIGABRT back to its default action, a core dump, and shut down gracefully
+on SIGTERM), then SIGKILL ``kill_after`` seconds later if it is still there.
 The master then starts a new worker, as for any worker that dies.
 
 A reload (SIGHUP) runs the config again: new workers get the new
@@ -32,6 +43,7 @@ A reload (SIGHUP) runs the config again: new workers get the new
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -40,15 +52,12 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from .timeouts import (
-    DEFAULT_CAPACITY,
-    DEFAULT_KILL_AFTER,
-    DEFAULT_TRACEBACK_SIGNAL,
-    DriverSupervisor,
-    RequestTimer,
-    TimeoutActions,
-    _seconds,
-)
+from .._checks import check_seconds, check_signal
+from ._handler import DEFAULT_KILL_AFTER, TimeoutActions
+from ._record import DEFAULT_TRACEBACK_SIGNAL
+from ._supervisor import DEFAULT_CAPACITY, WHEEL_ENV, DriverSupervisor
+from ._worker import RequestTimer, timed_apps
+from .asgi import TimeoutMiddleware
 
 __all__ = ["install"]
 
@@ -63,6 +72,14 @@ _HOOKED_WORKERS = frozenset(
         "gunicorn.workers.base_async.AsyncWorker",
     }
 )
+# Uvicorn's worker classes, which serve an ASGI application and call no
+# request hook: the application is wrapped instead.  They set SIGABRT back
+# to its default action, a core dump, and stop gracefully on SIGTERM.
+_UVICORN_WORKERS = frozenset({"uvicorn_worker._workers.UvicornWorker", "uvicorn.workers.UvicornWorker"})
+# Every ASGI worker class whose application is wrapped: Gunicorn's own asgi
+# worker too (before Gunicorn 25 it called pre_request but not post_request).
+_ASGI_WORKERS = _UVICORN_WORKERS | {"gunicorn.workers.gasgi.ASGIWorker"}
+HOOKS, WRAP, NONE = "hooks", "wrap", "none"  # how a worker class's requests are timed
 
 
 @dataclass
@@ -71,6 +88,7 @@ class _Settings:
     timeout: float
     actions: TimeoutActions
     capacity: int
+    kill_signal_given: bool  # False: the worker class's own (see _actions_for)
 
 
 class _State:
@@ -82,7 +100,8 @@ class _State:
         self.settings: _Settings | None = None
         self.supervisor: DriverSupervisor | None = None
         self.timer: RequestTimer | None = None
-        self.timers = True  # False: the worker class does not call both request hooks
+        self.how = HOOKS  # how the worker class's requests are timed
+        self.worker_class: type | None = None
 
 
 _state = _State()
@@ -96,28 +115,31 @@ def install(
     tracebacks: bool = True,
     traceback_signal: int | str = DEFAULT_TRACEBACK_SIGNAL,
     kill: bool = False,
-    kill_signal: int | str = signal.SIGABRT,
+    kill_signal: int | str | None = None,
     kill_after: float = DEFAULT_KILL_AFTER,
     log: bool = True,
     capacity: int = DEFAULT_CAPACITY,
 ) -> None:
     """Give every request a ``timeout`` (seconds): call it with ``globals()``
     last in a Gunicorn config file.  ``name`` is the wheel's name (default
-    ``gunicorn-<master pid>``); the rest are :class:`TimeoutActions`."""
+    ``gunicorn-<master pid>``); the rest are :class:`TimeoutActions`, where
+    ``kill_signal`` defaults to the worker class's graceful signal: SIGABRT
+    for Gunicorn's own, SIGTERM for Uvicorn's."""
     if not isinstance(config, MutableMapping):
         raise TypeError(f"install() takes the config's namespace, globals(), not {type(config).__name__}")
     settings = _Settings(
         name=name,
-        timeout=_seconds(timeout, "timeout"),
+        timeout=check_seconds(timeout, "timeout", positive=True),
         actions=TimeoutActions(
             log=log,
             tracebacks=tracebacks,
             traceback_signal=traceback_signal,  # type: ignore[arg-type]  # a name is converted
             kill=kill,
-            kill_signal=kill_signal,  # type: ignore[arg-type]
+            kill_signal=signal.SIGABRT if kill_signal is None else check_signal(kill_signal, "kill_signal"),
             kill_after=kill_after,
         ),
         capacity=capacity,
+        kill_signal_given=kill_signal is not None,
     )
     if name is not None:
         RequestTimer(name, settings.timeout)  # a bad name fails now
@@ -136,6 +158,16 @@ def install(
     def post_worker_init(worker: Any) -> None:
         if _state.timer is not None:
             _state.timer.prepare()
+        elif _state.how == WRAP:
+            _wrap(worker, settings)
+        elif _state.how == NONE and not timed_apps:
+            worker.log.error(
+                "shmwheel: worker class %s calls no request hook and the application is not wrapped: its requests "
+                "run without a timeout; wrap it in shmwheel.contrib.wsgi.TimeoutMiddleware(app, timeout) or "
+                "shmwheel.contrib.asgi.TimeoutMiddleware(app, timeout), or use sync, gthread, eventlet, gevent or "
+                "Uvicorn's workers",
+                _class_name(type(worker)),
+            )
         _call(earlier["post_worker_init"], worker)
 
     def pre_request(worker: Any, req: Any) -> None:
@@ -203,30 +235,82 @@ def _workers_ids(server: Any) -> tuple[int, int] | None:
     return None if (uid, gid) == (os.geteuid(), os.getegid()) else (uid, gid)
 
 
-def _calls_both_hooks(worker_class: type) -> bool:
-    """Whether Gunicorn's worker class calls pre_request and post_request
-    around every request: its sync, gthread and async (eventlet, gevent)
-    workers and their subclasses do; tornado, gevent_pywsgi (a gevent server
-    of its own) and asgi (pre_request only, so a timer would never be
-    cancelled) do not."""
-    ancestry = {f"{c.__module__}.{c.__qualname__}" for c in worker_class.__mro__}
-    return bool(ancestry & _HOOKED_WORKERS) and getattr(worker_class, "server_class", None) is None
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _check_setup(server: Any, settings: _Settings) -> bool:
-    """Log what would make timeouts silently not happen, as far as the master
-    can tell; False if the workers cannot have request timers at all."""
+def _ancestry(worker_class: type) -> set[str]:
+    return {_class_name(c) for c in worker_class.__mro__}
+
+
+def how_timed(worker_class: type) -> str:
+    """How the requests of a Gunicorn worker class are timed: HOOKS for the
+    classes that call pre_request and post_request around every request
+    (sync, gthread and async, eventlet's and gevent's, and their
+    subclasses); WRAP for the ASGI ones, whose application each worker
+    wraps; NONE for the others (tornado, gevent_pywsgi, a gevent server of
+    its own), whose application must be wrapped by hand."""
+    ancestry = _ancestry(worker_class)
+    if ancestry & _ASGI_WORKERS:
+        return WRAP
+    if ancestry & _HOOKED_WORKERS and getattr(worker_class, "server_class", None) is None:
+        return HOOKS
+    return NONE
+
+
+def _actions_for(settings: _Settings, worker_class: type) -> TimeoutActions:
+    """The settings' actions, with the worker class's kill_signal unless one was given."""
+    if settings.kill_signal_given or not _ancestry(worker_class) & _UVICORN_WORKERS:
+        return settings.actions
+    return dataclasses.replace(settings.actions, kill_signal=signal.SIGTERM)
+
+
+def _wrap(worker: Any, settings: _Settings) -> None:
+    """Wrap a worker's ASGI application (Gunicorn's asgi worker keeps it in
+    ``worker.asgi``, Uvicorn's in ``worker.wsgi``) on the master's wheel."""
+    attr = "asgi" if getattr(worker, "asgi", None) is not None else "wsgi"
+    app = getattr(worker, attr)
+    if not isinstance(app, TimeoutMiddleware):
+        actions = settings.actions
+        app = TimeoutMiddleware(
+            app,
+            settings.timeout,
+            name=os.environ[WHEEL_ENV],
+            tracebacks=actions.tracebacks,
+            traceback_signal=actions.traceback_signal,
+        )
+        setattr(worker, attr, app)
+    app.timer.prepare()
+
+
+def _check_setup(server: Any, settings: _Settings, how: str) -> None:
+    """Log what would make timeouts silently not happen, as far as the master can tell."""
     cfg = server.cfg
     worker_class = server.worker_class
-    if not _calls_both_hooks(worker_class):
-        server.log.warning(
-            "shmwheel: worker class %s.%s does not call Gunicorn's pre_request and post_request hooks around "
-            "each request: its requests run without a timeout; use sync, gthread, eventlet or gevent workers, "
-            "or wrap a WSGI app in shmwheel.contrib.wsgi.TimeoutMiddleware",
-            worker_class.__module__,
-            worker_class.__qualname__,
+    if how == WRAP:
+        server.log.info(
+            "shmwheel: worker class %s calls no request hook: each worker wraps its ASGI application in "
+            "shmwheel.contrib.asgi.TimeoutMiddleware",
+            _class_name(worker_class),
         )
-        return False
+    elif how == NONE:
+        server.log.warning(
+            "shmwheel: worker class %s does not call Gunicorn's pre_request and post_request hooks around each "
+            "request: its requests are timed only if the application is wrapped in "
+            "shmwheel.contrib.wsgi.TimeoutMiddleware or shmwheel.contrib.asgi.TimeoutMiddleware",
+            _class_name(worker_class),
+        )
+    actions = settings.actions
+    if (
+        actions.kill
+        and settings.kill_signal_given
+        and actions.kill_signal == signal.SIGABRT
+        and _ancestry(worker_class) & _UVICORN_WORKERS
+    ):
+        server.log.warning(
+            "shmwheel: kill_signal SIGABRT ends a Uvicorn worker with a core dump (it sets SIGABRT back to its "
+            "default action): leave kill_signal out, and SIGTERM is sent"
+        )
     heartbeat = float(cfg.timeout)
     kind = str(cfg.worker_class_str)
     if (kind == "sync" or kind.endswith("SyncWorker")) and 0 < heartbeat <= settings.timeout:
@@ -240,20 +324,24 @@ def _check_setup(server: Any, settings: _Settings) -> bool:
             heartbeat,
             heartbeat,
         )
-    return True
 
 
 def _start(server: Any, settings: _Settings) -> None:
     _use_server_log(server)
-    timers = _check_setup(server, settings)
+    worker_class = server.worker_class
+    how = how_timed(worker_class)
+    _check_setup(server, settings, how)
     name = settings.name or f"gunicorn-{server.pid}"
     owner = _workers_ids(server)
-    supervisor = DriverSupervisor(name, settings.actions, capacity=settings.capacity, owner=owner)
+    actions = _actions_for(settings, worker_class)
+    supervisor = DriverSupervisor(name, actions, capacity=settings.capacity, owner=owner)
     supervisor.start()
+    os.environ[WHEEL_ENV] = name  # the workers inherit it: a middleware without a name uses this wheel
     with _state.lock:
         _state.supervisor = supervisor
-        _state.timers = timers
-        _state.timer = _timer(name, settings) if timers else None
+        _state.how = how
+        _state.worker_class = worker_class
+        _state.timer = _timer(name, settings) if how == HOOKS else None
     server.log.info(
         "shmwheel: request timeout %g s on wheel %r, driver pid %s%s%s",
         settings.timeout,
@@ -268,9 +356,12 @@ def _reconfigure(settings: _Settings) -> None:
     supervisor = _state.supervisor
     assert supervisor is not None
     with _state.lock:
-        _state.timer = _timer(supervisor.name, settings) if _state.timers else None
-    if settings.actions != supervisor.actions:
-        supervisor.restart(settings.actions)
+        _state.timer = _timer(supervisor.name, settings) if _state.how == HOOKS else None
+        worker_class = _state.worker_class
+    assert worker_class is not None
+    actions = _actions_for(settings, worker_class)
+    if actions != supervisor.actions:
+        supervisor.restart(actions)
 
 
 def _stop(server: Any) -> None:

@@ -60,21 +60,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from .._checks import check_seconds
 from .._driver import Driver
 from .._errors import DriverRunningError, SegmentNotFoundError, ShmwheelError
 from .._process import alive, start_time
 from .._wheel import observe, unlink
-from .timeouts import (
-    _LOG_FORMAT,
-    DEFAULT_CAPACITY,
-    DEFAULT_KILL_AFTER,
-    DEFAULT_TRACEBACK_SIGNAL,
-    TimeoutActions,
-    TimeoutHandler,
-    _seconds,
-    _watch_parent,
-    create_wheel,
-)
+from ._handler import DEFAULT_KILL_AFTER, TimeoutActions, TimeoutHandler
+from ._record import DEFAULT_TRACEBACK_SIGNAL
+from ._supervisor import DEFAULT_CAPACITY, LOG_FORMAT, create_wheel, watch_parent
 from .wsgi import TimeoutMiddleware, WSGIApp
 
 __all__ = ["driver", "request_timeouts"]
@@ -136,7 +129,7 @@ def settings(opts: Mapping[str, Any], master_pid: int) -> Settings:
     try:
         return Settings(
             name=_option(opts, "name") or f"uwsgi-{master_pid}",
-            timeout=_seconds(_number(opts, "timeout", None), f"{_PREFIX}timeout"),
+            timeout=check_seconds(_number(opts, "timeout", None), f"{_PREFIX}timeout", positive=True),
             actions=TimeoutActions(
                 log=_flag(opts, "log", True),
                 tracebacks=_flag(opts, "tracebacks", True),
@@ -215,7 +208,7 @@ def _report(level: int, msg: str, *args: object) -> None:
         _log.log(level, msg, *args)
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     if _log.isEnabledFor(level):
         handler.handle(_log.makeRecord(_log.name, level, __file__, 0, msg, args, None))
 
@@ -336,7 +329,7 @@ def _remover(
 def driver() -> None:
     """The mule: ``mule = shmwheel.contrib.uwsgi:driver``."""
     uwsgi = _uwsgi()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=_LOG_FORMAT)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
     config = _settings()
     run = Driver(config.name, TimeoutHandler(config.name, config.actions))
     master = uwsgi.masterpid()
@@ -353,7 +346,7 @@ def driver() -> None:
     # mule as its signals do (on the main thread, so that pause() returns).
     main = threading.main_thread().ident
     assert main is not None
-    _watch_parent(master, lambda: signal.pthread_kill(main, signal.SIGTERM))
+    watch_parent(master, lambda: signal.pthread_kill(main, signal.SIGTERM))
     try:
         try:
             observe(config.name).close()

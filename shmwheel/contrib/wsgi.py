@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .timeouts import DEFAULT_TRACEBACK_SIGNAL, RequestTimer
+from ._record import DEFAULT_TRACEBACK_SIGNAL
+from ._worker import RequestTimer, timed_apps
 
 __all__ = ["TimeoutMiddleware"]
 
@@ -48,6 +49,7 @@ class TimeoutMiddleware:
             raise TypeError(f"app must be a WSGI application, not {type(app).__name__}")
         self.app = app
         self.timer = RequestTimer(name, timeout, traceback_signal=traceback_signal)
+        timed_apps.add(self)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         timer = self.timer

@@ -1,0 +1,334 @@
+"""The driver's side of request timeouts: what it does when a request's
+timer fires, and whom it may do it to.
+
+When a timer fires the driver hands it to :class:`TimeoutHandler`, which
+acts on the worker, because a worker stuck in a request cannot act for
+itself:
+
+1. a WARNING log line with the method, path, request id, worker pid and
+   how long the request has been running;
+2. optionally a dump of the worker's Python tracebacks: the worker has
+   :mod:`faulthandler` registered on ``traceback_signal``, which dumps
+   every thread's stack to the worker's stderr from inside its signal
+   handler, whatever the worker is blocked in;
+3. optionally ``kill_signal`` (graceful: the worker may finish up), then,
+   ``kill_after`` seconds later if the same process is still there,
+   SIGKILL.  The SIGKILL is itself a timer in the wheel.
+
+A process is signalled only if it is still the one that added the timer:
+the record carries the worker's pid *and* its start time, the handler opens
+a pidfd for the pid, checks the start time, and signals through the pidfd,
+so a pid reused in the meantime is never hit, not even in the gap between
+the check and the signal.
+
+Who can write a wheel is who its driver trusts: anyone who can write it
+can put a record there.  So the driver believes no record on its word.
+Before any signal it checks that the process named is one of this wheel's
+own workers: a live process in the wheel's producer table (pid and start
+time), the one that added the timer (``Fire.owner_pid``, which the C core
+writes, not the record; a SIGKILL or kill_signal follow-up must have been
+added by this driver process), and one that runs as the driver's own
+effective uid (its real or saved uid), which is the kernel's rule for a
+sender without privileges.  Otherwise it logs one WARNING line and signals
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .._checks import check_seconds, check_signal
+from .._process import alive, uids
+from .._records import Fire
+from .._segment import segment_name
+from .._wheel import Wheel, attach
+from ._record import (
+    DEFAULT_TRACEBACK_SIGNAL,
+    KIND_GRACEFUL,
+    KIND_KILL,
+    RequestRecord,
+    decode_request,
+)
+
+__all__ = [
+    "DEFAULT_KILL_AFTER",
+    "DUMP_TIME",
+    "TimeoutActions",
+    "TimeoutHandler",
+    "signal_if",
+    "signal_process",
+    "uid_refusal",
+]
+
+_log = logging.getLogger("shmwheel.timeouts")
+
+#: How long a worker may take to go after kill_signal before SIGKILL.
+DEFAULT_KILL_AFTER = 5.0
+#: Seconds from the traceback signal to kill_signal: time for the dump.
+DUMP_TIME = 0.25
+
+
+def signal_process(pid: int, start: int, signum: int) -> bool:
+    """Send ``signum`` to ``pid`` if it is still the process that started at
+    ``start``; return whether it was sent.
+
+    Through a pidfd: once open it names one process for good, so checking
+    the start time after opening it and signalling through it leaves no
+    window in which the pid could be reused.  Kernels without pidfds
+    (before 5.3) get a check and a kill(2), with that window.
+    """
+    return signal_if(pid, start, signum, None)
+
+
+def signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None) -> bool:
+    """signal_process(), asking ``may()`` too once the process is known to be
+    the one that started at ``start``, right before the signal."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+        if not alive(pid, start) or (may is not None and not may()):
+            return False
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+    try:
+        if not alive(pid, start) or (may is not None and not may()):
+            return False
+        signal.pidfd_send_signal(fd, signum)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def uid_refusal(pid: int) -> str | None:
+    """Why this process may not signal ``pid`` by the uid rule, or None if it may.
+
+    The rule is the kernel's for a sender without privileges: the target's
+    real or saved uid is the sender's effective uid.  Applied here to a
+    driver that runs as root too, so that root signals only root's
+    processes: a root driver whose workers are another user's has been
+    set up wrong, and says so instead of acting as root on their records.
+    """
+    me = os.geteuid()
+    ids = uids(pid)
+    if ids is None:
+        return None  # gone: the signal through the pidfd finds nothing to hit
+    real, _, saved = ids
+    if me in (real, saved):
+        return None
+    return (
+        f"pid {pid} runs as uid {real} and this driver as uid {me}: a driver signals only processes of "
+        "its own uid (run it as the workers' user)"
+    )
+
+
+@dataclass(frozen=True)
+class TimeoutActions:
+    """What the driver does when a request's timer fires (see the module docs)."""
+
+    log: bool = True  #: the WARNING line
+    tracebacks: bool = True  #: signal the worker to dump its Python stacks
+    traceback_signal: int = DEFAULT_TRACEBACK_SIGNAL
+    kill: bool = False  #: kill_signal, then SIGKILL after kill_after
+    kill_signal: int = signal.SIGTERM
+    kill_after: float = DEFAULT_KILL_AFTER
+
+    def __post_init__(self) -> None:
+        for flag in ("log", "tracebacks", "kill"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, not {getattr(self, flag)!r}")
+        object.__setattr__(self, "traceback_signal", check_signal(self.traceback_signal, "traceback_signal"))
+        object.__setattr__(self, "kill_signal", check_signal(self.kill_signal, "kill_signal"))
+        object.__setattr__(self, "kill_after", check_seconds(self.kill_after, "kill_after", positive=True))
+        if self.tracebacks and self.traceback_signal in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError("traceback_signal cannot be SIGKILL or SIGSTOP: no handler can catch it")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TimeoutActions:
+        """The settings parsed from the arguments :meth:`as_args` makes."""
+        return cls(
+            log=args.log,
+            tracebacks=args.tracebacks,
+            traceback_signal=args.traceback_signal,
+            kill=args.kill,
+            kill_signal=args.kill_signal,
+            kill_after=args.kill_after,
+        )
+
+    def as_args(self) -> list[str]:
+        """The same settings as command-line arguments of ``python -m shmwheel.contrib.timeouts``."""
+        args = [
+            f"--traceback-signal={signal.Signals(self.traceback_signal).name}",
+            f"--kill-signal={signal.Signals(self.kill_signal).name}",
+            f"--kill-after={self.kill_after!r}",
+        ]
+        if not self.log:
+            args.append("--no-log")
+        if not self.tracebacks:
+            args.append("--no-tracebacks")
+        if self.kill:
+            args.append("--kill")
+        return args
+
+
+FOLLOW_UPS = {KIND_KILL: "SIGKILL", KIND_GRACEFUL: "kill_signal"}
+
+
+class TimeoutHandler:
+    """The driver's handler for a request-timeout wheel: ``Driver(name, TimeoutHandler(name, actions))``.
+
+    It signals only this wheel's own workers (see the module docs): a
+    record that names any other process is logged, in one WARNING line
+    saying why, and nothing is signalled.
+    """
+
+    #: Seconds a reading of the producer table is used for other fires; a
+    #: process not found in it is looked for in a fresh reading.
+    PRODUCERS_TTL = 1.0
+
+    def __init__(self, name: str, actions: TimeoutActions | None = None) -> None:
+        segment_name(name)
+        self.name = name
+        self.actions = actions or TimeoutActions()
+        self._wheel: Wheel | None = None  # for the follow-up timers and the producer table, opened on first need
+        self._producers: dict[int, int] = {}  # pid: start time of the live producers, as last read
+        self._producers_read = -math.inf
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TimeoutHandler, (self.name, self.actions))
+
+    def __call__(self, fire: Fire) -> None:
+        record = decode_request(fire.payload)
+        if record is None:
+            _log.warning("timer %d carries no request record: payload %r", fire.handle, fire.payload[:64])
+            return
+        there = alive(record.pid, record.start)
+        if there:
+            why = self._refusal(fire, record)
+            if why is not None:
+                self._refuse(fire, record, why)
+                return
+        if record.kind in FOLLOW_UPS:
+            if there:
+                if record.kind == KIND_KILL:
+                    self._sigkill(fire, record)
+                else:
+                    self._graceful(fire, record)
+            return
+        actions = self.actions
+        if actions.log:
+            # One line, written before the worker is signalled, so that it
+            # comes ahead of the tracebacks the worker writes.
+            if not there:
+                then = "; the worker has exited"
+            else:
+                steps = ["dumping its tracebacks"] if actions.tracebacks else []
+                if actions.kill:
+                    name = signal.Signals(actions.kill_signal).name
+                    steps.append(f"sending it {name}, then SIGKILL in {actions.kill_after:g} s")
+                then = "; " + ", ".join(steps) if steps else ""
+            _log.warning(
+                "request timed out: %s, running for %.3f s%s%s",
+                record.describe(),
+                record.running_for(),
+                " (redelivered after a driver restart)" if fire.redelivered else "",
+                then,
+            )
+        if not there:
+            return
+        if actions.tracebacks:
+            if not self._signal(fire, record, actions.traceback_signal):
+                return
+            if actions.kill:
+                # The dump runs in the worker's signal handler; a kill_signal
+                # that lands before it is done can end the worker mid-dump
+                # (uWSGI's SIGTERM exits at once), so it follows a little later.
+                self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
+        elif actions.kill:
+            self._graceful(fire, record)
+
+    def _open(self) -> Wheel:
+        if self._wheel is None:
+            self._wheel = attach(self.name)
+        return self._wheel
+
+    def _later(self, delay: float, kind: int, payload: bytes) -> None:
+        """A timer of this wheel that will bring the record back as ``kind``."""
+        self._open().add(delay, bytes([kind]) + payload[1:])
+
+    def _graceful(self, fire: Fire, record: RequestRecord) -> None:
+        if self._signal(fire, record, self.actions.kill_signal):
+            self._later(self.actions.kill_after, KIND_KILL, fire.payload)
+
+    def _sigkill(self, fire: Fire, record: RequestRecord) -> None:
+        if self._signal(fire, record, signal.SIGKILL):
+            _log.error(
+                "killed worker pid %d with SIGKILL: %s had run for %.3f s and it ignored %s",
+                record.pid,
+                record.describe(),
+                record.running_for(),
+                signal.Signals(self.actions.kill_signal).name,
+            )
+
+    def _signal(self, fire: Fire, record: RequestRecord, signum: int) -> bool:
+        """``signum`` to the record's worker, if it is still there and still
+        passes the uid rule right before the signal; whether it was sent."""
+
+        def may() -> bool:
+            why = uid_refusal(record.pid)
+            if why is not None:
+                self._refuse(fire, record, why)
+            return why is None
+
+        return signal_if(record.pid, record.start, signum, may)
+
+    def _refusal(self, fire: Fire, record: RequestRecord) -> str | None:
+        """Why the live process a record names is not one this driver may
+        signal for it, or None if it is."""
+        if record.kind in FOLLOW_UPS:
+            # Only this driver adds follow-ups, so only its own count; one
+            # an earlier driver left (it died or was restarted within the
+            # wait) is not told from a forgery, and is not acted on.
+            me = os.getpid()
+            if fire.owner_pid != me:
+                what = FOLLOW_UPS[record.kind]
+                return (
+                    f"its {what} follow-up was added by pid {fire.owner_pid}, and only this driver's (pid {me}) count"
+                )
+        elif fire.owner_pid != record.pid:
+            return f"the timer was added by pid {fire.owner_pid}, not by the worker it names"
+        if not self._is_producer(record.pid, record.start):
+            return f"pid {record.pid} is not a process attached to wheel {self.name!r}"
+        return uid_refusal(record.pid)
+
+    def _is_producer(self, pid: int, start: int) -> bool:
+        """Whether (pid, start) is a live producer of the wheel: from the
+        last reading of the table if it is recent and has it, else from a
+        fresh one, so that a miss is never the answer of stale data."""
+        if time.monotonic() - self._producers_read < self.PRODUCERS_TTL and self._producers.get(pid) == start:
+            return True
+        self._producers_read = time.monotonic()
+        self._producers = {p: s for p, s, live in self._open().producers() if live}
+        return self._producers.get(pid) == start
+
+    def _refuse(self, fire: Fire, record: RequestRecord, why: str) -> None:
+        _log.warning(
+            "timer %d names %s but is not acted on: %s; nothing was signalled", fire.handle, record.describe(), why
+        )

@@ -1,0 +1,224 @@
+"""The worker's side of request timeouts: one timer per request, carrying
+its request record, added when the request comes in and cancelled when its
+response is done.
+
+:class:`RequestTimer` is what every server adapter uses; it also registers
+:mod:`faulthandler` on the traceback signal in each process that uses it,
+so that the driver can ask a worker stuck in a request for its stacks.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import itertools
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import weakref
+
+from .._checks import check_seconds, check_signal
+from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, one_line
+from .._process import start_time
+from .._segment import segment_name
+from .._wheel import Wheel, attach
+from ._record import DEFAULT_TRACEBACK_SIGNAL, KIND_REQUEST, PAYLOAD_SIZE, REQUEST_ID, encode_request
+from ._supervisor import AutoDriver
+
+__all__ = ["RequestTimer", "timed_apps"]
+
+_log = logging.getLogger("shmwheel.timeouts")
+
+LOOK_INTERVAL_NS = 1_000_000_000  # how often a worker checks that its wheel's name still names it
+KEEP_OLD = 2  # wheels replaced under a worker that it keeps open for the cancels of their requests
+ATTACH_TRIES = 3  # an AutoDriver's wheel may be removed between its making and the attach: made again
+
+#: The middlewares (WSGI, ASGI) made in this process: a server adapter that
+#: cannot time requests itself looks here to tell whether the application
+#: has been wrapped.
+timed_apps: weakref.WeakSet[object] = weakref.WeakSet()
+
+# Every RequestTimer of this process, so that a forked child can give each a
+# lock of its own: the parent's may have been held, by a thread the child
+# does not have, at the moment of the fork.
+_request_timers: weakref.WeakSet[RequestTimer] = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    for timer in list(_request_timers):
+        timer._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks_after_fork)
+
+
+class RequestTimer:
+    """A worker's request timers: :meth:`start` when a request comes in,
+    :meth:`finish` when its response is done.
+
+    Safe to share between the threads of a worker and across fork (each
+    process attaches on first use and is recorded as a producer of its
+    own, so its timers are cancelled if it exits).  It never lets the
+    wheel break a request: if the wheel is missing, full or not this
+    process's to open, the request runs without a timer and a warning is
+    logged (at most once a minute).  A wheel that is removed or replaced
+    under it (a standalone driver restarted with ``--create``, ``shmwheel
+    unlink``) is noticed - at once by the next add, or within a second if
+    it was removed by hand - and the name attached again; the timers of
+    requests started before are still cancelled in the old wheel.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        timeout: float,
+        *,
+        traceback_signal: int | None = DEFAULT_TRACEBACK_SIGNAL,
+        auto_driver: AutoDriver | None = None,
+    ) -> None:
+        segment_name(name)  # a bad name fails here, not at the first request
+        self.name = name
+        #: Makes the wheel and starts its driver when there is none (the
+        #: ASGI middleware's own wheel); without it both come from elsewhere.
+        self.auto_driver = auto_driver
+        self.timeout = check_seconds(timeout, "timeout", positive=True)
+        if traceback_signal is not None:
+            traceback_signal = check_signal(traceback_signal, "traceback_signal")
+        self.traceback_signal = traceback_signal
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._wheel: Wheel | None = None
+        self._start = 0
+        self._size = PAYLOAD_SIZE
+        self._ids = itertools.count(1)
+        self._retry_at = 0.0
+        self._warned_at = -math.inf
+        self._look_at = 0  # time.monotonic_ns() when to check the name still names our wheel
+        self._old: list[Wheel] = []  # wheels replaced under us, for the cancels of their requests
+        _request_timers.add(self)
+
+    def prepare(self) -> bool:
+        """Attach this process and register the traceback signal now rather
+        than on the first request; True if the wheel is there."""
+        return self._ready() is not None
+
+    def _ready(self) -> Wheel | None:
+        pid = os.getpid()
+        wheel = self._wheel  # once: another thread may drop it meanwhile
+        if self._pid == pid and wheel is not None:
+            return wheel
+        with self._lock:
+            if self._pid != pid:  # first use in this process: forked, or new
+                self._pid = pid
+                self._wheel = None
+                self._old = []
+                self._ids = itertools.count(1)
+                self._start = start_time(pid) or 0
+                if self.traceback_signal is not None:
+                    faulthandler.register(self.traceback_signal, file=sys.stderr, all_threads=True)
+            if self._wheel is None and time.monotonic() >= self._retry_at:
+                try:
+                    wheel = self._attach()
+                except (ShmwheelError, OSError) as exc:  # PermissionError: the wheel is another user's
+                    self._retry_at = time.monotonic() + 1.0
+                    who = f" (this process runs as uid {os.geteuid()}, gid {os.getegid()})"
+                    self._warn(
+                        f"requests run without a timeout: {one_line(exc)}"
+                        + (who if isinstance(exc, PermissionError) else "")
+                    )
+                    return None
+                self._size = wheel.payload_size
+                self._wheel = wheel
+            return self._wheel
+
+    def _attach(self) -> Wheel:
+        """This process's attach of the wheel; with an AutoDriver, the wheel
+        made first if it is missing, and a driver started if none runs."""
+        auto = self.auto_driver
+        if auto is None:
+            return attach(self.name)
+        for tries in range(1, ATTACH_TRIES + 1):
+            auto.make_wheel()
+            try:
+                wheel = attach(self.name)
+            except SegmentNotFoundError:  # removed by its driver, which had just found it unused
+                if tries == ATTACH_TRIES:
+                    raise
+                continue
+            self._drive(auto)
+            return wheel
+        raise AssertionError("unreachable")
+
+    def _drive(self, auto: AutoDriver) -> None:
+        try:
+            auto.ensure_running()
+        except OSError as exc:
+            self._warn(f"no driver could be started, so no request times out: {one_line(exc)}")
+
+    def start(self, method: str, path: str, request_id: str | None = None) -> int | None:
+        """Add the request's timer; return its handle, or None if it has none."""
+        now = time.monotonic_ns()
+        if now >= self._look_at and self._pid == os.getpid():
+            self._look_at = now + LOOK_INTERVAL_NS
+            current = self._wheel  # once: another thread may drop it meanwhile
+            if current is not None and not current.is_current():  # removed by hand (rm, an old unlink)
+                self._replaced(current)
+            elif current is not None and self.auto_driver is not None:  # its driver may have died
+                self._drive(self.auto_driver)
+        wheel = self._ready()
+        if wheel is None:
+            return None
+        if request_id is None or not REQUEST_ID.fullmatch(request_id):
+            request_id = f"{self._pid:x}.{next(self._ids)}"
+        try:
+            payload = encode_request(KIND_REQUEST, self._pid, self._start, now, method, request_id, path, self._size)
+            try:
+                return wheel.add(self.timeout, payload, cancel_on_exit=True)
+            except SegmentRemovedError:  # removed or replaced: the name may hold another wheel now
+                self._replaced(wheel)
+                wheel = self._ready()
+                if wheel is None:
+                    return None
+                return wheel.add(self.timeout, payload, cancel_on_exit=True)
+        except (ShmwheelError, ValueError) as exc:
+            self._warn(f"a request runs without a timeout: {exc}")
+            return None
+
+    def finish(self, handle: int | None) -> None:
+        """Cancel the request's timer (nothing if it had none or it fired).
+
+        The wheel it was added to may have been replaced since, and none
+        attached again yet: its timer is still cancelled there, or a request
+        that ended in time would be timed out by a driver that still drives
+        the old wheel.  A handle cancels nothing in another wheel (each has
+        its own key), so the wheels are simply tried in turn."""
+        if handle is None or self._pid != os.getpid():
+            return
+        current, old = self._wheel, self._old  # once each: other threads replace them, never change them
+        try:
+            for wheel in (current, *old) if current is not None else old:
+                if wheel.cancel(handle):
+                    return
+        except ShmwheelError as exc:
+            self._warn(f"cancelling a request's timer failed: {exc}")
+
+    def _replaced(self, wheel: Wheel) -> None:
+        """``wheel`` was removed or replaced: attach the name again at the next start."""
+        with self._lock:
+            if self._wheel is not wheel:
+                return  # another thread saw it first
+            self._wheel = None
+            self._retry_at = 0.0
+            # A new list, not the old one changed: a finish() in another
+            # thread may be walking that.  The oldest is let go, not closed,
+            # for the same reason; the collector unmaps it once unused.
+            self._old = [wheel, *self._old][:KEEP_OLD]
+        _log.info("wheel %r: it was removed or replaced; attaching the name again", self.name)
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= 60.0:
+            self._warned_at = now
+            _log.warning("wheel %r: %s", self.name, message)

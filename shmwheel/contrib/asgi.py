@@ -1,0 +1,230 @@
+"""An ASGI middleware that gives every request a timeout, under any ASGI server.
+
+    from shmwheel.contrib.asgi import TimeoutMiddleware
+    app = TimeoutMiddleware(app, timeout=30.0, kill=True)
+
+That is all it takes under Uvicorn (``--workers N`` or not) and Hypercorn:
+the workers make a wheel of their own, ``asgi-<pid>`` after the server's
+main process, and whichever finds no driver on it starts one (see
+:class:`~shmwheel.contrib._supervisor.AutoDriver`), which removes the wheel
+and exits once no worker has used it for two seconds.  Under Gunicorn with
+``install()`` in its config, the middleware uses the wheel the master made
+and that the master drives (it names it in the ``SHMWHEEL_WHEEL``
+environment variable), and with Uvicorn's worker classes ``install()``
+wraps the application itself.  With ``name=...`` the middleware only adds
+and cancels timers in that wheel, and the driver is yours to run:
+``python -m shmwheel.contrib.timeouts NAME --create`` under a process
+manager, say.
+
+It is a plain ASGI 3 application around yours: the timer runs from the
+call of the application until the last message of its response has been
+sent (``http.response.body`` without ``more_body``), or until the
+application returns or raises, whichever comes first; a background task
+that runs after the response is not timed.  Websocket connections are not
+timed unless ``websocket=True``, and then for as long as the connection
+lasts; ``lifespan`` and any other scope pass straight through.  A scope
+that an outer TimeoutMiddleware has timed already carries
+``"shmwheel.timer"`` (the handle, or None without a timer) and is passed
+through, so wrapping an application twice times it once, by the outer one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from .._checks import CAPACITIES, check_int, check_seconds
+from .._segment import segment_name
+from ._handler import DEFAULT_KILL_AFTER, TimeoutActions
+from ._record import DEFAULT_TRACEBACK_SIGNAL
+from ._supervisor import DEFAULT_CAPACITY, WHEEL_ENV, AutoDriver
+from ._worker import RequestTimer, timed_apps
+
+__all__ = ["TIMED", "TimeoutMiddleware", "own_wheel_name"]
+
+_log = logging.getLogger("shmwheel.timeouts")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: The scope key of a timed request: its timer's handle (None if it has none).
+TIMED = "shmwheel.timer"
+_REQUEST_ID_HEADER = b"x-request-id"  # ASGI servers lower-case header names
+
+
+def own_wheel_name() -> str:
+    """The wheel the workers of this server share when nothing names one:
+    ``asgi-<pid>`` after the server's main process.  A worker that
+    multiprocessing started (Uvicorn's and Hypercorn's workers) is named
+    after its parent; a server of one process (``uvicorn app:app``) after
+    itself."""
+    parent = multiprocessing.parent_process()
+    server = parent.pid if parent is not None and parent.pid is not None else os.getpid()
+    return f"asgi-{server}"
+
+
+class TimeoutMiddleware:
+    """Wrap an ASGI 3 application: each HTTP request gets a timer of
+    ``timeout`` seconds, cancelled once its response is complete.
+
+    ``name``: the wheel, whose driver is run elsewhere; by default the wheel
+    of the server's ``install()`` if there is one, else one of the server's
+    own with a driver its workers start.  The rest says what that driver
+    does on a timeout (see :class:`~shmwheel.contrib.timeouts.TimeoutActions`;
+    ``kill_signal`` SIGTERM: Uvicorn and Hypercorn shut a worker down
+    gracefully on it) and how many requests may be in progress at once
+    (``capacity``); a driver run elsewhere has its own settings.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        timeout: float,
+        *,
+        name: str | None = None,
+        websocket: bool = False,
+        log: bool = True,
+        tracebacks: bool = True,
+        traceback_signal: int | str = DEFAULT_TRACEBACK_SIGNAL,
+        kill: bool = False,
+        kill_signal: int | str = signal.SIGTERM,
+        kill_after: float = DEFAULT_KILL_AFTER,
+        capacity: int = DEFAULT_CAPACITY,
+    ) -> None:
+        if not callable(app):
+            raise TypeError(f"app must be an ASGI application, not {type(app).__name__}")
+        if not isinstance(websocket, bool):
+            raise TypeError(f"websocket must be True or False, not {websocket!r}")
+        if name is not None:
+            segment_name(name)
+        self.app = app
+        self.timeout = check_seconds(timeout, "timeout", positive=True)
+        self.name = name
+        self.websocket = websocket
+        self.actions = TimeoutActions(
+            log=log,
+            tracebacks=tracebacks,
+            traceback_signal=traceback_signal,  # type: ignore[arg-type]  # a name is converted
+            kill=kill,
+            kill_signal=kill_signal,  # type: ignore[arg-type]
+            kill_after=kill_after,
+        )
+        self.capacity = check_int(capacity, "capacity", *CAPACITIES)
+        self._lock = threading.Lock()
+        self._timer: RequestTimer | None = None
+        self._timer_pid = 0
+        timed_apps.add(self)
+
+    @property
+    def timer(self) -> RequestTimer:
+        """This process's request timer, on the wheel it resolves to here."""
+        timer, pid = self._timer, os.getpid()
+        if timer is not None and self._timer_pid == pid:
+            return timer
+        with self._lock:
+            if self._timer is None or self._timer_pid != pid:  # first use in this process
+                self._timer = self._resolve()
+                self._timer_pid = pid
+            return self._timer
+
+    def _resolve(self) -> RequestTimer:
+        signum = self.actions.traceback_signal if self.actions.tracebacks else None
+        name = self.name or os.environ.get(WHEEL_ENV)
+        if name:
+            try:
+                return RequestTimer(name, self.timeout, traceback_signal=signum)
+            except ValueError as exc:  # a bad name in the environment: never a failed request
+                _log.error("shmwheel: %s=%r: %s; using a wheel of this server's own", WHEEL_ENV, name, exc)
+        name = own_wheel_name()
+        auto = AutoDriver(name, self.actions, capacity=self.capacity)
+        if self.actions.kill and _hypercorn_worker():
+            _exit_cleanly_on(self.actions.kill_signal)
+        return RequestTimer(name, self.timeout, traceback_signal=signum, auto_driver=auto)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if TIMED in scope or not (kind == "http" or (kind == "websocket" and self.websocket)):
+            if kind == "lifespan":
+                self.timer.prepare()  # the wheel, its driver and the traceback signal before the first request
+            await self.app(scope, receive, send)
+            return
+        timer = self.timer
+        handle = timer.start(scope.get("method", "WEBSOCKET"), _path(scope), _request_id(scope))
+        finished = False
+
+        def finish() -> None:
+            nonlocal finished
+            if not finished:
+                finished = True
+                timer.finish(handle)
+
+        async def send_timed(message: Message) -> None:
+            await send(message)
+            if _completes(message):
+                finish()
+
+        try:
+            await self.app({**scope, TIMED: handle}, receive, send_timed)
+        finally:
+            finish()
+
+
+def _completes(message: Message) -> bool:
+    """Whether ``message`` is the last of a response (or closes a websocket)."""
+    kind = message["type"]
+    if kind in ("http.response.body", "http.response.zerocopysend"):
+        return not message.get("more_body", False)
+    return kind in ("http.response.pathsend", "websocket.close")
+
+
+def _path(scope: Scope) -> str:
+    return str(scope.get("path") or "/")
+
+
+def _request_id(scope: Scope) -> str | None:
+    for key, value in scope.get("headers") or ():
+        if key == _REQUEST_ID_HEADER:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _hypercorn_worker() -> bool:
+    """Whether this process is one of the workers of a Hypercorn with
+    ``--workers``: multiprocessing started it, and Hypercorn's worker runs."""
+    return multiprocessing.parent_process() is not None and any(
+        m in sys.modules for m in ("hypercorn.asyncio.run", "hypercorn.trio.run")
+    )
+
+
+def _exit_cleanly_on(signum: int) -> None:
+    """Make ``signum`` end this process with exit status 0.
+
+    Hypercorn starts a new worker in place of one that exits with status 0,
+    and shuts the whole server down when one ends otherwise (a signal
+    included); its workers handle no signal of their own.  So the driver's
+    kill_signal, which would end the worker by its default action, ends it
+    with status 0 instead, from the main thread as soon as it runs Python;
+    a worker that does not (stuck in C) gets the SIGKILL, and Hypercorn
+    stops.
+    """
+
+    def leave(signum: int, frame: object) -> None:
+        with contextlib.suppress(Exception):
+            name = signal.Signals(signum).name
+            print(f"shmwheel: worker {os.getpid()} exits on {name}", file=sys.stderr, flush=True)
+        os._exit(0)
+
+    try:
+        signal.signal(signum, leave)
+    except ValueError:  # not the main thread: left at its default action
+        _log.warning("shmwheel: %s could not be set up to end this Hypercorn worker cleanly", signum)
