@@ -459,7 +459,7 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     demo = command("demo", _demo, "run worker processes with per-request timeouts and show the fires", named=False)
-    # Each worker takes a slot in the segment's producer table; the demo and its driver take two more.
+    # Each worker takes an id in the segment's producer table; the demo and its driver take two more.
     workers = _int_between(1, lib.SHMW_MAX_PRODUCERS - 2)
     demo.add_argument("--workers", type=workers, default=3, metavar="N", help="worker processes (default 3)")
     demo.add_argument("--duration", type=_positive, default=5.0, help="seconds to run (default 5)")

@@ -82,13 +82,13 @@ _reset_at = lib.shmw_reset_at
 _pending = lib.shmw_pending
 _CANCEL_ON_EXIT = lib.SHMW_CANCEL_ON_EXIT
 _ENOTATTACHED = lib.SHMW_ENOTATTACHED
-_REAP_CHUNK = 65536  # slots a reap looks at per lock hold
-#: Seconds a Wheel waits before it asks again for a producer slot the
+_REAP_CHUNK = 65536  # entries a reap looks at per lock hold
+#: Seconds a Wheel waits before it asks again for a producer id the
 #: table had none of: the ask is one lock hold, but an add that needs the
-#: slot should not make it every time while the table is full.
+#: id should not make it every time while the table is full.
 _PRODUCER_RETRY = 1.0
 
-# This process's producer slot in a segment stays taken while any Wheel on
+# This process's producer id in a segment stays taken while any Wheel on
 # that segment is open here, and after that while timers it added with
 # cancel_on_exit may be pending (the driver frees it once we are gone).
 _open_here: collections.Counter[str] = collections.Counter()
@@ -132,8 +132,8 @@ class Wheel:
     _wheel_size: int
     _poll_buffers: list[Any]  # record buffers reused by poll(); pop/append are atomic under the GIL
     _record: struct.Struct
-    _producer: int  # this process's slot in the producer table, or -1
-    _producer_retry_at: float  # no new ask for a producer slot before this time.monotonic()
+    _producer: int  # this process's producer id, or -1
+    _producer_retry_at: float  # no new ask for a producer id before this time.monotonic()
     _lock_timeout: float
     _fd: SegmentFile  # the segment's file, kept open: fstat tells whether it was shrunk or replaced
 
@@ -199,9 +199,9 @@ class Wheel:
             return
         _open_here[self._name] -= 1
         if self._producer >= 0 and not _open_here[self._name] and self._name not in _owners_here:
-            # Nothing of ours needs the slot: free it now rather than leave
+            # Nothing of ours needs the id: free it now rather than leave
             # the driver a dead producer to sweep for.  (In a forked child
-            # the slot is the parent's, and release refuses: pid differs.)
+            # the id is the parent's, and release refuses: pid differs.)
             me = os.getpid()
             lib.shmw_producer_release(w, self._producer, me, start_time(me) or 0)
         self._w = ffi.NULL
@@ -328,28 +328,28 @@ class Wheel:
 
     def reap_dead_producers(self) -> int:
         """Cancel the cancel-on-exit timers of attached processes that are gone
-        and free their slots; return how many timers were cancelled.  A
+        and free their ids; return how many timers were cancelled.  A
         running driver does this about once a second.  A producer in another
         PID namespace is never judged: its pid means nothing here."""
         cancelled = 0
-        for slot, pid, start, ns in self._producer_table():
+        for producer, pid, start, ns in self._producer_table():
             if _alive_here(pid, start, ns) is not False:
                 continue
             for first in range(0, self._capacity, _REAP_CHUNK):  # short lock holds
-                n = lib.shmw_producer_reap(self._w, slot, pid, start, first, _REAP_CHUNK)
+                n = lib.shmw_producer_reap(self._w, producer, pid, start, first, _REAP_CHUNK)
                 if n == lib.SHMW_ESTALE:
                     break  # reaped by someone else meanwhile
                 if n < 0:
                     self._raise(n)
                 cancelled += n
             else:
-                rc = lib.shmw_producer_release(self._w, slot, pid, start)
+                rc = lib.shmw_producer_release(self._w, producer, pid, start)
                 if rc not in (0, lib.SHMW_ESTALE):
                     self._raise(rc)
         return cancelled
 
     def _producer_table(self) -> list[tuple[int, int, int, int]]:
-        """(slot, pid, start, PID namespace) of every producer."""
+        """(id, pid, start, PID namespace) of every producer."""
         pids = ffi.new("int32_t[]", lib.SHMW_MAX_PRODUCERS)
         starts = ffi.new("int64_t[]", lib.SHMW_MAX_PRODUCERS)
         spaces = ffi.new("uint32_t[]", lib.SHMW_MAX_PRODUCERS)
