@@ -212,6 +212,16 @@ int     shmw_check(shmw_t *w, char *reason, uint32_t reason_len);
  * was repaired (reason says what was wrong first), or a negative code. */
 int     shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len);
 
+/* A worker's stack signal: from now on, signal signum writes one byte (the
+ * signal's number) to fd, which should be non-blocking, and does nothing
+ * else, as an asynchronous signal handler must; SA_RESTART, so that the
+ * process's system calls go on undisturbed.  A thread that reads fd then
+ * acts, in Python, whatever the main thread is doing - even where it never
+ * runs Python (uWSGI's).  fd -1 sets the default action back.  Returns 1 if
+ * it replaced a handler other than the default, ignore or its own, else 0;
+ * -errno if the signal cannot be caught. */
+int     shmw_signal_to_fd(int signum, int fd);
+
 /* ---- cffi end ------------------------------------------------------------ */
 
 #endif /* SHMWHEEL_H */

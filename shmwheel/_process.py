@@ -14,7 +14,7 @@ import os
 
 import psutil
 
-__all__ = ["alive", "describe_lock_holder", "pid_namespace", "start_time", "uids"]
+__all__ = ["alive", "describe_lock_holder", "pid_namespace", "signal_disposition", "start_time", "uids"]
 
 
 def start_time(pid: int) -> int | None:
@@ -75,6 +75,24 @@ def uids(pid: int) -> tuple[int, int, int] | None:
     except psutil.Error:  # gone, or a zombie
         return None
     return real, effective, saved
+
+
+def signal_disposition(pid: int, signum: int) -> str | None:
+    """What process ``pid`` does with signal ``signum``, from /proc/PID/status:
+    "caught" (a handler), "ignored", "blocked" (by every thread, as the
+    main one shows it) or "default"; None if that cannot be read (gone, or
+    another PID namespace)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = {k: v.strip() for k, _, v in (line.partition(":") for line in f) if k.startswith("Sig")}
+        bit = 1 << (signum - 1)
+        if int(masks["SigBlk"], 16) & bit:
+            return "blocked"
+        if int(masks["SigIgn"], 16) & bit:
+            return "ignored"
+        return "caught" if int(masks["SigCgt"], 16) & bit else "default"
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 # How the state of a process that holds a lock too long reads, and what it suggests.

@@ -27,6 +27,8 @@ from shmwheel._process import start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
 from shmwheel.contrib.timeouts import (
+    KIND_ANSWER,
+    KIND_CHECK,
     KIND_GRACEFUL,
     KIND_KILL,
     KIND_REQUEST,
@@ -52,8 +54,26 @@ def test_request_record_round_trips() -> None:
     payload = encode_request(KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é")
     record = decode_request(payload)
     assert record is not None
-    assert record == (KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é", False)
+    assert record == (KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é", False, 0, 0, "", 0, 0)
     assert record.describe() == "GET /a/b?c=d é (request abc.7, worker pid 1234)"
+
+
+@pytest.mark.parametrize("kind", ["task", "greenlet"])
+def test_a_request_record_names_its_thread_its_task_and_its_signals(kind: str) -> None:
+    payload = encode_request(
+        KIND_REQUEST, 7, 8, 9, "GET", "r", "/x", thread=0x7F00AB, task=0xBEEF, task_kind=kind,
+        stack_signal=signal.SIGURG, dump_signal=signal.SIGRTMIN,
+    )  # fmt: skip
+    record = decode_request(payload)
+    assert record is not None
+    assert (record.thread, record.task, record.task_kind) == (0x7F00AB, 0xBEEF, kind)
+    assert (record.stack_signal, record.dump_signal) == (signal.SIGURG, signal.SIGRTMIN)
+    # The thread as faulthandler writes it, so that a dump of every thread can be read.
+    assert record.describe() == f"GET /x (request r, worker pid 7, thread 0x00000000007f00ab, {kind} 0xbeef)"
+    assert record.as_dict() == {
+        "method": "GET", "path": "/x", "truncated": False, "request_id": "r", "worker_pid": 7,
+        "thread": 0x7F00AB, "task": 0xBEEF, "task_kind": kind, "started_ns": 9,
+    }  # fmt: skip
 
 
 def test_a_long_path_is_cut_to_fit_and_marked() -> None:
@@ -61,12 +81,27 @@ def test_a_long_path_is_cut_to_fit_and_marked() -> None:
     assert len(payload) == 100
     record = decode_request(payload)
     assert record is not None and record.truncated
-    assert record.path == "/" + "x" * (100 - 24 - len("POST") - len("id") - 1)
+    assert record.path == "/" + "x" * (100 - 48 - len("POST") - len("id") - 1)
     assert record.describe().startswith("POST /xxx") and "x... (request id" in record.describe()
 
 
-@pytest.mark.parametrize("payload", [b"", b"\x01" * 23, b"\x09" + bytes(30), b"\x01\xff\xff" + bytes(30)])
+_GOOD = encode_request(KIND_REQUEST, 1, 2, 3, "GET", "id", "/")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        _GOOD[:47],  # shorter than the head
+        b"\x09" + _GOOD[1:],  # no such kind
+        _GOOD[:1] + b"\xff\xff" + _GOOD[3:],  # sizes past the end
+        _GOOD[:42] + b"\x00\x00" + _GOOD[44:],  # no magic number: another program's payload
+        _GOOD[:48] + b"G T" + _GOOD[51:],  # a method that is no HTTP token
+        b"\x01" * 100,
+    ],
+)
 def test_a_payload_that_is_no_record_decodes_to_none(payload: bytes) -> None:
+    assert decode_request(_GOOD) is not None
     assert decode_request(payload) is None
 
 
@@ -85,7 +120,6 @@ def test_a_payload_too_small_for_any_record_is_refused() -> None:
         ({"kill_signal": "NOPE"}, ValueError, "no signal named 'NOPE'"),
         ({"kill_signal": 999}, ValueError, "999 is not a signal"),
         ({"kill_signal": 1.5}, TypeError, "signal number or name"),
-        ({"traceback_signal": signal.SIGKILL}, ValueError, "cannot be SIGKILL"),
         ({"kill_after": 0}, ValueError, "positive"),
         ({"kill_after": float("nan")}, ValueError, "positive"),
         ({"kill_after": "5"}, TypeError, "number of seconds"),
@@ -97,30 +131,40 @@ def test_actions_refuse_bad_settings(kwargs: dict[str, object], error: type[Exce
 
 
 def test_actions_take_signal_names_and_round_trip_through_the_command_line() -> None:
-    actions = TimeoutActions(kill=True, kill_signal="abrt", traceback_signal="SIGUSR2", kill_after=2.5, log=False)
-    assert actions.kill_signal == signal.SIGABRT and actions.traceback_signal == signal.SIGUSR2
+    actions = TimeoutActions(kill=True, kill_signal="abrt", tracebacks=False, kill_after=2.5, log=False)
+    assert actions.kill_signal == signal.SIGABRT
     again = TimeoutActions.from_args(timeouts._parser().parse_args(["w", *actions.as_args()]))
     assert again == actions
 
 
-# A stand-in for a worker: it registers faulthandler as RequestTimer does,
-# and given a wheel and a timeout, starts a request's timer there with
-# RequestTimer (request id r1, GET /slow), as a worker does: the driver acts
-# only on a timer that the worker it names added itself.  Then it says it is
-# ready and sits in a function with a name to find in its dump.  With
-# "stubborn" it also ignores SIGTERM, so only SIGKILL ends it.
+# A stand-in for a worker.  Given a wheel and a timeout, it starts the
+# timers of its requests there with RequestTimer, as a worker does (the
+# driver acts only on a timer that the worker it names added itself):
+# request r1, GET /slow, and in "two" mode r2, GET /slower too.  Then it says
+# it is ready and sits in a function with a name to find in its stack:
+# asleep, or in "gil" mode in a regular expression that holds the GIL for
+# many seconds, so that no Python runs.  "stubborn" also ignores SIGTERM, so
+# only SIGKILL ends it.  Without a wheel it registers faulthandler on SIGURG
+# and only sits.
 WORKER = textwrap.dedent(
     """
-    import faulthandler, signal, sys, time
+    import faulthandler, re, signal, sys, time
     from shmwheel.contrib.timeouts import RequestTimer
-    faulthandler.register(signal.SIGURG, file=sys.stderr, all_threads=True)
-    if sys.argv[1] == "stubborn":
+    mode = sys.argv[1]
+    if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if len(sys.argv) > 2:
-        timer = RequestTimer(sys.argv[2], float(sys.argv[3]), traceback_signal=None)
+        timer = RequestTimer(sys.argv[2], float(sys.argv[3]))
+        assert timer.prepare()
         assert timer.start("GET", "/slow", "r1") is not None
+        if mode in ("two", "stubborn"):
+            assert timer.start("GET", "/slower", "r2") is not None
+    else:
+        faulthandler.register(signal.SIGURG, file=sys.stderr, all_threads=True)
     def serving_a_slow_request():
         print("ready", flush=True)
+        if mode == "gil":
+            re.match(r"(a+)+$", "a" * 32 + "b")
         time.sleep(60)
     serving_a_slow_request()
     """
@@ -171,42 +215,99 @@ def fire_all(wheel: shmwheel.Wheel, handler: TimeoutHandler, until: float) -> in
     return n
 
 
+def fire_kinds(wheel: shmwheel.Wheel, handler: TimeoutHandler, until: float) -> dict[int, int]:
+    """fire_all(), counting the fires by kind of record (answers left out:
+    a worker answers each stack signal, and one signal may answer for two)."""
+    kinds: dict[int, int] = {}
+    while time.monotonic() < until:
+        for fire in wheel.poll():
+            handler(fire)
+            if fire.payload[0] != KIND_ANSWER:
+                kinds[fire.payload[0]] = kinds.get(fire.payload[0], 0) + 1
+        time.sleep(0.01)
+    return kinds
+
+
 def record_for(proc: subprocess.Popen[str], path: str = "/slow") -> bytes:
     start = start_time(proc.pid)
     assert start is not None
     return encode_request(KIND_REQUEST, proc.pid, start, time.monotonic_ns(), "GET", "r1", path)
 
 
-def test_handler_logs_and_has_the_worker_dump_its_stacks(make_wheel, worker, caplog) -> None:
-    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
-    proc = worker(wheel=wheel.name)
-    handler = TimeoutHandler(wheel.name, TimeoutActions())
-    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
-        assert fire_all(wheel, handler, time.monotonic() + 0.5) == 1
-    [line] = [r.getMessage() for r in caplog.records]
-    assert line.startswith(f"request timed out: GET /slow (request r1, worker pid {proc.pid}), running for 0.")
-    assert line.endswith("; dumping its tracebacks")
+def _err(proc: subprocess.Popen[str]) -> str:
+    return Path(proc.err.name).read_text()  # type: ignore[attr-defined]
+
+
+def wait_for(proc: subprocess.Popen[str], text: str) -> str:
     give_up = time.monotonic() + WAIT
-    while "in serving_a_slow_request" not in Path(proc.err.name).read_text():
-        assert time.monotonic() < give_up, "no traceback from the worker"
+    while text not in _err(proc):
+        assert time.monotonic() < give_up, f"no {text!r} from the worker: {_err(proc)}"
         time.sleep(0.02)
-    assert proc.poll() is None  # asked for a dump, not killed
+    return _err(proc)
+
+
+def test_handler_asks_the_worker_for_the_requests_own_stack(make_wheel, worker, caplog) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("polite", wheel.name)
+    handler = TimeoutHandler(wheel.name, TimeoutActions())
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        # The request, the worker's answer, and the driver's look for it.
+        assert fire_all(wheel, handler, time.monotonic() + 1.2) == 3
+    [line] = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(
+        rf"request timed out: GET /slow \(request r1, worker pid {proc.pid}, thread (0x[0-9a-f]{{16}})\), "
+        r"running for 0\.\d+ s; asking it for the request's stack \(SIGURG\)",
+        line,
+    )
+    err = wait_for(proc, "in serving_a_slow_request")
+    # One header line that repeats the driver's, then the request's own stack.
+    header = line.split(", running for")[0]
+    assert f"shmwheel: {header}, running for" in err
+    assert "its stack (most recent call last):" in err
+    assert err.count("shmwheel: request timed out") == 1
+    assert "Current thread" not in err  # the worker answered: faulthandler's dump was not needed
+    assert proc.poll() is None  # asked for a stack, not killed
+
+
+def test_a_worker_in_which_no_python_runs_gets_faulthandlers_dump(make_wheel, worker, caplog) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("gil", wheel.name)
+    handler = TimeoutHandler(wheel.name, TimeoutActions())
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        assert fire_all(wheel, handler, time.monotonic() + 1.2) == 2  # the request, the look: no answer
+    timed_out, no_answer = [r.getMessage() for r in caplog.records]
+    thread = re.search(r"thread (0x[0-9a-f]{16})", timed_out)
+    assert thread is not None
+    assert no_answer.startswith(f"worker pid {proc.pid} did not write the stack of GET /slow")
+    assert no_answer.endswith(f"on SIGRTMIN, and the request's is thread {thread[1]}")
+    err = wait_for(proc, "in serving_a_slow_request")
+    assert f"Current thread {thread[1]} (most recent call first)" in err  # faulthandler's
+    assert "its stack (most recent call last)" not in err
 
 
 def test_handler_kills_a_worker_that_ignores_the_graceful_signal(make_wheel, worker, caplog) -> None:
+    """Both requests of the stubborn worker time out: it is sent SIGTERM once,
+    for the first, and SIGKILL ends it; the polite one exits on SIGTERM."""
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
     stubborn, polite = worker("stubborn", wheel.name), worker("polite", wheel.name)
     handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, kill_after=0.5))
-    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
-        # The two requests, their two SIGTERMs, and one SIGKILL (the polite one is gone by then).
-        assert fire_all(wheel, handler, time.monotonic() + 2.0) == 6
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        # Each of the three requests and its look; two SIGKILL follow-ups.
+        kinds = fire_kinds(wheel, handler, time.monotonic() + 2.5)
+        assert kinds == {KIND_REQUEST: 3, KIND_CHECK: 3, KIND_KILL: 2}
     assert polite.wait(WAIT) == -signal.SIGTERM
     assert stubborn.wait(WAIT) == -signal.SIGKILL
-    [killed] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    lines = [r.getMessage() for r in caplog.records]
     pid = stubborn.pid
-    assert killed.startswith(f"killed worker pid {pid} with SIGKILL: GET /slow (request r1, worker pid {pid})")
-    assert killed.endswith("it ignored SIGTERM")
-    assert "in serving_a_slow_request" in Path(stubborn.err.name).read_text()  # dumped before the kill
+    [again] = [line for line in lines if "again" in line]
+    assert again.startswith(f"worker pid {pid} is not sent SIGTERM again for GET /")
+    assert "is draining its other requests; SIGKILL ends it" in again
+    [killed] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert killed.startswith(
+        f"killed worker pid {pid} with SIGKILL: it was still there 0.5 s after SIGTERM, which it ignores (GET /"
+    )
+    assert f"worker pid {polite.pid} exited within 0.5 s of SIGTERM (for GET /slow" in "\n".join(lines)
+    assert "in serving_a_slow_request" in _err(stubborn)  # the stack was written before the kill
 
 
 def test_handler_leaves_a_worker_that_has_exited_alone(make_wheel, worker, caplog) -> None:

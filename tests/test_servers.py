@@ -138,7 +138,22 @@ def assert_nothing_left(server: Server) -> None:
 
 
 def timed_out_line(path: str) -> str:
-    return rf"request timed out: GET {re.escape(path)} \(request \S+, worker pid (\d+)\), running for ([\d.]+) s"
+    return (
+        rf"(?<!shmwheel: )request timed out: GET {re.escape(path)} \(request \S+, worker pid (\d+), "
+        r"thread 0x[0-9a-f]{16}(?:, (?:task|greenlet) 0x[0-9a-f]+)?\), running for ([\d.]+) s"
+    )
+
+
+DRIVER_TIMED_OUT = r"(?<!shmwheel: )request timed out"  # the driver's line, not the worker's header
+ASKED = r"; asking it for the request's stack \(SIGURG\)"
+
+
+def own_stack(path: str, function: str, file: str = "app.py") -> str:
+    """The worker's report: one header line, then the request's stack down to ``function``."""
+    return (
+        rf"shmwheel: request timed out: GET {re.escape(path)} \(.*\), running for [\d.]+ s; its stack \(most recent "
+        rf'call last\):\n(?:  .*\n)*?  File ".*/examples/{re.escape(file)}", line \d+, in {function}\n'
+    )
 
 
 # -- Gunicorn -----------------------------------------------------------------
@@ -164,12 +179,15 @@ def test_gunicorn_kills_and_replaces_a_stuck_worker(worker_class: str, tmp_path:
         status, _ = get(server.port, "/stuck?s=60", timeout=WAIT)
         assert status == 0  # the worker died under the request
 
-        timed_out = server.wait_for(timed_out_line("/stuck") + r"; dumping its tracebacks, sending it SIGABRT")
+        timed_out = server.wait_for(timed_out_line("/stuck") + ASKED + ", then SIGABRT")
         pid = int(timed_out.group(1))
         assert 2.0 <= float(timed_out.group(2)) < 2.0 + WAIT
         # The worker's own dump: the app's frame that hangs, and the handler's SIGKILL.
-        server.wait_for(r'File ".*/examples/app.py", line \d+ in _stuck')
-        server.wait_for(rf"killed worker pid {pid} with SIGKILL: GET /stuck .* it ignored SIGABRT")
+        server.wait_for(own_stack("/stuck", "_stuck"))
+        server.wait_for(
+            rf"killed worker pid {pid} with SIGKILL: it was still there \d+ s after SIGABRT, which it handles: "
+            r".* \(GET /stuck "
+        )
         server.wait_for(rf"Worker \(pid:{pid}\) was sent SIGKILL")
         # Gunicorn replaced it: the worker that answers now is another one.
         give_up = time.monotonic() + WAIT
@@ -184,7 +202,7 @@ def test_gunicorn_kills_and_replaces_a_stuck_worker(worker_class: str, tmp_path:
         assert all(a.startswith("done by pid ") for a in answers)
 
         # The fast requests never timed out.
-        assert len(re.findall("request timed out", server.log())) == 1
+        assert len(re.findall(DRIVER_TIMED_OUT, server.log())) == 1
         assert server.stop(signal.SIGTERM) == 0
         assert "driver stopped, wheel" in server.log()
         assert_nothing_left(server)
@@ -219,9 +237,9 @@ def test_gunicorn_without_kill_logs_and_dumps_and_lets_the_request_finish(tmp_pa
         driver_pid = int(server.wait_for(r"wheel 'gunicorn-\d+', driver pid (\d+)").group(1))
         status, body = get(server.port, "/sleep?s=1.5")
         assert status == 200 and body.startswith("done by pid ")
-        pid = int(server.wait_for(timed_out_line("/sleep") + "; dumping its tracebacks$").group(1))
+        pid = int(server.wait_for(timed_out_line("/sleep") + ASKED + "$").group(1))
         assert body == f"done by pid {pid}\n"
-        server.wait_for(r'File ".*/examples/app.py", line \d+ in _sleep')
+        server.wait_for(own_stack("/sleep", "_sleep"))
         assert "SIGKILL" not in server.log()
 
         # A driver that dies is replaced by the master, and the wheel keeps working.
@@ -297,9 +315,9 @@ def test_gunicorn_wraps_the_app_of_its_own_asgi_worker(tmp_path: Path) -> None:
                 time.sleep(0.01)
         status, body = get(server.port, "/sleep?s=1.5")
         assert status == 200
-        pid = int(server.wait_for(timed_out_line("/sleep") + "; dumping its tracebacks$").group(1))
+        pid = int(server.wait_for(timed_out_line("/sleep") + ASKED + "$").group(1))
         assert body == f"done by pid {pid}\n"
-        assert len(re.findall("request timed out", server.log())) == 1
+        assert len(re.findall(DRIVER_TIMED_OUT, server.log())) == 1
         assert server.stop(signal.SIGTERM) == 0
         assert_nothing_left(server)
 
@@ -406,9 +424,12 @@ def test_gunicorn_started_as_root_with_workers_as_nobody_times_out_and_kills(tmp
         assert ids_of(int(body.split()[-1]))[0] == AS_NOBODY  # a worker
 
         assert get(server.port, "/stuck?s=60", timeout=WAIT)[0] == 0  # the worker died under the request
-        pid = int(server.wait_for(timed_out_line("/stuck") + r"; dumping its tracebacks, sending it SIGABRT").group(1))
-        server.wait_for(r'File ".*/examples/app.py", line \d+ in _stuck')
-        server.wait_for(rf"killed worker pid {pid} with SIGKILL: GET /stuck .* it ignored SIGABRT")
+        pid = int(server.wait_for(timed_out_line("/stuck") + ASKED + ", then SIGABRT").group(1))
+        server.wait_for(own_stack("/stuck", "_stuck"))
+        server.wait_for(
+            rf"killed worker pid {pid} with SIGKILL: it was still there \d+ s after SIGABRT, which it handles: "
+            r".* \(GET /stuck "
+        )
         server.wait_for(r"Booting worker with pid: \d+[\s\S]*Booting worker with pid: \d+[\s\S]*Booting worker")
         answers = {get(server.port, "/")[1] for _ in range(10)}
         assert f"done by pid {pid}\n" not in answers
@@ -454,15 +475,15 @@ def test_uwsgi_kills_and_replaces_a_stuck_worker(tmp_path: Path) -> None:
             assert get(server.port, "/")[0] == 200
 
         assert get(server.port, "/stuck?s=60", timeout=WAIT)[0] in (0, 502)
-        timed_out = server.wait_for(timed_out_line("/stuck") + r"; dumping its tracebacks, sending it SIGTERM")
+        timed_out = server.wait_for(timed_out_line("/stuck") + ASKED + ", then SIGTERM")
         pid = int(timed_out.group(1))
-        server.wait_for(r'File ".*/examples/app.py", line \d+ in _stuck')
+        server.wait_for(own_stack("/stuck", "_stuck"))
         server.wait_for(rf"worker \d+ \(pid: {pid}\) died")
         server.wait_for(r"Respawned uWSGI worker \d+ \(new pid: \d+\)")
         answers = {get(server.port, "/")[1] for _ in range(10)}
         assert f"done by pid {pid}\n" not in answers
         assert all(a.startswith("done by pid ") for a in answers)
-        assert len(re.findall("request timed out", server.log())) == 1
+        assert len(re.findall(DRIVER_TIMED_OUT, server.log())) == 1
         assert server.stop(signal.SIGINT) == 0
         server.wait_for(r"driver \d+: stopped on wheel")
         assert_nothing_left(server)
@@ -472,7 +493,7 @@ def times_out_then_stops(server: Server) -> None:
     """A request past its 0.5 s is reported by the mule that drives now; SIGINT then leaves nothing."""
     status, body = get(server.port, "/sleep?s=1.5")
     assert status == 200
-    pid = int(server.wait_for(timed_out_line("/sleep") + "; dumping its tracebacks$").group(1))
+    pid = int(server.wait_for(timed_out_line("/sleep") + ASKED + "$").group(1))
     assert body == f"done by pid {pid}\n"
     assert server.stop(signal.SIGINT) == 0
     assert_nothing_left(server)
@@ -720,10 +741,11 @@ def stuck_requests_time_out_and_their_workers_are_replaced(server: Server, repla
     ended = []
     for path in STUCK_ROUTES:
         assert get(server.port, f"{path}?s=60", timeout=WAIT)[0] == 0  # the worker ended under the request
-        pid = int(server.wait_for(timed_out_line(path) + "; dumping its tracebacks, sending it SIGTERM").group(1))
+        pid = int(server.wait_for(timed_out_line(path) + ASKED + ", then SIGTERM").group(1))
         server.wait_for(replaced.format(pid=pid))
         ended.append(pid)
-    server.wait_for(r'File ".*/examples/asgi_app.py", line \d+ in block')  # the stuck thread's own stack
+    # The task waits for the thread Starlette runs its synchronous endpoint in: that thread's stack.
+    server.wait_for(own_stack("/block", "block", "asgi_app.py"))
     give_up = time.monotonic() + WAIT
     while True:  # served by the workers that replaced them
         answers = {get(server.port, "/")[1] for _ in range(10)}
@@ -732,7 +754,7 @@ def stuck_requests_time_out_and_their_workers_are_replaced(server: Server, repla
         assert time.monotonic() < give_up, answers
         time.sleep(0.1)
     assert not answers & {f"done by pid {pid}\n" for pid in ended}
-    assert len(re.findall("request timed out", server.log())) == len(STUCK_ROUTES)
+    assert len(re.findall(DRIVER_TIMED_OUT, server.log())) == len(STUCK_ROUTES)
 
 
 def assert_nothing_left_of_asgi(server: Server, driver: int) -> None:

@@ -5,15 +5,23 @@ When a timer fires the driver hands it to :class:`TimeoutHandler`, which
 acts on the worker, because a worker stuck in a request cannot act for
 itself:
 
-1. a WARNING log line with the method, path, request id, worker pid and
-   how long the request has been running;
-2. optionally a dump of the worker's Python tracebacks: the worker has
-   :mod:`faulthandler` registered on ``traceback_signal``, which dumps
-   every thread's stack to the worker's stderr from inside its signal
-   handler, whatever the worker is blocked in;
-3. optionally ``kill_signal`` (graceful: the worker may finish up), then,
-   ``kill_after`` seconds later if the same process is still there,
-   SIGKILL.  The SIGKILL is itself a timer in the wheel.
+1. a WARNING log line with the method, path, request id, worker pid,
+   thread (and task or greenlet) and how long the request has been running;
+2. optionally the request's own stack: the record names the signal on
+   which the worker writes it (:mod:`shmwheel.contrib._stacks`), and the
+   worker answers through the wheel once it has.  A worker that has not
+   answered :data:`DUMP_TIME` later is one in which no Python runs (a C
+   call that holds the GIL): it gets the record's dump signal, on which
+   :mod:`faulthandler` writes every thread's stack from C, and a line says
+   which thread is the request's;
+3. optionally ``kill_signal`` (graceful: the worker may finish up), once
+   the stack is written, then, ``kill_after`` seconds later if the same
+   process is still there, SIGKILL.  A worker that has had kill_signal
+   already (another of its requests timed out) is not sent it again: it
+   is draining, and the SIGKILL already due ends it.  Each of these steps
+   is a timer in the wheel, and the log says what came of each: the
+   worker exited, or was killed and why it had not gone (it ignores or
+   blocks the signal, or handles it and was still draining or stuck).
 
 A process is signalled only if it is still the one that added the timer:
 the record carries the worker's pid *and* its start time, the handler opens
@@ -47,16 +55,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._checks import check_seconds, check_signal
-from .._process import alive, uids
+from .._process import alive, signal_disposition, uids
 from .._records import Fire
 from .._segment import segment_name
 from .._wheel import Wheel, attach
 from ._record import (
-    DEFAULT_TRACEBACK_SIGNAL,
+    KIND_ANSWER,
+    KIND_CHECK,
     KIND_GRACEFUL,
     KIND_KILL,
     RequestRecord,
     decode_request,
+    signal_name,
+    with_kind,
 )
 
 __all__ = [
@@ -73,8 +84,9 @@ _log = logging.getLogger("shmwheel.timeouts")
 
 #: How long a worker may take to go after kill_signal before SIGKILL.
 DEFAULT_KILL_AFTER = 5.0
-#: Seconds from the traceback signal to kill_signal: time for the dump.
-DUMP_TIME = 0.25
+#: Seconds a worker has to write a request's stack before the driver takes
+#: it that no Python can run there; and from the dump to kill_signal.
+DUMP_TIME = 0.5  # gevent runs a Python signal handler within 0.3 s when its hub waits
 
 
 def signal_process(pid: int, start: int, signum: int) -> bool:
@@ -141,11 +153,14 @@ def uid_refusal(pid: int) -> str | None:
 
 @dataclass(frozen=True)
 class TimeoutActions:
-    """What the driver does when a request's timer fires (see the module docs)."""
+    """What the driver does when a request's timer fires (see the module docs).
+
+    Which signal asks a worker for a stack is the worker's to say: its
+    records name it (``traceback_signal`` of the middlewares and of
+    ``install()``)."""
 
     log: bool = True  #: the WARNING line
-    tracebacks: bool = True  #: signal the worker to dump its Python stacks
-    traceback_signal: int = DEFAULT_TRACEBACK_SIGNAL
+    tracebacks: bool = True  #: ask the worker for the request's stack
     kill: bool = False  #: kill_signal, then SIGKILL after kill_after
     kill_signal: int = signal.SIGTERM
     kill_after: float = DEFAULT_KILL_AFTER
@@ -154,11 +169,8 @@ class TimeoutActions:
         for flag in ("log", "tracebacks", "kill"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, not {getattr(self, flag)!r}")
-        object.__setattr__(self, "traceback_signal", check_signal(self.traceback_signal, "traceback_signal"))
         object.__setattr__(self, "kill_signal", check_signal(self.kill_signal, "kill_signal"))
         object.__setattr__(self, "kill_after", check_seconds(self.kill_after, "kill_after", positive=True))
-        if self.tracebacks and self.traceback_signal in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError("traceback_signal cannot be SIGKILL or SIGSTOP: no handler can catch it")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TimeoutActions:
@@ -166,7 +178,6 @@ class TimeoutActions:
         return cls(
             log=args.log,
             tracebacks=args.tracebacks,
-            traceback_signal=args.traceback_signal,
             kill=args.kill,
             kill_signal=args.kill_signal,
             kill_after=args.kill_after,
@@ -174,11 +185,7 @@ class TimeoutActions:
 
     def as_args(self) -> list[str]:
         """The same settings as command-line arguments of ``python -m shmwheel.contrib.timeouts``."""
-        args = [
-            f"--traceback-signal={signal.Signals(self.traceback_signal).name}",
-            f"--kill-signal={signal.Signals(self.kill_signal).name}",
-            f"--kill-after={self.kill_after!r}",
-        ]
+        args = [f"--kill-signal={signal.Signals(self.kill_signal).name}", f"--kill-after={self.kill_after!r}"]
         if not self.log:
             args.append("--no-log")
         if not self.tracebacks:
@@ -188,7 +195,8 @@ class TimeoutActions:
         return args
 
 
-FOLLOW_UPS = {KIND_KILL: "SIGKILL", KIND_GRACEFUL: "kill_signal"}
+FOLLOW_UPS = {KIND_KILL: "SIGKILL", KIND_GRACEFUL: "kill_signal", KIND_CHECK: "stack check"}
+FORGET_AFTER = 600.0  # s: how long a worker sent kill_signal is remembered, at most
 
 
 class TimeoutHandler:
@@ -210,6 +218,8 @@ class TimeoutHandler:
         self._wheel: Wheel | None = None  # for the follow-up timers and the producer table, opened on first need
         self._producers: dict[int, int] = {}  # pid: start time of the live producers, as last read
         self._producers_read = -math.inf
+        self._asked: dict[bytes, bool] = {}  # request (record past its kind): whether its worker answered
+        self._draining: dict[tuple[int, int], float] = {}  # (pid, start): when it was sent kill_signal
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TimeoutHandler, (self.name, self.actions))
@@ -219,30 +229,43 @@ class TimeoutHandler:
         if record is None:
             _log.warning("timer %d carries no request record: payload %r", fire.handle, fire.payload[:64])
             return
+        if record.kind == KIND_ANSWER:  # it only spares a worker the dump: believed on its word
+            key = fire.payload[1:]
+            if key in self._asked:
+                self._asked[key] = True
+            return
         there = alive(record.pid, record.start)
         if there:
             why = self._refusal(fire, record)
             if why is not None:
                 self._refuse(fire, record, why)
                 return
-        if record.kind in FOLLOW_UPS:
+        if record.kind == KIND_KILL:
+            self._sigkill(fire, record, there)
+        elif record.kind == KIND_GRACEFUL:
             if there:
-                if record.kind == KIND_KILL:
-                    self._sigkill(fire, record)
-                else:
-                    self._graceful(fire, record)
-            return
+                self._graceful(fire, record)
+        elif record.kind == KIND_CHECK:
+            self._check(fire, record, there)
+        else:
+            self._timed_out(fire, record, there)
+
+    def _timed_out(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         actions = self.actions
         if actions.log:
             # One line, written before the worker is signalled, so that it
-            # comes ahead of the tracebacks the worker writes.
+            # comes ahead of the stack the worker writes.
             if not there:
                 then = "; the worker has exited"
             else:
-                steps = ["dumping its tracebacks"] if actions.tracebacks else []
+                steps = []
+                if actions.tracebacks and record.stack_signal:
+                    steps.append(f"asking it for the request's stack ({signal_name(record.stack_signal)})")
+                elif actions.tracebacks and record.dump_signal:
+                    steps.append(f"asking it for every thread's stack ({signal_name(record.dump_signal)})")
                 if actions.kill:
-                    name = signal.Signals(actions.kill_signal).name
-                    steps.append(f"sending it {name}, then SIGKILL in {actions.kill_after:g} s")
+                    name = signal_name(actions.kill_signal)
+                    steps.append(f"then {name}, and SIGKILL {actions.kill_after:g} s later")
                 then = "; " + ", ".join(steps) if steps else ""
             _log.warning(
                 "request timed out: %s, running for %.3f s%s%s",
@@ -253,15 +276,39 @@ class TimeoutHandler:
             )
         if not there:
             return
-        if actions.tracebacks:
-            if not self._signal(fire, record, actions.traceback_signal):
-                return
-            if actions.kill:
+        if actions.tracebacks and record.stack_signal:
+            if self._signal(fire, record, record.stack_signal):
+                self._asked[fire.payload[1:]] = False
+                self._later(DUMP_TIME, KIND_CHECK, fire.payload)
+        elif actions.tracebacks and record.dump_signal:
+            if self._signal(fire, record, record.dump_signal) and actions.kill:
                 # The dump runs in the worker's signal handler; a kill_signal
                 # that lands before it is done can end the worker mid-dump
                 # (uWSGI's SIGTERM exits at once), so it follows a little later.
                 self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
         elif actions.kill:
+            self._graceful(fire, record)
+
+    def _check(self, fire: Fire, record: RequestRecord, there: bool) -> None:
+        """DUMP_TIME after the stack signal: the dump if the worker did not answer, then the kill."""
+        answered = self._asked.pop(fire.payload[1:], False)
+        if not there:
+            return
+        if not answered and record.dump_signal:
+            _log.warning(
+                "worker pid %d did not write the stack of %s within %g s: no Python runs in it (a C call that holds "
+                "the GIL?); faulthandler writes every thread's stack to its stderr on %s, and the request's is "
+                "thread 0x%016x",
+                record.pid,
+                record.describe(),
+                DUMP_TIME,
+                signal_name(record.dump_signal),
+                record.thread,
+            )
+            if self._signal(fire, record, record.dump_signal) and self.actions.kill:
+                self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
+                return
+        if self.actions.kill:
             self._graceful(fire, record)
 
     def _open(self) -> Wheel:
@@ -271,21 +318,51 @@ class TimeoutHandler:
 
     def _later(self, delay: float, kind: int, payload: bytes) -> None:
         """A timer of this wheel that will bring the record back as ``kind``."""
-        self._open().add(delay, bytes([kind]) + payload[1:])
+        self._open().add(delay, with_kind(payload, kind))
 
     def _graceful(self, fire: Fire, record: RequestRecord) -> None:
+        worker = (record.pid, record.start)
+        now = time.monotonic()
+        self._draining = {w: t for w, t in self._draining.items() if now - t < FORGET_AFTER}
+        name = signal_name(self.actions.kill_signal)
+        sent = self._draining.get(worker)
+        if sent is not None and now - sent < self.actions.kill_after + 1.0:
+            # A second signal would only disturb its shutdown (Gunicorn's
+            # gthread worker would raise SystemExit in the thread joins of
+            # its exit, and drop the requests it is finishing).
+            _log.warning(
+                "worker pid %d is not sent %s again for %s: it was sent %s %.3f s ago and is draining its other "
+                "requests; SIGKILL ends it %.3f s from now if it has not exited",
+                record.pid,
+                name,
+                record.describe(),
+                name,
+                now - sent,
+                sent + self.actions.kill_after - now,
+            )
+            return
         if self._signal(fire, record, self.actions.kill_signal):
+            self._draining[worker] = now
             self._later(self.actions.kill_after, KIND_KILL, fire.payload)
 
-    def _sigkill(self, fire: Fire, record: RequestRecord) -> None:
+    def _sigkill(self, fire: Fire, record: RequestRecord, there: bool) -> None:
+        name = signal_name(self.actions.kill_signal)
+        if not there:
+            self._draining.pop((record.pid, record.start), None)
+            _log.info("worker pid %d exited within %g s of %s (for %s)", record.pid, self.actions.kill_after, name,
+                      record.describe())  # fmt: skip
+            return
+        how = signal_disposition(record.pid, self.actions.kill_signal)
         if self._signal(fire, record, signal.SIGKILL):
-            _log.error(
-                "killed worker pid %d with SIGKILL: %s had run for %.3f s and it ignored %s",
-                record.pid,
-                record.describe(),
-                record.running_for(),
-                signal.Signals(self.actions.kill_signal).name,
-            )
+            self._draining.pop((record.pid, record.start), None)
+            after = f"{self.actions.kill_after:g} s after {name}"
+            why = {
+                "ignored": f"it was still there {after}, which it ignores",
+                "blocked": f"it was still there {after}, which it blocks",
+                "caught": f"it was still there {after}, which it handles: still draining its requests, or stuck",
+            }.get(how or "", f"it was still there {after}")
+            _log.error("killed worker pid %d with SIGKILL: %s (%s had run for %.3f s)", record.pid, why,
+                       record.describe(), record.running_for())  # fmt: skip
 
     def _signal(self, fire: Fire, record: RequestRecord, signum: int) -> bool:
         """``signum`` to the record's worker, if it is still there and still

@@ -1,19 +1,31 @@
 """What a worker and the driver agree on: the request record a worker puts
-in each request's timer, and the signal that asks a worker for its stacks.
+in each request's timer, and the signals that ask a worker for a stack.
 
-The request record is a 24-byte head then the method, the request id and
+The request record is a 48-byte head then the method, the request id and
 the path (little-endian)::
 
     offset  size  field
-         0     1  kind: 1 request, 2 the SIGKILL that follows kill_signal,
-                  3 the kill_signal that follows a traceback dump
+         0     1  kind (KIND_*): a request, or a follow-up of the driver's
          1     1  method length in bytes
          2     1  request id length in bytes
-         3     1  flags: bit 0 set if the path was cut to fit
+         3     1  flags: TRUNCATED, the path was cut to fit; TASK, ``task``
+                  is an asyncio task; GREENLET, ``task`` is a greenlet
          4     4  worker pid
          8     8  worker start time, clock ticks since boot (/proc/PID/stat)
         16     8  request start, time.monotonic_ns()
-        24     -  method, request id, path (UTF-8, the path cut to fit)
+        24     8  the thread that runs the request, threading.get_ident()
+        32     8  its asyncio task or greenlet, id(), or 0
+        40     1  stack signal: the worker writes the request's own stack
+                  on it (0: it cannot be asked)
+        41     1  dump signal: faulthandler writes every thread's stack on
+                  it, when no Python can run in the worker (0: none)
+        42     2  MAGIC, so that a payload of another kind is never read
+                  as a request
+        44     4  reserved, 0
+        48     -  method, request id, path (UTF-8, the path cut to fit)
+
+The worker names the signals itself, so a driver run elsewhere, with
+settings of its own, still asks it in the way it listens.
 """
 
 from __future__ import annotations
@@ -22,60 +34,125 @@ import re
 import signal
 import struct
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
     "DEFAULT_TRACEBACK_SIGNAL",
+    "DUMP_SIGNAL",
+    "KIND_ANSWER",
+    "KIND_CHECK",
     "KIND_GRACEFUL",
     "KIND_KILL",
     "KIND_REQUEST",
     "PAYLOAD_SIZE",
     "REQUEST_ID",
     "RequestRecord",
+    "check_traceback_signal",
     "decode_request",
     "encode_request",
+    "signal_name",
 ]
 
-#: Bytes of request record per timer: room for a path of about 200 bytes.
+#: Bytes of request record per timer: room for a path of about 180 bytes.
 PAYLOAD_SIZE = 256
 
-KIND_REQUEST = 1
-KIND_KILL = 2
-KIND_GRACEFUL = 3
-TRUNCATED = 1  # the flag of a path cut to fit
-HEAD = struct.Struct("<BBBBIQq")
+KIND_REQUEST = 1  #: a request's own timer, added by its worker
+KIND_KILL = 2  #: the driver's follow-up: SIGKILL, kill_after after kill_signal
+KIND_GRACEFUL = 3  #: the driver's follow-up: kill_signal, once the stack is written
+KIND_CHECK = 4  #: the driver's follow-up: did the worker write the stack it was asked for?
+KIND_ANSWER = 5  #: the worker's: it has written the stack of the request this names
+KINDS = frozenset({KIND_REQUEST, KIND_KILL, KIND_GRACEFUL, KIND_CHECK, KIND_ANSWER})
+
+TRUNCATED = 1  # flags: the path was cut to fit
+TASK = 2  # flags: the task field is an asyncio task's id
+GREENLET = 4  # flags: the task field is a greenlet's id
+MAGIC = 0x7273  # "sr": a request record
+HEAD = struct.Struct("<BBBBIQqQQBBHI")
 MAX_METHOD = 32
 MAX_REQUEST_ID = 64
 #: What a request id taken from a client header may hold: it is written into
 #: log lines, so nothing that could forge one.
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,64}")
+_METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token, or WEBSOCKET
 
-#: faulthandler's signal.  SIGURG is ignored by default, so a dump request
-#: that reaches a process without faulthandler registered on it does no harm,
-#: and neither Gunicorn nor uWSGI gives it a meaning in a worker.
+#: The signal on which a worker writes the timed-out request's own stack
+#: (from Python, in a thread of its own).  SIGURG is ignored by default, so
+#: one that reaches a process without the handler does no harm, and neither
+#: Gunicorn nor uWSGI nor Uvicorn gives it a meaning in a worker.
 DEFAULT_TRACEBACK_SIGNAL = signal.SIGURG
+#: The signal on which :mod:`faulthandler` writes every thread's stack of a
+#: worker in which no Python can run (a C call that holds the GIL): the
+#: fallback, sent only when the worker has not answered the first.
+DUMP_SIGNAL = signal.SIGRTMIN
+
+
+def check_traceback_signal(value: object, what: str = "traceback_signal") -> int:
+    """A signal a worker may write a request's stack on: one a handler can catch, not the dump signal."""
+    from .._checks import check_signal
+
+    signum = check_signal(value, what)
+    if signum in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(f"{what} cannot be {signum.name}: no handler can catch it")
+    if signum == DUMP_SIGNAL:
+        raise ValueError(f"{what} cannot be {signal_name(DUMP_SIGNAL)}: faulthandler's dump signal")
+    return signum
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM``, ``SIGRTMIN+2``: a signal's name for log lines."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"SIGRTMIN+{signum - signal.SIGRTMIN}" if signal.SIGRTMIN < signum <= signal.SIGRTMAX else str(signum)
 
 
 class RequestRecord(NamedTuple):
-    """A request record, decoded."""
+    """A request record, decoded: what a request's timer says about it."""
 
     kind: int
     pid: int  #: the worker
     start: int  #: the worker's start time (with the pid, its identity)
-    started_ns: int  #: when the request started, time.monotonic_ns()
+    started_ns: int  #: when the request started, time.monotonic_ns() (the host's clock)
     method: str
     request_id: str
     path: str
     truncated: bool  #: the path was cut to fit the payload
+    thread: int = 0  #: threading.get_ident() of the thread that runs it (a pthread_t)
+    task: int = 0  #: id() of its asyncio task or greenlet, or 0
+    task_kind: str = ""  #: "task", "greenlet" or ""
+    stack_signal: int = 0  #: the worker writes the request's stack on it (0: none)
+    dump_signal: int = 0  #: faulthandler's signal in the worker (0: none)
 
     def running_for(self, now_ns: int | None = None) -> float:
         """Seconds since the request started."""
         return ((time.monotonic_ns() if now_ns is None else now_ns) - self.started_ns) / 1e9
 
     def describe(self) -> str:
-        """``GET /path (request ID, worker pid N)``, for log lines."""
+        """``GET /path (request ID, worker pid N, thread 0x...)``, for log lines.
+
+        The thread is written as :mod:`faulthandler` writes it, so that the
+        request's thread can be found in a dump of every thread."""
         path = self.path + ("..." if self.truncated else "")
-        return f"{self.method} {path} (request {self.request_id}, worker pid {self.pid})"
+        where = f"worker pid {self.pid}"
+        if self.thread:
+            where += f", thread 0x{self.thread:016x}"
+        if self.task:
+            where += f", {self.task_kind} 0x{self.task:x}"
+        return f"{self.method} {path} (request {self.request_id}, {where})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as JSON-ready fields (``--jsonl``, a fire handler's log)."""
+        return {
+            "method": self.method,
+            "path": self.path,
+            "truncated": self.truncated,
+            "request_id": self.request_id,
+            "worker_pid": self.pid,
+            "thread": self.thread,
+            "task": self.task,
+            "task_kind": self.task_kind,
+            "started_ns": self.started_ns,
+        }
 
 
 def encode_request(
@@ -87,6 +164,12 @@ def encode_request(
     request_id: str,
     path: str,
     size: int = PAYLOAD_SIZE,
+    *,
+    thread: int = 0,
+    task: int = 0,
+    task_kind: str = "",
+    stack_signal: int = 0,
+    dump_signal: int = 0,
 ) -> bytes:
     """A request record of at most ``size`` bytes: the path is cut to fit."""
     m = method.encode("ascii", "replace")[:MAX_METHOD]
@@ -95,19 +178,26 @@ def encode_request(
     room = size - HEAD.size - len(m) - len(r)
     if room < 0:
         raise ValueError(f"a payload of {size} bytes has no room for a request record")
-    flags = 0
+    flags = TASK if task_kind == "task" else GREENLET if task_kind == "greenlet" else 0
     if len(p) > room:
         p = p[:room]
         flags |= TRUNCATED
-    return HEAD.pack(kind, len(m), len(r), flags, pid, start, started_ns) + m + r + p
+    head = HEAD.pack(
+        kind, len(m), len(r), flags, pid, start, started_ns, thread, task, stack_signal, dump_signal, MAGIC, 0
+    )
+    return head + m + r + p
 
 
 def decode_request(payload: bytes) -> RequestRecord | None:
-    """The record in a timer's payload, or None if it holds none."""
+    """The request record in a timer's payload, or None if it holds none.
+
+    A payload of another kind is not taken for one: the head must carry the
+    record's magic number and sizes that add up, and the method be an HTTP
+    token."""
     if len(payload) < HEAD.size:
         return None
-    kind, m_len, r_len, flags, pid, start, started_ns = HEAD.unpack_from(payload)
-    if kind not in (KIND_REQUEST, KIND_KILL, KIND_GRACEFUL) or HEAD.size + m_len + r_len > len(payload):
+    kind, m_len, r_len, flags, pid, start, started_ns, thread, task, stack, dump, magic, _ = HEAD.unpack_from(payload)
+    if magic != MAGIC or kind not in KINDS or HEAD.size + m_len + r_len > len(payload):
         return None
     at = HEAD.size
     method = payload[at : at + m_len].decode("ascii", "replace")
@@ -115,4 +205,15 @@ def decode_request(payload: bytes) -> RequestRecord | None:
     request_id = payload[at : at + r_len].decode("ascii", "replace")
     at += r_len
     path = payload[at:].decode("utf-8", "replace")
-    return RequestRecord(kind, pid, start, started_ns, method, request_id, path, bool(flags & TRUNCATED))
+    if not _METHOD.fullmatch(method):
+        return None
+    task_kind = "task" if flags & TASK else "greenlet" if flags & GREENLET else ""
+    return RequestRecord(
+        kind, pid, start, started_ns, method, request_id, path, bool(flags & TRUNCATED),
+        thread, task, task_kind, stack, dump,
+    )  # fmt: skip
+
+
+def with_kind(payload: bytes, kind: int) -> bytes:
+    """The same record as another kind: a follow-up or an answer names the request."""
+    return bytes([kind]) + payload[1:]

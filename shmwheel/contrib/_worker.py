@@ -2,14 +2,14 @@
 its request record, added when the request comes in and cancelled when its
 response is done.
 
-:class:`RequestTimer` is what every server adapter uses; it also registers
-:mod:`faulthandler` on the traceback signal in each process that uses it,
-so that the driver can ask a worker stuck in a request for its stacks.
+:class:`RequestTimer` is what every server adapter uses.  It keeps the
+table of this process's requests in progress, and sets up the signals on
+which the driver asks for the stack of one that timed out
+(:mod:`shmwheel.contrib._stacks`).
 """
 
 from __future__ import annotations
 
-import faulthandler
 import itertools
 import logging
 import math
@@ -18,13 +18,25 @@ import sys
 import threading
 import time
 import weakref
+from typing import Any
 
-from .._checks import check_seconds, check_signal
+from .._checks import check_seconds
 from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, one_line
 from .._process import start_time
 from .._segment import segment_name
 from .._wheel import Wheel, attach
-from ._record import DEFAULT_TRACEBACK_SIGNAL, KIND_REQUEST, PAYLOAD_SIZE, REQUEST_ID, encode_request
+from ._record import (
+    DEFAULT_TRACEBACK_SIGNAL,
+    DUMP_SIGNAL,
+    KIND_ANSWER,
+    KIND_REQUEST,
+    PAYLOAD_SIZE,
+    REQUEST_ID,
+    check_traceback_signal,
+    encode_request,
+    with_kind,
+)
+from ._stacks import Active, listen
 from ._supervisor import AutoDriver
 
 __all__ = ["RequestTimer", "timed_apps"]
@@ -58,6 +70,12 @@ class RequestTimer:
     """A worker's request timers: :meth:`start` when a request comes in,
     :meth:`finish` when its response is done.
 
+    ``traceback_signal`` is the signal on which this process writes the
+    stack of a request of its that timed out (None: it cannot be asked);
+    :data:`DUMP_SIGNAL` has faulthandler dump every thread, when no Python
+    can run to answer the first.  Each request's record names both, so a
+    driver asks the way the worker listens.
+
     Safe to share between the threads of a worker and across fork (each
     process attaches on first use and is recorded as a producer of its
     own, so its timers are cancelled if it exits).  It never lets the
@@ -85,7 +103,7 @@ class RequestTimer:
         self.auto_driver = auto_driver
         self.timeout = check_seconds(timeout, "timeout", positive=True)
         if traceback_signal is not None:
-            traceback_signal = check_signal(traceback_signal, "traceback_signal")
+            traceback_signal = check_traceback_signal(traceback_signal)
         self.traceback_signal = traceback_signal
         self._lock = threading.Lock()
         self._pid = 0
@@ -97,6 +115,11 @@ class RequestTimer:
         self._warned_at = -math.inf
         self._look_at = 0  # time.monotonic_ns() when to check the name still names our wheel
         self._old: list[Wheel] = []  # wheels replaced under us, for the cancels of their requests
+        self._timeout_ns = round(self.timeout * 1e9)
+        self._stack_signal = 0  # the signals this process listens on, as its records name them
+        self._dump_signal = 0
+        self._active: dict[int, Active] = {}  # handle: a request of this process in progress
+        self._getcurrent: Any = None  # greenlet.getcurrent, once greenlets are in use here
         _request_timers.add(self)
 
     def prepare(self) -> bool:
@@ -115,9 +138,10 @@ class RequestTimer:
                 self._wheel = None
                 self._old = []
                 self._ids = itertools.count(1)
+                self._active = {}
+                self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
                 self._start = start_time(pid) or 0
-                if self.traceback_signal is not None:
-                    faulthandler.register(self.traceback_signal, file=sys.stderr, all_threads=True)
+                self._listen()
             if self._wheel is None and time.monotonic() >= self._retry_at:
                 try:
                     wheel = self._attach()
@@ -132,6 +156,18 @@ class RequestTimer:
                 self._size = wheel.payload_size
                 self._wheel = wheel
             return self._wheel
+
+    def _listen(self) -> None:
+        """Set up the stack signals in this process (under self._lock)."""
+        self._stack_signal = self._dump_signal = 0
+        if self.traceback_signal is None:
+            return
+        try:
+            listen(self.traceback_signal, DUMP_SIGNAL, lambda: list(_request_timers))
+        except OSError as exc:
+            self._warn(f"a timed-out request's stack cannot be asked for: {one_line(exc)}")
+            return
+        self._stack_signal, self._dump_signal = self.traceback_signal, DUMP_SIGNAL
 
     def _attach(self) -> Wheel:
         """This process's attach of the wheel; with an AutoDriver, the wheel
@@ -157,8 +193,11 @@ class RequestTimer:
         except OSError as exc:
             self._warn(f"no driver could be started, so no request times out: {one_line(exc)}")
 
-    def start(self, method: str, path: str, request_id: str | None = None) -> int | None:
-        """Add the request's timer; return its handle, or None if it has none."""
+    def start(self, method: str, path: str, request_id: str | None = None, task: Any = None) -> int | None:
+        """Add the request's timer; return its handle, or None if it has none.
+
+        ``task`` is the asyncio task that runs the request, if it runs in
+        one; a request in a greenlet (gevent, eventlet) is found by itself."""
         now = time.monotonic_ns()
         if now >= self._look_at and self._pid == os.getpid():
             self._look_at = now + LOOK_INTERVAL_NS
@@ -172,19 +211,48 @@ class RequestTimer:
             return None
         if request_id is None or not REQUEST_ID.fullmatch(request_id):
             request_id = f"{self._pid:x}.{next(self._ids)}"
+        thread = threading.get_ident()
+        kind = ""
+        if task is not None:
+            kind = "task"
+        elif self._getcurrent is not None:
+            current = self._getcurrent()
+            if current.parent is not None:  # not the thread's own: a greenlet that serves the request
+                task, kind = current, "greenlet"
         try:
-            payload = encode_request(KIND_REQUEST, self._pid, self._start, now, method, request_id, path, self._size)
+            payload = encode_request(
+                KIND_REQUEST, self._pid, self._start, now, method, request_id, path, self._size,
+                thread=thread, task=id(task) if task is not None else 0, task_kind=kind,
+                stack_signal=self._stack_signal, dump_signal=self._dump_signal,
+            )  # fmt: skip
             try:
-                return wheel.add(self.timeout, payload, cancel_on_exit=True)
+                handle = wheel.add(self.timeout, payload, cancel_on_exit=True)
             except SegmentRemovedError:  # removed or replaced: the name may hold another wheel now
                 self._replaced(wheel)
                 wheel = self._ready()
                 if wheel is None:
                     return None
-                return wheel.add(self.timeout, payload, cancel_on_exit=True)
+                handle = wheel.add(self.timeout, payload, cancel_on_exit=True)
         except (ShmwheelError, ValueError) as exc:
             self._warn(f"a request runs without a timeout: {exc}")
             return None
+        self._active[handle] = Active(payload, now + self._timeout_ns, thread, task)
+        return handle
+
+    def active(self) -> dict[int, Active]:
+        """A copy of this process's table of requests in progress, by handle."""
+        return self._active.copy()
+
+    def answer(self, payload: bytes) -> None:
+        """Tell the driver that the stack of the request ``payload`` names has
+        been written: a timer due at once, which the driver hears."""
+        wheel = self._wheel
+        if wheel is None:
+            return
+        try:
+            wheel.add(0.0, with_kind(payload, KIND_ANSWER))
+        except (ShmwheelError, ValueError) as exc:
+            _log.debug("wheel %r: the driver could not be told a stack was written: %s", self.name, exc)
 
     def finish(self, handle: int | None) -> None:
         """Cancel the request's timer (nothing if it had none or it fired).
@@ -196,6 +264,7 @@ class RequestTimer:
         its own key), so the wheels are simply tried in turn."""
         if handle is None or self._pid != os.getpid():
             return
+        self._active.pop(handle, None)
         current, old = self._wheel, self._old  # once each: other threads replace them, never change them
         try:
             for wheel in (current, *old) if current is not None else old:

@@ -37,13 +37,14 @@ import os
 import signal
 import sys
 import threading
+from asyncio import current_task
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from .._checks import CAPACITIES, check_int, check_seconds
 from .._segment import segment_name
 from ._handler import DEFAULT_KILL_AFTER, TimeoutActions
-from ._record import DEFAULT_TRACEBACK_SIGNAL
+from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
 from ._supervisor import DEFAULT_CAPACITY, WHEEL_ENV, AutoDriver
 from ._worker import RequestTimer, timed_apps
 
@@ -114,11 +115,11 @@ class TimeoutMiddleware:
         self.actions = TimeoutActions(
             log=log,
             tracebacks=tracebacks,
-            traceback_signal=traceback_signal,  # type: ignore[arg-type]  # a name is converted
             kill=kill,
             kill_signal=kill_signal,  # type: ignore[arg-type]
             kill_after=kill_after,
         )
+        self.traceback_signal = check_traceback_signal(traceback_signal) if tracebacks else None
         self.capacity = check_int(capacity, "capacity", *CAPACITIES)
         self._lock = threading.Lock()
         self._timer: RequestTimer | None = None
@@ -138,7 +139,7 @@ class TimeoutMiddleware:
             return self._timer
 
     def _resolve(self) -> RequestTimer:
-        signum = self.actions.traceback_signal if self.actions.tracebacks else None
+        signum = self.traceback_signal
         name = self.name or os.environ.get(WHEEL_ENV)
         if name:
             try:
@@ -159,7 +160,7 @@ class TimeoutMiddleware:
             await self.app(scope, receive, send)
             return
         timer = self.timer
-        handle = timer.start(scope.get("method", "WEBSOCKET"), _path(scope), _request_id(scope))
+        handle = timer.start(scope.get("method", "WEBSOCKET"), _path(scope), _request_id(scope), current_task())
         finished = False
 
         def finish() -> None:

@@ -54,7 +54,7 @@ from typing import Any
 
 from .._checks import check_seconds, check_signal
 from ._handler import DEFAULT_KILL_AFTER, TimeoutActions
-from ._record import DEFAULT_TRACEBACK_SIGNAL
+from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
 from ._supervisor import DEFAULT_CAPACITY, WHEEL_ENV, DriverSupervisor
 from ._worker import RequestTimer, timed_apps
 from .asgi import TimeoutMiddleware
@@ -87,6 +87,7 @@ class _Settings:
     name: str | None
     timeout: float
     actions: TimeoutActions
+    traceback_signal: int | None  # the workers': the signal they write a request's stack on
     capacity: int
     kill_signal_given: bool  # False: the worker class's own (see _actions_for)
 
@@ -133,11 +134,11 @@ def install(
         actions=TimeoutActions(
             log=log,
             tracebacks=tracebacks,
-            traceback_signal=traceback_signal,  # type: ignore[arg-type]  # a name is converted
             kill=kill,
             kill_signal=signal.SIGABRT if kill_signal is None else check_signal(kill_signal, "kill_signal"),
             kill_after=kill_after,
         ),
+        traceback_signal=check_traceback_signal(traceback_signal) if tracebacks else None,
         capacity=capacity,
         kill_signal_given=kill_signal is not None,
     )
@@ -212,8 +213,7 @@ def _header(req: Any, name: str) -> str | None:
 
 
 def _timer(name: str, settings: _Settings) -> RequestTimer:
-    signum = settings.actions.traceback_signal if settings.actions.tracebacks else None
-    return RequestTimer(name, settings.timeout, traceback_signal=signum)
+    return RequestTimer(name, settings.timeout, traceback_signal=settings.traceback_signal)
 
 
 def _use_server_log(server: Any) -> None:
@@ -271,13 +271,12 @@ def _wrap(worker: Any, settings: _Settings) -> None:
     attr = "asgi" if getattr(worker, "asgi", None) is not None else "wsgi"
     app = getattr(worker, attr)
     if not isinstance(app, TimeoutMiddleware):
-        actions = settings.actions
         app = TimeoutMiddleware(
             app,
             settings.timeout,
             name=os.environ[WHEEL_ENV],
-            tracebacks=actions.tracebacks,
-            traceback_signal=actions.traceback_signal,
+            tracebacks=settings.traceback_signal is not None,
+            traceback_signal=settings.traceback_signal or DEFAULT_TRACEBACK_SIGNAL,
         )
         setattr(worker, attr, app)
     app.timer.prepare()

@@ -41,6 +41,9 @@ from .._wheel import observe, unlink
 from ._handler import DEFAULT_KILL_AFTER, DUMP_TIME, TimeoutActions, TimeoutHandler, signal_process
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
+    DUMP_SIGNAL,
+    KIND_ANSWER,
+    KIND_CHECK,
     KIND_GRACEFUL,
     KIND_KILL,
     KIND_REQUEST,
@@ -56,7 +59,10 @@ __all__ = [
     "DEFAULT_CAPACITY",
     "DEFAULT_KILL_AFTER",
     "DEFAULT_TRACEBACK_SIGNAL",
+    "DUMP_SIGNAL",
     "DUMP_TIME",
+    "KIND_ANSWER",
+    "KIND_CHECK",
     "KIND_GRACEFUL",
     "KIND_KILL",
     "KIND_REQUEST",
@@ -101,8 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lock-fd", type=int, metavar="FD", help=argparse.SUPPRESS)  # the flock of AutoDriver
     p.add_argument("--no-log", dest="log", action="store_false", help="no WARNING line per timeout")
-    p.add_argument("--no-tracebacks", dest="tracebacks", action="store_false", help="do not ask workers for tracebacks")
-    p.add_argument("--traceback-signal", default=DEFAULT_TRACEBACK_SIGNAL.name, metavar="SIG")
+    p.add_argument(
+        "--no-tracebacks",
+        dest="tracebacks",
+        action="store_false",
+        help="do not ask workers for a timed-out request's stack (each worker's records name the signal to ask with)",
+    )
     p.add_argument("--kill", action="store_true", help="signal the worker, then SIGKILL it")
     p.add_argument("--kill-signal", default="SIGTERM", metavar="SIG")
     p.add_argument("--kill-after", type=float, default=DEFAULT_KILL_AFTER, metavar="SECONDS")

@@ -66,7 +66,7 @@ from .._errors import DriverRunningError, SegmentNotFoundError, ShmwheelError
 from .._process import alive, start_time
 from .._wheel import observe, unlink
 from ._handler import DEFAULT_KILL_AFTER, TimeoutActions, TimeoutHandler
-from ._record import DEFAULT_TRACEBACK_SIGNAL
+from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
 from ._supervisor import DEFAULT_CAPACITY, LOG_FORMAT, create_wheel, watch_parent
 from .wsgi import TimeoutMiddleware, WSGIApp
 
@@ -87,6 +87,7 @@ class Settings:
     name: str
     timeout: float
     actions: TimeoutActions
+    traceback_signal: int | None  # the workers': the signal they write a request's stack on
     capacity: int
 
 
@@ -133,10 +134,16 @@ def settings(opts: Mapping[str, Any], master_pid: int) -> Settings:
             actions=TimeoutActions(
                 log=_flag(opts, "log", True),
                 tracebacks=_flag(opts, "tracebacks", True),
-                traceback_signal=_option(opts, "traceback-signal") or DEFAULT_TRACEBACK_SIGNAL,  # type: ignore[arg-type]
                 kill=_flag(opts, "kill", False),
                 kill_signal=_option(opts, "kill-signal") or signal.SIGTERM,  # type: ignore[arg-type]
                 kill_after=_number(opts, "kill-after", DEFAULT_KILL_AFTER),
+            ),
+            traceback_signal=(
+                check_traceback_signal(
+                    _option(opts, "traceback-signal") or DEFAULT_TRACEBACK_SIGNAL, f"{_PREFIX}traceback-signal"
+                )
+                if _flag(opts, "tracebacks", True)
+                else None
             ),
             capacity=_number(opts, "capacity", DEFAULT_CAPACITY, int),
         )
@@ -183,8 +190,7 @@ def request_timeouts(app: WSGIApp) -> TimeoutMiddleware:
         _remove_when_master_exits(config.name, os.getpid(), owner)
     elif not in_master:
         _created.add(config.name)  # reported once
-    signum = config.actions.traceback_signal if config.actions.tracebacks else None
-    middleware = TimeoutMiddleware(app, config.name, config.timeout, traceback_signal=signum)
+    middleware = TimeoutMiddleware(app, config.name, config.timeout, traceback_signal=config.traceback_signal)
 
     def after_fork() -> None:
         if uwsgi.worker_id() > 0:  # a worker, not a mule

@@ -1,0 +1,324 @@
+"""The worker's side of a timeout: the timed-out request's own stack, in
+the server's own log.
+
+Each :class:`~shmwheel.contrib._worker.RequestTimer` keeps a table of the
+requests of this process that are in progress: the record its timer
+carries, its deadline, and where it runs (its thread, its asyncio task or
+its greenlet).  When the driver's signal arrives (the record names it), a
+handler in C writes a byte to a pipe, which wakes a reporter thread
+whatever the main thread is doing (uWSGI's never runs Python, and a
+Python signal handler would never run there); the reporter finds the
+requests past their deadline and writes, for each, one log record: a
+header line that repeats the driver's line, then the request's own stack:
+
+* a request in a thread: that thread's frames;
+* an asyncio task: its await chain, from the task's coroutine down to the
+  innermost frame and what that awaits; when the event loop is not waiting
+  but running a step (a coroutine that blocks it), the loop thread's
+  frames, which are where the request is stuck, or, when another task
+  blocks the loop, those too;
+* a greenlet (gevent, eventlet): its frames, or its thread's when it is
+  the one running.
+
+It then tells the driver, with a timer of kind ``KIND_ANSWER`` due at
+once: a driver that hears nothing sends the dump signal, on which
+:mod:`faulthandler` writes every thread's stack from C (the fallback for a
+worker in which no Python can run: a C call that holds the GIL).
+
+The reporter is a real thread even under gevent's monkey-patching, so that
+it runs while the hub is blocked; it reads the other threads' frames and
+never changes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .._binding import lib
+from ._record import RequestRecord, decode_request, signal_name
+
+if TYPE_CHECKING:
+    from ._worker import RequestTimer
+
+__all__ = ["Active", "listen", "server_logger", "writes_somewhere"]
+
+_log = logging.getLogger("shmwheel.timeouts")
+
+#: Where a timeout's stack goes: the first of these loggers that writes
+#: somewhere (the server's error log), else ``shmwheel.timeouts``.
+SERVER_LOGGERS = ("gunicorn.error", "uvicorn.error", "hypercorn.error")
+FALLBACK_FORMAT = "[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s"
+SLACK_NS = 5_000_000  # a request this close to its deadline counts as past it (clock rounding)
+MAX_FRAMES = 200  # of one stack: a runaway recursion is not written out whole
+
+
+class Active(NamedTuple):
+    """A request in progress, as its worker's table holds it."""
+
+    payload: bytes  #: its timer's record
+    deadline_ns: int  #: time.monotonic_ns() when it times out
+    thread: int  #: threading.get_ident() of its thread
+    task: Any  #: its asyncio.Task or greenlet, or None
+
+
+def writes_somewhere(logger: logging.Logger | None) -> bool:
+    """Whether the records of ``logger`` reach a handler other than a NullHandler."""
+    while logger is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
+def server_logger() -> logging.Logger:
+    """The server's error log if one of :data:`SERVER_LOGGERS` is set up in
+    this process, else ``shmwheel.timeouts`` (which, if nothing is set up to
+    write its records, writes to stderr)."""
+    known = logging.root.manager.loggerDict
+    for name in SERVER_LOGGERS:
+        logger = known.get(name)
+        if isinstance(logger, logging.Logger) and writes_somewhere(logger) and logger.isEnabledFor(logging.WARNING):
+            return logger
+    if not writes_somewhere(_log):
+        with _lock:
+            if not writes_somewhere(_log):
+                handler = logging.StreamHandler(sys.stderr)
+                handler.setFormatter(logging.Formatter(FALLBACK_FORMAT))
+                _log.addHandler(handler)
+    return _log
+
+
+# -- the signal and the reporter: one of each per process --------------------
+
+_lock = threading.Lock()
+_pid = 0  # the process the pipe and the reporter below are this one's
+_pipe: tuple[int, int] = (-1, -1)  # the reporter reads; the signal handler (C) writes
+_reporter_ident = 0  # its thread, which no report shows
+_listening: set[int] = set()
+_timers: Callable[[], Iterable[RequestTimer]] = list
+
+
+def listen(signum: int, dump_signum: int, timers: Callable[[], Iterable[RequestTimer]]) -> None:
+    """Write the timed-out requests' stacks when ``signum`` arrives, and have
+    faulthandler dump every thread on ``dump_signum``; ``timers()`` are the
+    request timers of this process.  From any thread: the handler is C's
+    (``shmw_signal_to_fd``), which wakes the reporter through a pipe."""
+    global _timers
+    _timers = timers
+    with _lock:
+        faulthandler.register(dump_signum, file=sys.stderr, all_threads=True)
+        _start_reporter()
+        if signum in _listening:
+            return
+        replaced = lib.shmw_signal_to_fd(signum, _pipe[1])
+        if replaced < 0:
+            raise OSError(-replaced, f"{signal_name(signum)} cannot be caught: {os.strerror(-replaced)}")
+        _listening.add(signum)
+    if replaced:
+        _log.warning("shmwheel: %s had a handler of its own, which now gives way to shmwheel's", signal_name(signum))
+
+
+def _start_reporter() -> None:
+    """The pipe and the reporter thread of this process (a fork has neither): under _lock."""
+    global _pid, _pipe
+    pid = os.getpid()
+    if _pid == pid:
+        return
+    if _pid:  # forked: the parent's pipe is the parent's
+        for fd in _pipe:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _pipe = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(_pipe[1], False)
+    _pid = pid
+    for signum in _listening:  # the handler is inherited; the fd it writes to is new
+        lib.shmw_signal_to_fd(signum, _pipe[1])
+    # With every signal blocked, which it inherits: a signal sent to the
+    # process (the server's SIGINT, SIGTERM) must land in one of the
+    # server's threads, whose handlers expect it there, never in this one.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        _real("_thread", "start_new_thread")(_report_forever, (_pipe[0], pid))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _real(module: str, name: str) -> Any:
+    """``module.name`` as it was before gevent's or eventlet's monkey-patching."""
+    if "gevent.monkey" in sys.modules:
+        from gevent import monkey
+
+        if monkey.is_module_patched(module):
+            return monkey.get_original(module, name)
+    if "eventlet.patcher" in sys.modules:
+        from eventlet import patcher
+
+        return patcher.original(module).__dict__[name]
+    return getattr(__import__(module), name)
+
+
+def _report_forever(fd: int, pid: int) -> None:
+    global _reporter_ident
+    _reporter_ident = threading.get_ident()
+    read = _real("os", "read")
+    while _pid == pid:
+        try:
+            read(fd, 64)  # one byte a signal; those that came meanwhile are one report
+        except OSError:  # closed: a fork of this process replaced it
+            return
+        try:
+            report_overdue()
+        except Exception:  # noqa: BLE001 - one failed report must not end the reporter
+            with contextlib.suppress(Exception):
+                _log.exception("shmwheel: writing a timed-out request's stack failed")
+
+
+_reported: set[bytes] = set()  # records whose stack has been written (a second signal answers again)
+
+
+def report_overdue(now_ns: int | None = None) -> int:
+    """Write the stack of each request of this process past its deadline and
+    answer the driver for it; return how many were written."""
+    now = time.monotonic_ns() if now_ns is None else now_ns
+    frames = sys._current_frames()
+    written = 0
+    still: set[bytes] = set()
+    for timer in list(_timers()):
+        for active in timer.active().values():
+            if active.deadline_ns - SLACK_NS > now:
+                continue
+            still.add(active.payload)
+            if active.payload not in _reported:
+                record = decode_request(active.payload)
+                if record is not None:
+                    server_logger().warning("%s", report(record, active, frames, now))
+                    written += 1
+            timer.answer(active.payload)
+    _reported.intersection_update(still)
+    _reported.update(still)
+    return written
+
+
+def report(record: RequestRecord, active: Active, frames: dict[int, FrameType], now_ns: int) -> str:
+    """A timed-out request's header line and its own stack."""
+    lines = [
+        f"shmwheel: request timed out: {record.describe()}, running for {record.running_for(now_ns):.3f} s; "
+        "its stack (most recent call last):"
+    ]
+    lines += _stack_of(active, frames)
+    return "\n".join(line.rstrip("\n") for line in lines)
+
+
+def _stack_of(active: Active, frames: dict[int, FrameType]) -> list[str]:
+    task = active.task
+    if isinstance(task, asyncio.Future):
+        return _task_stack(task, active.thread, frames)  # type: ignore[arg-type]
+    if task is not None:  # a greenlet
+        if getattr(task, "dead", False):
+            return ["  (its greenlet has ended)"]
+        top = getattr(task, "gr_frame", None)
+        if top is None:  # the one running in its thread
+            top = frames.get(active.thread)
+        return _frames(top, f"  (its greenlet runs in thread 0x{active.thread:016x}, which has no Python frame)")
+    return _frames(frames.get(active.thread), f"  (its thread 0x{active.thread:016x} has ended)")
+
+
+def _frames(top: FrameType | None, missing: str) -> list[str]:
+    if top is None:
+        return [missing]
+    chain = list(_walk(top))[:MAX_FRAMES]
+    chain.reverse()
+    return _format((f, f.f_lineno) for f in chain)
+
+
+def _walk(frame: FrameType | None) -> Iterator[FrameType]:
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _format(frames: Iterable[tuple[FrameType, int | None]]) -> list[str]:
+    return traceback.format_list(traceback.StackSummary.extract(frames, lookup_lines=True))  # type: ignore[arg-type]
+
+
+def _task_stack(task: asyncio.Task[Any], thread: int, frames: dict[int, FrameType]) -> list[str]:
+    if task.done():
+        return [f"  (its task {task.get_name()} has ended)"]
+    loop = task.get_loop()
+    running = asyncio.tasks._current_tasks.get(loop)  # type: ignore[attr-defined]  # the task in a step now, if any
+    if running is task:  # it blocks the loop: its stack is the loop thread's
+        return [f"  task {task.get_name()}, which blocks the event loop:"] + _frames(
+            frames.get(thread), "  (the loop thread has no Python frame)"
+        )
+    chain = _await_chain(task)
+    lines = [f"  task {task.get_name()}, awaiting:"] + chain
+    if any(marker in line for line in chain for marker in _TO_THREAD):
+        # A synchronous endpoint (Starlette, FastAPI) runs in a thread of a
+        # pool, and nothing ties that thread to the task: the busy ones are shown.
+        busy = [t for t, top in frames.items() if t not in (thread, _reporter_ident) and not _idle(top)]
+        lines.append(f"  it waits for a thread; this worker's busy threads besides the loop's ({len(busy)}):")
+        for other in busy:
+            lines.append(f"  thread 0x{other:016x}:")
+            lines += _frames(frames[other], "")
+    if running is not None:
+        name = running.get_name() if isinstance(running, asyncio.Task) else repr(running)
+        lines.append(f"  meanwhile the event loop is blocked by task {name}, in thread 0x{thread:016x}:")
+        lines += _frames(frames.get(thread), "  (the loop thread has no Python frame)")
+    return lines
+
+
+# A frame of these in a task's await chain: it awaits a function run in a thread.
+_TO_THREAD = ("in run_in_threadpool", "in run_sync", "in run_in_executor", "in to_thread")
+
+
+def _idle(top: FrameType) -> bool:
+    """Whether a thread waits for work: a pool's worker in its queue's get()."""
+    frame: FrameType | None = top
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "get" and frame.f_code.co_filename.endswith("queue.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_AWAITS = ("cr_await", "gi_yieldfrom", "ag_await")  # what a coroutine, a generator, an async generator awaits
+
+
+def _await_chain(task: asyncio.Task[Any]) -> list[str]:
+    """A suspended task's coroutines, outermost first, down to what the
+    innermost awaits; into the tasks it awaits."""
+    chain: list[tuple[FrameType, int | None]] = []
+    tail = ""
+    coro: Any = task.get_coro()
+    seen: set[int] = set()
+    while coro is not None and id(coro) not in seen and len(chain) < MAX_FRAMES:
+        seen.add(id(coro))
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is None:
+            break
+        chain.append((frame, frame.f_lineno))
+        inner = next(
+            (getattr(coro, a) for a in ("cr_await", "gi_yieldfrom", "ag_await") if getattr(coro, a, None)), None
+        )
+        if isinstance(inner, asyncio.Task):
+            coro = inner.get_coro()
+        elif isinstance(inner, asyncio.Future):
+            tail = f"  awaiting {inner!r}"[:300]
+            break
+        else:
+            coro = inner
+    return _format(chain) + ([tail] if tail else [])
