@@ -36,6 +36,7 @@ from ._process import alive
 from ._records import Fire, Producer, WheelStats
 from ._segment import SHM, bare_name, wheel_stat
 from ._wheel import create, observe, unlink
+from .contrib._record import decode_request
 
 __all__ = ["main"]
 
@@ -257,7 +258,7 @@ def _load_handler(spec: str) -> Handler:
 
 
 def _json_line(fire: Fire) -> bytes:
-    obj = {
+    obj: dict[str, object] = {
         "handle": fire.handle,
         "deadline": fire.deadline,
         "fired_at": fire.fired_at,
@@ -265,6 +266,9 @@ def _json_line(fire: Fire) -> bytes:
         "owner_pid": fire.owner_pid,
         "redelivered": fire.redelivered,
     }
+    record = decode_request(fire.payload)  # a request-timeout wheel's: decoded too
+    if record is not None:
+        obj["request"] = record.as_dict()
     return (json.dumps(obj) + "\n").encode()
 
 

@@ -431,6 +431,33 @@ def test_driver_jsonl_whose_reader_goes_away_exits_141_and_leaves_the_rest_in_fl
     assert all(f.redelivered and f.payload == b"rest" for f in fires)
 
 
+def test_driver_jsonl_decodes_a_request_record(make_wheel: MakeWheel) -> None:
+    """A request-timeout wheel's fire: the record decoded beside its bytes; another payload: only its bytes."""
+    from shmwheel.contrib.timeouts import KIND_REQUEST, encode_request
+
+    wheel = make_wheel(capacity=100, payload_size=256)
+    record = encode_request(KIND_REQUEST, 4321, 99, 12345, "POST", "abc-1", "/upload/é", thread=0x7F01, task=0)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmwheel", "driver", wheel.name, "--jsonl"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        wait_for(lambda: wheel.stats().driver_pid == proc.pid)
+        wheel.add(0.001, record)
+        first = json.loads(proc.stdout.readline())
+        wheel.add(0.001, b"\x01 not a record, though it starts like one" + bytes(60))
+        second = json.loads(proc.stdout.readline())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert first["payload_hex"] == record.hex()
+    assert first["request"] == {
+        "method": "POST", "path": "/upload/é", "truncated": False, "request_id": "abc-1", "worker_pid": 4321,
+        "thread": 0x7F01, "task": 0, "task_kind": "", "started_ns": 12345,
+    }  # fmt: skip
+    assert "request" not in second
+
+
 def _console_script() -> str:
     """The installed ``shmwheel`` entry point of the Python running the tests."""
     path = shutil.which("shmwheel", path=sysconfig.get_path("scripts"))

@@ -139,24 +139,21 @@ def assert_nothing_left(server: Server) -> None:
 
 def timed_out_line(path: str) -> str:
     return (
-        rf"(?<!shmwheel: )request timed out: GET {re.escape(path)} \(request \S+, worker pid (\d+), "
+        rf"request timed out: GET {re.escape(path)} \(request \S+, worker pid (\d+), "
         r"thread 0x[0-9a-f]{16}(?:, (?:task|greenlet) 0x[0-9a-f]+)?\), running for ([\d.]+) s"
     )
 
 
-DRIVER_TIMED_OUT = r"(?<!shmwheel: )request timed out"  # the driver's line, not the worker's header
+DRIVER_TIMED_OUT = r"request timed out"  # the driver's line (the worker's header is "the stack of timed-out ...")
 ASKED = r"; asking it for the request's stack \(SIGURG\)"
 
 
 def own_stack(path: str, function: str, file: str = "app.py") -> str:
     """The worker's report: one header line, then the request's stack down to ``function``."""
     return (
-        rf"shmwheel: request timed out: GET {re.escape(path)} \(.*\), running for [\d.]+ s; its stack \(most recent "
-        rf'call last\):\n(?:  .*\n)*?  File ".*/examples/{re.escape(file)}", line \d+, in {function}\n'
+        rf"shmwheel: the stack of timed-out request GET {re.escape(path)} \(.*\), running for [\d.]+ s \(most "
+        rf'recent call last\):\n(?:  .*\n)*?  File ".*/examples/{re.escape(file)}", line \d+, in {function}\n'
     )
-
-
-# -- Gunicorn -----------------------------------------------------------------
 
 
 def gunicorn(config: Path, port: int, worker_class: str) -> list[str]:
@@ -248,6 +245,34 @@ def test_gunicorn_without_kill_logs_and_dumps_and_lets_the_request_finish(tmp_pa
         server.wait_for(r"driver \d+: took over wheel")
         assert get(server.port, "/sleep?s=1.5")[0] == 200
         server.wait_for(timed_out_line("/sleep") + r"[\s\S]*" + timed_out_line("/sleep"))
+        assert server.stop(signal.SIGTERM) == 0
+        assert_nothing_left(server)
+
+
+def test_gunicorn_errorlog_gets_the_timeout_and_the_stack_in_gunicorns_format(tmp_path: Path) -> None:
+    """With ``errorlog`` a file: the driver's line and the worker's stack go
+    there, in Gunicorn's own format (its date, the writer's pid, the level), not to stderr."""
+    errorlog = tmp_path / "error.log"
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text(
+        f"errorlog = {str(errorlog)!r}\n"
+        "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\n"
+        "shmwheel_gunicorn.install(globals(), timeout=0.5)\n"
+    )
+    port = free_port()
+    with serve(gunicorn(config, port, "gthread"), port, tmp_path, "gunicorn") as server:
+        assert get(server.port, "/sleep?s=1.5")[0] == 200
+        gunicorns = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4}\] \[(\d+)\] \[WARNING\] "
+        give_up = time.monotonic() + WAIT
+        while not re.search(own_stack("/sleep", "_sleep"), errorlog.read_text()):
+            assert time.monotonic() < give_up, errorlog.read_text()
+            time.sleep(0.05)
+        log = errorlog.read_text()
+        driver = re.search(gunicorns + "shmwheel: " + timed_out_line("/sleep"), log)
+        worker = re.search(gunicorns + own_stack("/sleep", "_sleep"), log)
+        assert driver is not None and worker is not None, log
+        assert driver[1] != worker[1] == driver[2]  # written by the driver, then by the worker it names
+        assert "request timed out" not in server.log() and "the stack of" not in server.log()  # stderr
         assert server.stop(signal.SIGTERM) == 0
         assert_nothing_left(server)
 

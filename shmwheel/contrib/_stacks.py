@@ -214,8 +214,8 @@ def report_overdue(now_ns: int | None = None) -> int:
 def report(record: RequestRecord, active: Active, frames: dict[int, FrameType], now_ns: int) -> str:
     """A timed-out request's header line and its own stack."""
     lines = [
-        f"shmwheel: request timed out: {record.describe()}, running for {record.running_for(now_ns):.3f} s; "
-        "its stack (most recent call last):"
+        f"shmwheel: the stack of timed-out request {record.describe()}, running for "
+        f"{record.running_for(now_ns):.3f} s (most recent call last):"
     ]
     lines += _stack_of(active, frames)
     return "\n".join(line.rstrip("\n") for line in lines)

@@ -39,7 +39,9 @@ from .._records import WheelStats
 from .._segment import SHM, bare_name, segment_name, wheel_stat
 from .._wheel import Wheel, create, observe, unlink
 from ._handler import TimeoutActions
+from ._logs import LogTarget
 from ._record import PAYLOAD_SIZE
+from ._stacks import server_logger
 
 __all__ = [
     "COMMAND",
@@ -227,9 +229,11 @@ class DriverSupervisor:
         tick: float = 0.001,
         start_timeout: float = 30.0,
         owner: tuple[int, int] | None = None,
+        log_target: LogTarget | None = None,
     ) -> None:
         segment_name(name)
         self.owner = None if owner is None else check_owner(owner)
+        self.log_target = log_target
         self.name = name
         self.actions = actions or TimeoutActions()
         self.capacity = capacity
@@ -288,6 +292,8 @@ class DriverSupervisor:
         cmd = [sys.executable, "-m", COMMAND, self.name, f"--parent={os.getpid()}", *self.actions.as_args()]
         if self.owner is not None:
             cmd += [f"--user={self.owner[0]}", f"--group={self.owner[1]}"]
+        if self.log_target is not None:
+            cmd += self.log_target.as_args()
         # Out of the server's process group: the terminal's Ctrl-C (SIGINT to
         # the foreground group) would stop the driver while the server still
         # runs, and the watcher would log its death and start another.
@@ -431,6 +437,9 @@ class AutoDriver:
             except BlockingIOError:
                 return None  # a driver holds it
             cmd = [sys.executable, "-m", COMMAND, self.name, "--while-used", f"--lock-fd={fd}", *self.actions.as_args()]
+            target = LogTarget.of(server_logger())
+            if target is not None:  # the server's error log, where the worker writes its stacks
+                cmd += target.as_args()
             # In a session of its own: it outlives the worker that starts it,
             # and a Ctrl-C at the terminal is for the server, whose workers
             # still finish their requests, which still need timing.

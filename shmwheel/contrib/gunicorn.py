@@ -54,6 +54,7 @@ from typing import Any
 
 from .._checks import check_seconds, check_signal
 from ._handler import DEFAULT_KILL_AFTER, TimeoutActions
+from ._logs import LogTarget
 from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
 from ._supervisor import DEFAULT_CAPACITY, WHEEL_ENV, DriverSupervisor
 from ._worker import RequestTimer, timed_apps
@@ -333,7 +334,9 @@ def _start(server: Any, settings: _Settings) -> None:
     name = settings.name or f"gunicorn-{server.pid}"
     owner = _workers_ids(server)
     actions = _actions_for(settings, worker_class)
-    supervisor = DriverSupervisor(name, actions, capacity=settings.capacity, owner=owner)
+    # The driver writes to Gunicorn's error log, in its format, as the workers do.
+    log_target = LogTarget.of(server.log.error_log)
+    supervisor = DriverSupervisor(name, actions, capacity=settings.capacity, owner=owner, log_target=log_target)
     supervisor.start()
     os.environ[WHEEL_ENV] = name  # the workers inherit it: a middleware without a name uses this wheel
     with _state.lock:

@@ -39,6 +39,7 @@ from .._errors import SegmentNotFoundError, ShmwheelError, one_line
 from .._segment import SHM, bare_name, segment_name
 from .._wheel import observe, unlink
 from ._handler import DEFAULT_KILL_AFTER, DUMP_TIME, TimeoutActions, TimeoutHandler, signal_process
+from ._logs import LogTarget
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
     DUMP_SIGNAL,
@@ -106,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         "the wheel and exits.  What the ASGI middleware's workers start by themselves",
     )
     p.add_argument("--lock-fd", type=int, metavar="FD", help=argparse.SUPPRESS)  # the flock of AutoDriver
+    LogTarget.add_arguments(p)
     p.add_argument("--no-log", dest="log", action="store_false", help="no WARNING line per timeout")
     p.add_argument(
         "--no-tracebacks",
@@ -222,7 +224,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = _target_ids(parser, args)
     if args.while_used and (args.create or args.parent is not None):
         parser.error("--while-used goes with neither --create nor --parent: the wheel lives as long as its users")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
+    log_target = LogTarget.from_args(args)
+    try:
+        handler = logging.StreamHandler(sys.stderr) if log_target is None else log_target.handler()
+    except OSError as exc:
+        parser.error(f"--log-to: {one_line(exc)}")
+    if log_target is None:
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     parent_gone = threading.Event()
     unused = threading.Event()
     owns = False
