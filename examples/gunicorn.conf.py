@@ -3,7 +3,7 @@
     gunicorn -c examples/gunicorn.conf.py --chdir examples app:application
 
 then ``curl 'localhost:8000/sleep?s=5'`` times out after 2 s: the driver logs
-the request, the worker dumps its tracebacks and is sent SIGABRT, and the
+the request, the worker writes the request's stack and is sent SIGABRT, and the
 master replaces it.  A sync worker leaves the request at once; a gthread
 worker exits when the request's thread returns, or at the SIGKILL 3 s
 later (see README.md beside this file).

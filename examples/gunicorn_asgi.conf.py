@@ -5,8 +5,8 @@
 ``install()`` wraps each worker's ASGI application in shmwheel's ASGI
 middleware on the master's wheel (``asgi_app:app``, wrapped already, is
 timed once, by the outer one).  ``curl 'localhost:8000/sleep?s=5'`` times
-out after 2 s: the driver logs the request, the worker dumps its
-tracebacks and is sent SIGTERM, Uvicorn's graceful stop, which waits for
+out after 2 s: the driver logs the request, the worker writes the
+request's stack and is sent SIGTERM, Uvicorn's graceful stop, which waits for
 the request; the SIGKILL 3 s later ends it and the master replaces it.
 """
 

@@ -14,7 +14,7 @@ calls any that were defined above it, so it must come after them):
   the workers as ``user``/``group``, the wheel is made theirs and the
   driver runs as them too: it can signal the workers and nothing else;
 * ``post_worker_init`` (each worker): attaches to the wheel and registers
-  :mod:`faulthandler` on the traceback signal.  With an ASGI worker class
+  sets up the signal on which it writes a timed-out request's stack.  With an ASGI worker class
   (Uvicorn's ``uvicorn_worker.UvicornWorker`` or the older
   ``uvicorn.workers.UvicornWorker``, Gunicorn's ``asgi``) it wraps the
   application in :class:`shmwheel.contrib.asgi.TimeoutMiddleware` on the
@@ -29,8 +29,8 @@ calls any that were defined above it, so it must come after them):
 The master names the wheel to its workers in the ``SHMWHEEL_WHEEL``
 environment variable, so that a middleware without a name uses it.
 
-When a timer fires the driver logs the request, has the worker dump its
-tracebacks, and, with ``kill=True``, sends it ``kill_signal`` (by default
+When a timer fires the driver logs the request, has the worker write the
+request's own stack, and, with ``kill=True``, sends it ``kill_signal`` (by default
 SIGABRT for Gunicorn's own workers: the worker runs ``worker_abort`` and
 exits, as on Gunicorn's own timeout; SIGTERM for Uvicorn's, which set
 SIGABRT back to its default action, a core dump, and shut down gracefully

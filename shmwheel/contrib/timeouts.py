@@ -86,7 +86,8 @@ _log = logging.getLogger("shmwheel.timeouts")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m shmwheel.contrib.timeouts",
-        description="Drive a request-timeout wheel: log, dump tracebacks of and kill workers whose requests time out.",
+        description="Drive a request-timeout wheel: log the requests that time out, have their workers write "
+        "their stacks, and kill the workers if asked.",
     )
     p.add_argument("name", help="the wheel")
     p.add_argument(

@@ -22,8 +22,10 @@ The ``shmwheel-*`` options (uWSGI hands every process the whole config):
 ``shmwheel-kill-signal``    the first signal (default ``TERM``; uWSGI's
                             harakiri-graceful sends the same)
 ``shmwheel-kill-after``     seconds from it to SIGKILL (default 5)
-``shmwheel-tracebacks``     ``false``: no traceback dump (default ``true``)
-``shmwheel-traceback-signal``  faulthandler's signal (default ``URG``)
+``shmwheel-tracebacks``     ``false``: no stack of a timed-out request
+                            (default ``true``)
+``shmwheel-traceback-signal``  the signal a worker writes it on (default
+                            ``URG``)
 ``shmwheel-log``            ``false``: no log line per timeout
 ``shmwheel-name``           the wheel (default ``uwsgi-<master pid>``)
 ``shmwheel-capacity``       requests in progress at once (default 65536)
