@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -273,6 +274,50 @@ def test_gunicorn_errorlog_gets_the_timeout_and_the_stack_in_gunicorns_format(tm
         assert driver is not None and worker is not None, log
         assert driver[1] != worker[1] == driver[2]  # written by the driver, then by the worker it names
         assert "request timed out" not in server.log() and "the stack of" not in server.log()  # stderr
+        assert server.stop(signal.SIGTERM) == 0
+        assert_nothing_left(server)
+
+
+def test_a_second_timeout_in_a_draining_gthread_worker_drops_no_innocent_request(tmp_path: Path) -> None:
+    """Two stuck requests and an innocent one in one gthread worker: the
+    first timeout sends SIGABRT and the worker drains; the second is logged
+    with its stack but not signalled again (a second SIGABRT would raise
+    SystemExit in the thread joins of the worker's exit, which then dies at
+    once), so the innocent request is answered, and SIGKILL ends the worker."""
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text(
+        "workers = 1\nthreads = 4\n"
+        "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\n"
+        "shmwheel_gunicorn.install(globals(), timeout=2.0, kill=True, kill_after=3.0)\n"
+    )
+    port = free_port()
+    with serve(gunicorn(config, port, "gthread"), port, tmp_path, "gunicorn") as server:
+        results: dict[str, tuple[int, str]] = {}
+
+        def fetch(path: str, delay: float) -> threading.Thread:
+            def run() -> None:
+                time.sleep(delay)
+                results[path] = get(server.port, path, timeout=WAIT)
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        # The innocent one starts before the first SIGABRT (about 2.5 s) and
+        # ends after the second stuck request's timeout (2.2 s) and its look (2.7 s).
+        threads = [fetch("/stuck?s=60", 0.0), fetch("/stuck?s=30", 0.2), fetch("/sleep?s=1.9", 1.2)]
+        for thread in threads:
+            thread.join(WAIT)
+        assert results["/sleep?s=1.9"][0] == 200, (results, server.log()[-4000:])
+        assert results["/stuck?s=60"][0] == results["/stuck?s=30"][0] == 0  # the worker was killed under them
+        log = server.log()
+        pid = int(re.search(timed_out_line("/stuck?s=60".split("?")[0]), log).group(1))  # type: ignore[union-attr]
+        server.wait_for(rf"worker pid {pid} is not sent SIGABRT again for GET /stuck ")
+        server.wait_for(
+            rf"killed worker pid {pid} with SIGKILL: it was still there 3 s after SIGABRT, which it handles"
+        )
+        assert "Exception ignored" not in log and "SystemExit" not in log
+        assert len(re.findall(own_stack("/stuck", "_stuck"), log)) == 2  # each stuck request's own
         assert server.stop(signal.SIGTERM) == 0
         assert_nothing_left(server)
 
