@@ -13,7 +13,8 @@ the path (little-endian)::
          4     4  worker pid
          8     8  worker start time, clock ticks since boot (/proc/PID/stat)
         16     8  request start, time.monotonic_ns()
-        24     8  the thread that runs the request, threading.get_ident()
+        24     8  the OS thread that runs the request, _thread.get_ident()
+                  (the original, not gevent's or eventlet's patched one)
         32     8  its asyncio task or greenlet, id(), or 0
         40     1  stack signal: the worker writes the request's own stack
                   on it (0: it cannot be asked)
@@ -117,7 +118,7 @@ class RequestRecord(NamedTuple):
     request_id: str
     path: str
     truncated: bool  #: the path was cut to fit the payload
-    thread: int = 0  #: threading.get_ident() of the thread that runs it (a pthread_t)
+    thread: int = 0  #: the OS thread that runs it, as faulthandler names it (a pthread_t)
     task: int = 0  #: id() of its asyncio task or greenlet, or 0
     task_kind: str = ""  #: "task", "greenlet" or ""
     stack_signal: int = 0  #: the worker writes the request's stack on it (0: none)

@@ -52,7 +52,7 @@ from ._record import RequestRecord, decode_request, signal_name
 if TYPE_CHECKING:
     from ._worker import RequestTimer
 
-__all__ = ["Active", "listen", "server_logger", "writes_somewhere"]
+__all__ = ["Active", "listen", "real", "server_logger", "writes_somewhere"]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
@@ -69,7 +69,7 @@ class Active(NamedTuple):
 
     payload: bytes  #: its timer's record
     deadline_ns: int  #: time.monotonic_ns() when it times out
-    thread: int  #: threading.get_ident() of its thread
+    thread: int  #: its OS thread, as _thread.get_ident() names it before any monkey-patching
     task: Any  #: its asyncio.Task or greenlet, or None
 
 
@@ -150,12 +150,12 @@ def _start_reporter() -> None:
     # server's threads, whose handlers expect it there, never in this one.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
-        _real("_thread", "start_new_thread")(_report_forever, (_pipe[0], pid))
+        real("_thread", "start_new_thread")(_report_forever, (_pipe[0], pid))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def _real(module: str, name: str) -> Any:
+def real(module: str, name: str) -> Any:
     """``module.name`` as it was before gevent's or eventlet's monkey-patching."""
     if "gevent.monkey" in sys.modules:
         from gevent import monkey
@@ -171,8 +171,8 @@ def _real(module: str, name: str) -> Any:
 
 def _report_forever(fd: int, pid: int) -> None:
     global _reporter_ident
-    _reporter_ident = threading.get_ident()
-    read = _real("os", "read")
+    _reporter_ident = real("_thread", "get_ident")()
+    read = real("os", "read")
     while _pid == pid:
         try:
             read(fd, 64)  # one byte a signal; those that came meanwhile are one report

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .._checks import check_seconds
@@ -36,7 +37,7 @@ from ._record import (
     encode_request,
     with_kind,
 )
-from ._stacks import Active, listen
+from ._stacks import Active, listen, real
 from ._supervisor import AutoDriver
 
 __all__ = ["RequestTimer", "timed_apps"]
@@ -120,6 +121,10 @@ class RequestTimer:
         self._dump_signal = 0
         self._active: dict[int, Active] = {}  # handle: a request of this process in progress
         self._getcurrent: Any = None  # greenlet.getcurrent, once greenlets are in use here
+        # The OS thread's id, as faulthandler and sys._current_frames() name
+        # it: under gevent's or eventlet's monkey-patching threading.get_ident()
+        # is the current greenlet's id instead.
+        self._get_ident: Callable[[], int] = threading.get_ident
         _request_timers.add(self)
 
     def prepare(self) -> bool:
@@ -140,6 +145,7 @@ class RequestTimer:
                 self._ids = itertools.count(1)
                 self._active = {}
                 self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
+                self._get_ident = real("_thread", "get_ident")
                 self._start = start_time(pid) or 0
                 self._listen()
             if self._wheel is None and time.monotonic() >= self._retry_at:
@@ -211,7 +217,7 @@ class RequestTimer:
             return None
         if request_id is None or not REQUEST_ID.fullmatch(request_id):
             request_id = f"{self._pid:x}.{next(self._ids)}"
-        thread = threading.get_ident()
+        thread = self._get_ident()
         kind = ""
         if task is not None:
             kind = "task"

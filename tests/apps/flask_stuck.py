@@ -1,0 +1,86 @@
+"""A Flask application with a route stuck each way a request can be.
+
+    GET /                answers at once
+    GET /sleep?s=N       time.sleep(N)
+    GET /recv?s=N        a blocking recv on a socket no data comes to, N s
+    GET /spin?s=N        a pure-Python CPU loop, N s
+    GET /regex?n=N       a catastrophic regular expression: 2**N steps in C
+                         with the GIL held (N = 26: a few seconds), which
+                         nothing can interrupt
+
+Under gevent's monkey-patching the first two yield to the hub, the last
+two keep it.  Each way is a function of its own, which a timed-out
+request's stack names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+
+from flask import Flask, Response, request
+
+app = Flask(__name__)
+
+
+def _seconds(default: float = 10.0) -> float:
+    return float(request.args.get("s", default))
+
+
+def stuck_in_sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def stuck_in_recv(seconds: float) -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.settimeout(seconds)
+        try:
+            ours.recv(1)
+        except TimeoutError:
+            pass
+
+
+def stuck_in_spin(seconds: float) -> None:
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        pass
+
+
+def stuck_in_regex(n: int) -> None:
+    re.match(r"(a+)+$", "a" * n + "b")
+
+
+def _done() -> Response:
+    return Response(f"done by pid {os.getpid()}\n", mimetype="text/plain")
+
+
+@app.route("/")
+def fast() -> Response:
+    return _done()
+
+
+@app.route("/sleep")
+def sleep() -> Response:
+    stuck_in_sleep(_seconds())
+    return _done()
+
+
+@app.route("/recv")
+def recv() -> Response:
+    stuck_in_recv(_seconds())
+    return _done()
+
+
+@app.route("/spin")
+def spin() -> Response:
+    stuck_in_spin(_seconds())
+    return _done()
+
+
+@app.route("/regex")
+def regex() -> Response:
+    stuck_in_regex(int(request.args.get("n", 26)))
+    return _done()

@@ -1,0 +1,7 @@
+"""The Flask application with a timeout on every request, for uWSGI."""
+
+from flask_stuck import app
+
+from shmwheel.contrib.uwsgi import request_timeouts
+
+application = request_timeouts(app)
