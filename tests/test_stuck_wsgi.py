@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_servers import BIN, WAIT, Server, assert_nothing_left, free_port, get, serve, uwsgi_ini
+from test_servers import BIN, DRIVER_TIMED_OUT, WAIT, Server, assert_nothing_left, free_port, get, serve, uwsgi_ini
 
 APPS = Path(__file__).resolve().parent / "apps"
 SECONDS = 4  # how long a stuck request lasts: well past the 1 s timeout
@@ -85,7 +85,7 @@ def get_as(port: int, path: str, request_id: str) -> tuple[int, str]:
 def driver_line(path: str, request_id: str) -> str:
     """The driver's line: groups the worker pid and its thread."""
     return (
-        rf"(?<!shmwheel: )request timed out: GET {re.escape(path)} \(request {re.escape(request_id)}, "
+        rf"request timed out: GET {re.escape(path)} \(request {re.escape(request_id)}, "
         r"worker pid (\d+), thread 0x([0-9a-f]{16})(?:, greenlet 0x[0-9a-f]+)?\), running for [\d.]+ s"
     )
 
@@ -103,9 +103,9 @@ def own_stack(server: Server, path: str, request_id: str, pid: int, thread: str,
     and thread as the driver's line, and its stack ends in ``function`` of
     the app and holds no other stuck function.  Returns the stack."""
     header = (
-        rf"shmwheel: request timed out: GET {re.escape(path)} \(request {re.escape(request_id)}, worker pid {pid}, "
-        rf"thread 0x{thread}(?:, greenlet 0x[0-9a-f]+)?\), running for [\d.]+ s; its stack \(most recent call "
-        r"last\):\n"
+        rf"shmwheel: the stack of timed-out request GET {re.escape(path)} \(request {re.escape(request_id)}, "
+        rf"worker pid {pid}, thread 0x{thread}(?:, greenlet 0x[0-9a-f]+)?\), running for [\d.]+ s \(most recent "
+        r"call last\):\n"
     )
     frame = rf'  File ".*/tests/apps/flask_stuck\.py", line \d+, in {function}\n'
     server.wait_for(header + r"(?:  .*\n)*?" + frame)
@@ -146,7 +146,7 @@ def stuck_requests_are_timed_out_with_their_own_stacks(server: Server, name: str
         server.wait_for(dump)
         assert answer.result() == (200, f"done by pid {pid}\n")
 
-    assert len(re.findall(r"(?<!shmwheel: )request timed out", server.log())) == len(STUCK) + 1
+    assert len(re.findall(DRIVER_TIMED_OUT, server.log())) == len(STUCK) + 1
     return stacks
 
 
@@ -191,7 +191,7 @@ def test_gunicorn_gevent_worker_stuck_in_a_request_is_killed_and_replaced(tmp_pa
             assert time.monotonic() < give_up, body
             time.sleep(0.1)
         assert body != f"done by pid {pid}\n"
-        assert len(re.findall(r"(?<!shmwheel: )request timed out", server.log())) == 1
+        assert len(re.findall(DRIVER_TIMED_OUT, server.log())) == 1
         assert server.stop(signal.SIGTERM) == 0
         assert_nothing_left(server)
 
@@ -250,7 +250,10 @@ def test_a_request_in_a_greenlet_names_its_os_thread_and_its_own_frames(order: s
     thread, patched = ids.groups()
     assert thread != patched
     for path, function in (("/sleep", "in_sleep"), ("/spin", "in_spin")):
-        header = rf"request timed out: GET {path} \(request \S+, worker pid \d+, thread 0x0*{thread}, greenlet 0x"
+        header = (
+            rf"the stack of timed-out request GET {path} \(request \S+, worker pid \d+, thread 0x0*{thread}, "
+            r"greenlet 0x"
+        )
         stack = re.search(header + r".*\n((?:  .*\n)*)", out)
         assert stack is not None, out
         assert re.search(rf'  File "<string>", line \d+, in {function}\n', stack.group(1)), out
