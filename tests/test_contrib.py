@@ -144,7 +144,8 @@ def test_actions_take_signal_names_and_round_trip_through_the_command_line() -> 
 # it is ready and sits in a function with a name to find in its stack:
 # asleep, or in "gil" mode in a regular expression that holds the GIL for
 # many seconds, so that no Python runs.  "stubborn" also ignores SIGTERM, so
-# only SIGKILL ends it.  Without a wheel it registers faulthandler on SIGURG
+# only SIGKILL ends it.  "lost" listens on SIGUSR2, then sets it back to
+# its default action, as something in a worker might.  Without a wheel it registers faulthandler on SIGURG
 # and only sits.
 WORKER = textwrap.dedent(
     """
@@ -154,8 +155,10 @@ WORKER = textwrap.dedent(
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if len(sys.argv) > 2:
-        timer = RequestTimer(sys.argv[2], float(sys.argv[3]))
+        timer = RequestTimer(sys.argv[2], float(sys.argv[3]), traceback_signal="USR2" if mode == "lost" else "URG")
         assert timer.prepare()
+        if mode == "lost":  # something took the stack signal back: its default action ends the process
+            signal.signal(signal.SIGUSR2, signal.SIG_DFL)
         assert timer.start("GET", "/slow", "r1") is not None
         if mode in ("two", "stubborn"):
             assert timer.start("GET", "/slower", "r2") is not None
@@ -282,6 +285,25 @@ def test_a_worker_in_which_no_python_runs_gets_faulthandlers_dump(make_wheel, wo
     err = wait_for(proc, "in serving_a_slow_request")
     assert f"Current thread {thread[1]} (most recent call first)" in err  # faulthandler's
     assert "the stack of timed-out request" not in err
+
+
+def test_a_stack_signal_the_worker_does_not_catch_is_not_sent(make_wheel, worker, caplog) -> None:
+    """The record names the signal, but the worker no longer catches it (its
+    default action would end it): the driver says so and falls back to the
+    dump signal, which it does catch."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("lost", wheel.name)
+    handler = TimeoutHandler(wheel.name, TimeoutActions())
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        assert fire_all(wheel, handler, time.monotonic() + 0.8) == 1
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == (
+        f"worker pid {proc.pid} does not catch SIGUSR2, which its records name to ask it for a stack (it leaves the "
+        "default action to it): not sent"
+    )
+    assert lines[1].endswith("; asking it for every thread's stack (SIGRTMIN)")
+    wait_for(proc, "in serving_a_slow_request")  # faulthandler's
+    assert proc.poll() is None
 
 
 def test_handler_kills_a_worker_that_ignores_the_graceful_signal(make_wheel, worker, caplog) -> None:

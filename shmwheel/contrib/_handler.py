@@ -252,6 +252,10 @@ class TimeoutHandler:
 
     def _timed_out(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         actions = self.actions
+        stack = dump = 0  # the signals to ask the worker with: those its record names, if it catches them
+        if there and actions.tracebacks:
+            stack = record.stack_signal if self._catches(record, record.stack_signal) else 0
+            dump = record.dump_signal if self._catches(record, record.dump_signal) else 0
         if actions.log:
             # One line, written before the worker is signalled, so that it
             # comes ahead of the stack the worker writes.
@@ -259,10 +263,10 @@ class TimeoutHandler:
                 then = "; the worker has exited"
             else:
                 steps = []
-                if actions.tracebacks and record.stack_signal:
-                    steps.append(f"asking it for the request's stack ({signal_name(record.stack_signal)})")
-                elif actions.tracebacks and record.dump_signal:
-                    steps.append(f"asking it for every thread's stack ({signal_name(record.dump_signal)})")
+                if stack:
+                    steps.append(f"asking it for the request's stack ({signal_name(stack)})")
+                elif dump:
+                    steps.append(f"asking it for every thread's stack ({signal_name(dump)})")
                 if actions.kill:
                     name = signal_name(actions.kill_signal)
                     steps.append(f"then {name}, and SIGKILL {actions.kill_after:g} s later")
@@ -276,12 +280,12 @@ class TimeoutHandler:
             )
         if not there:
             return
-        if actions.tracebacks and record.stack_signal:
-            if self._signal(fire, record, record.stack_signal):
+        if stack:
+            if self._signal(fire, record, stack):
                 self._asked[fire.payload[1:]] = False
                 self._later(DUMP_TIME, KIND_CHECK, fire.payload)
-        elif actions.tracebacks and record.dump_signal:
-            if self._signal(fire, record, record.dump_signal) and actions.kill:
+        elif dump:
+            if self._signal(fire, record, dump) and actions.kill:
                 # The dump runs in the worker's signal handler; a kill_signal
                 # that lands before it is done can end the worker mid-dump
                 # (uWSGI's SIGTERM exits at once), so it follows a little later.
@@ -289,12 +293,29 @@ class TimeoutHandler:
         elif actions.kill:
             self._graceful(fire, record)
 
+    def _catches(self, record: RequestRecord, signum: int) -> bool:
+        """Whether the worker has a handler for ``signum``, which its record
+        names (0: none): a signal it does not catch is not sent, since it
+        could end the worker (a real-time signal's default action)."""
+        if not signum:
+            return False
+        how = signal_disposition(record.pid, signum)
+        if how in ("caught", None):  # None: /proc cannot say; the pidfd's signal finds out
+            return True
+        _log.warning(
+            "worker pid %d does not catch %s, which its records name to ask it for a stack (it %s it): not sent",
+            record.pid,
+            signal_name(signum),
+            {"default": "leaves the default action to", "ignored": "ignores", "blocked": "blocks"}[how],
+        )
+        return False
+
     def _check(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         """DUMP_TIME after the stack signal: the dump if the worker did not answer, then the kill."""
         answered = self._asked.pop(fire.payload[1:], False)
         if not there:
             return
-        if not answered and record.dump_signal:
+        if not answered and self._catches(record, record.dump_signal):
             _log.warning(
                 "worker pid %d did not write the stack of %s within %g s: no Python runs in it (a C call that holds "
                 "the GIL?); faulthandler writes every thread's stack to its stderr on %s, and the request's is "
