@@ -15,7 +15,6 @@ after them: while it runs, the reporter of its worker cannot run either.
 
 from __future__ import annotations
 
-import http.client
 import re
 import signal
 import subprocess
@@ -70,16 +69,7 @@ SERVERS = {
 
 
 def get_as(port: int, path: str, request_id: str) -> tuple[int, str]:
-    """GET with an X-Request-Id: (status, body); (0, error) if the connection broke."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
-    try:
-        conn.request("GET", path, headers={"X-Request-Id": request_id})
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    except (OSError, http.client.HTTPException) as exc:
-        return 0, repr(exc)
-    finally:
-        conn.close()
+    return get(port, path, WAIT, request_id)
 
 
 def driver_line(path: str, request_id: str) -> str:

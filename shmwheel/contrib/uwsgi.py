@@ -69,6 +69,7 @@ from .._process import alive, start_time
 from .._wheel import observe, unlink
 from ._handler import DEFAULT_KILL_AFTER, TimeoutActions, TimeoutHandler
 from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
+from ._stacks import writes_somewhere
 from ._supervisor import DEFAULT_CAPACITY, LOG_FORMAT, create_wheel, watch_parent
 from .wsgi import TimeoutMiddleware, WSGIApp
 
@@ -212,22 +213,13 @@ def _report(level: int, msg: str, *args: object) -> None:
     application set one up, otherwise straight to stderr in the mule's
     format (the package's own NullHandler would swallow it).
     """
-    if _writes_somewhere(_log):
+    if writes_somewhere(_log):
         _log.log(level, msg, *args)
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     if _log.isEnabledFor(level):
         handler.handle(_log.makeRecord(_log.name, level, __file__, 0, msg, args, None))
-
-
-def _writes_somewhere(logger: logging.Logger | None) -> bool:
-    """Whether the records of ``logger`` reach a handler other than a NullHandler."""
-    while logger is not None:
-        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
-            return True
-        logger = logger.parent if logger.propagate else None
-    return False
 
 
 def _workers_owner(opts: Mapping[str, Any]) -> tuple[int, int] | None:
