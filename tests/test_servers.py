@@ -885,6 +885,23 @@ def test_asgi_server_workers_time_out_and_are_replaced_with_nothing_but_the_midd
         assert_nothing_left_of_asgi(server, driver)
 
 
+def test_a_single_process_uvicorn_with_kill_says_at_startup_that_a_kill_ends_the_server(tmp_path: Path) -> None:
+    """``uvicorn app:app`` is one process, and the worker the driver kills is
+    the server: said at startup, in Uvicorn's log, with what to do instead.
+    Its requests are timed all the same, and nothing is left once it stops."""
+    port = free_port()
+    cmd = [str(BIN / "uvicorn"), "asgi_app:app", "--host", "127.0.0.1", "--port", str(port)]
+    with serve_asgi(cmd, port, tmp_path) as server:
+        server.wait_for(
+            r"WARNING: +shmwheel: this server runs in one process, which nothing restarts: with kill=True, a "
+            r"timed-out request ends the whole server; run it with --workers N"
+        )
+        driver = auto_driver_of(server)
+        assert get(server.port, "/")[0] == 200
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left_of_asgi(server, driver)
+
+
 def test_gunicorn_with_uvicorn_workers_wraps_the_app_and_ends_workers_without_a_core_dump(tmp_path: Path) -> None:
     """Gunicorn with uvicorn_worker.UvicornWorker and install() on an app that
     is not wrapped: each worker wraps it on the master's wheel; a stuck

@@ -45,6 +45,7 @@ from .._checks import CAPACITIES, check_int, check_seconds
 from .._segment import segment_name
 from ._handler import DEFAULT_KILL_AFTER, TimeoutActions
 from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
+from ._stacks import server_logger
 from ._supervisor import DEFAULT_CAPACITY, WHEEL_ENV, AutoDriver
 from ._worker import RequestTimer, timed_apps
 
@@ -147,6 +148,11 @@ class TimeoutMiddleware:
             except ValueError as exc:  # a bad name in the environment: never a failed request
                 _log.error("shmwheel: %s=%r: %s; using a wheel of this server's own", WHEEL_ENV, name, exc)
         name = own_wheel_name()
+        if self.actions.kill and multiprocessing.parent_process() is None:
+            server_logger().warning(
+                "shmwheel: this server runs in one process, which nothing restarts: with kill=True, a timed-out "
+                "request ends the whole server; run it with --workers N, or under a process manager that restarts it"
+            )
         auto = AutoDriver(name, self.actions, capacity=self.capacity)
         if self.actions.kill and _hypercorn_worker():
             _exit_cleanly_on(self.actions.kill_signal)
