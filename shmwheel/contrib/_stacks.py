@@ -268,8 +268,12 @@ def _task_stack(task: asyncio.Task[Any], thread: int, frames: dict[int, FrameTyp
         # A synchronous endpoint (Starlette, FastAPI) runs in a thread of a
         # pool, and nothing ties that thread to the task: the busy ones are shown.
         busy = [t for t, top in frames.items() if t not in (thread, _reporter_ident) and not _idle(top)]
-        lines.append(f"  it waits for a thread; this worker's busy threads besides the loop's ({len(busy)}):")
-        for other in busy:
+        pool = [t for t in busy if _in_pool(frames[t])]
+        if pool:  # the server's and shmwheel's own threads (a health check, a driver's reaper) are not its
+            lines.append(f"  it waits for a thread; this worker's busy pool threads ({len(pool)}):")
+        else:  # a pool not known here
+            lines.append(f"  it waits for a thread; this worker's busy threads besides the loop's ({len(busy)}):")
+        for other in pool or busy:
             lines.append(f"  thread 0x{other:016x}:")
             lines += _frames(frames[other], "")
     if running is not None:
@@ -281,6 +285,21 @@ def _task_stack(task: asyncio.Task[Any], thread: int, frames: dict[int, FrameTyp
 
 # A frame of these in a task's await chain: it awaits a function run in a thread.
 _TO_THREAD = ("in run_in_threadpool", "in run_sync", "in run_in_executor", "in to_thread")
+
+
+# Where a pool's thread runs what it is given: anyio's worker thread (the
+# pool of Starlette and FastAPI), concurrent.futures' (run_in_executor,
+# asyncio.to_thread).
+_POOL_FRAMES = (("run", "/anyio/_backends/_asyncio.py"), ("_worker", "/concurrent/futures/thread.py"))
+
+
+def _in_pool(top: FrameType) -> bool:
+    """Whether a thread is one of a known pool's."""
+    return any(
+        frame.f_code.co_name == name and frame.f_code.co_filename.endswith(path)
+        for frame in _walk(top)
+        for name, path in _POOL_FRAMES
+    )
 
 
 def _idle(top: FrameType) -> bool:
