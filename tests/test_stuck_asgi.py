@@ -10,16 +10,24 @@ thread's frames when the task blocks the event loop, the pool's thread for
 a synchronous endpoint.  A regex that holds the GIL lets no Python run: the
 driver says so, and faulthandler's dump of every thread follows.  The
 requests go one at a time: one that blocks its worker's loop is done before
-the next is sent, so no report shows another request's doing.
+the next is sent, so no report shows another request's doing.  Last, without a
+server, the middleware and the stacks of a trio task (Hypercorn's trio
+worker, where asyncio runs no loop).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import http.client
 import re
 import signal
+import sys
+import threading
+from collections.abc import Coroutine, Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_servers import (
@@ -35,6 +43,8 @@ from test_servers import (
     serve,
     serve_asgi,
 )
+
+from shmwheel.contrib import _stacks, asgi
 
 APPS = Path(__file__).resolve().parent / "apps"
 
@@ -202,3 +212,66 @@ def test_gunicorn_with_uvicorn_workers_writes_the_stack_of_each_stuck_request_to
         assert "shmwheel: request timed out" not in server.log()
         assert server.stop(signal.SIGTERM) == 0
         assert_nothing_left(server)
+
+
+# -- trio: Hypercorn's trio worker runs no asyncio loop --------------------------
+
+
+class TrioTask:
+    """What the middleware finds under trio: a task with its coroutine and its name."""
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self.coro = coro
+        self.name = "handle"
+
+
+class Trap:
+    def __await__(self) -> Generator[str, None, None]:
+        yield "rescheduled"  # as trio's wait_task_rescheduled does
+
+
+async def waits_in_trio() -> None:
+    await Trap()
+
+
+async def blocks_trio(me: list[TrioTask], report: list[list[str]]) -> None:
+    active = _stacks.Active(b"", 0, threading.get_ident(), me[0])
+    report.append(_stacks._stack_of(active, sys._current_frames()))
+
+
+def test_a_request_outside_asyncio_has_no_asyncio_task_and_is_served() -> None:
+    """Under trio asyncio.current_task() raises: the middleware passes no task
+    (or trio's) rather than fail every request."""
+    assert asgi._task() is None
+    assert asyncio.run(_current()) is not None
+
+
+async def _current() -> Any:
+    return asgi._task()
+
+
+def test_a_trio_tasks_stack_is_its_await_chain_or_its_threads_frames() -> None:
+    suspended = waits_in_trio()
+    assert suspended.send(None) == "rescheduled"
+    try:
+        lines = _stacks._stack_of(
+            _stacks.Active(b"", 0, threading.get_ident(), TrioTask(suspended)), sys._current_frames()
+        )
+    finally:
+        suspended.close()
+    assert lines[0] == "  task handle, awaiting:"
+    assert any(line.endswith(", in waits_in_trio") for line in "\n".join(lines).splitlines())
+    assert "blocks the event loop" not in "\n".join(lines)
+
+    me: list[TrioTask] = []
+    report: list[list[str]] = []
+    running = blocks_trio(me, report)
+    me.append(TrioTask(running))
+    with contextlib.suppress(StopIteration):
+        running.send(None)
+    assert report[0][0] == "  task handle, which blocks the event loop:"
+    assert ", in blocks_trio" in "\n".join(report[0])
+
+    ended = TrioTask(waits_in_trio())
+    ended.coro.close()
+    assert _stacks._stack_of(_stacks.Active(b"", 0, 0, ended), {}) == ["  (its task handle has ended)"]

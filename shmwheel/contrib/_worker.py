@@ -196,8 +196,9 @@ class RequestTimer:
     def start(self, method: str, path: str, request_id: str | None = None, task: Any = None) -> int | None:
         """Add the request's timer; return its handle, or None if it has none.
 
-        ``task`` is the asyncio task that runs the request, if it runs in
-        one; a request in a greenlet (gevent, eventlet) is found by itself."""
+        ``task`` is the asyncio or trio task that runs the request, if it
+        runs in one; a request in a greenlet (gevent, eventlet) is found by
+        itself."""
         now = time.monotonic_ns()
         if now >= self._look_at and self._pid == os.getpid():
             self._look_at = now + LOOK_INTERVAL_NS
