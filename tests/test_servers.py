@@ -798,7 +798,10 @@ STUCK_ROUTES = ("/sleep", "/block")
 
 
 def auto_driver_of(server: Server) -> int:
-    """The pid of the driver the workers of a server started on its own wheel."""
+    """The pid of the driver the workers of a server started on its own wheel
+    (at startup, or at the first request when the server sets its log up
+    only once it serves, as Hypercorn does)."""
+    assert get(server.port, "/")[0] == 200
     return int(server.wait_for(rf"driver (\d+): running on wheel '{server.wheel}'").group(1))
 
 

@@ -17,6 +17,8 @@ header line that repeats the driver's line, then the request's own stack:
   but running a step (a coroutine that blocks it), the loop thread's
   frames, which are where the request is stuck, or, when another task
   blocks the loop, those too;
+* a trio task (Hypercorn's trio worker): its await chain, or its thread's
+  frames when it is the one running;
 * a greenlet (gevent, eventlet): its frames, or its thread's when it is
   the one running.
 
@@ -70,7 +72,7 @@ class Active(NamedTuple):
     payload: bytes  #: its timer's record
     deadline_ns: int  #: time.monotonic_ns() when it times out
     thread: int  #: its OS thread, as _thread.get_ident() names it before any monkey-patching
-    task: Any  #: its asyncio.Task or greenlet, or None
+    task: Any  #: its asyncio or trio task, or its greenlet, or None
 
 
 def writes_somewhere(logger: logging.Logger | None) -> bool:
@@ -82,15 +84,23 @@ def writes_somewhere(logger: logging.Logger | None) -> bool:
     return False
 
 
-def server_logger() -> logging.Logger:
-    """The server's error log if one of :data:`SERVER_LOGGERS` is set up in
-    this process, else ``shmwheel.timeouts`` (which, if nothing is set up to
-    write its records, writes to stderr)."""
+def server_log() -> logging.Logger | None:
+    """The first of :data:`SERVER_LOGGERS` that is set up in this process, if any."""
     known = logging.root.manager.loggerDict
     for name in SERVER_LOGGERS:
         logger = known.get(name)
         if isinstance(logger, logging.Logger) and writes_somewhere(logger) and logger.isEnabledFor(logging.WARNING):
             return logger
+    return None
+
+
+def server_logger() -> logging.Logger:
+    """The server's error log if one of :data:`SERVER_LOGGERS` is set up in
+    this process, else ``shmwheel.timeouts`` (which, if nothing is set up to
+    write its records, writes to stderr)."""
+    logger = server_log()
+    if logger is not None:
+        return logger
     if not writes_somewhere(_log):
         with _lock:
             if not writes_somewhere(_log):
@@ -225,6 +235,8 @@ def _stack_of(active: Active, frames: dict[int, FrameType]) -> list[str]:
     task = active.task
     if isinstance(task, asyncio.Future):
         return _task_stack(task, active.thread, frames)  # type: ignore[arg-type]
+    if hasattr(getattr(task, "coro", None), "cr_frame"):  # a trio task (Hypercorn's trio worker)
+        return _trio_stack(task, active.thread, frames)
     if task is not None:  # a greenlet
         if getattr(task, "dead", False):
             return ["  (its greenlet has ended)"]
@@ -262,16 +274,8 @@ def _task_stack(task: asyncio.Task[Any], thread: int, frames: dict[int, FrameTyp
         return [f"  task {task.get_name()}, which blocks the event loop:"] + _frames(
             frames.get(thread), "  (the loop thread has no Python frame)"
         )
-    chain = _await_chain(task)
-    lines = [f"  task {task.get_name()}, awaiting:"] + chain
-    if any(marker in line for line in chain for marker in _TO_THREAD):
-        # A synchronous endpoint (Starlette, FastAPI) runs in a thread of a
-        # pool, and nothing ties that thread to the task: the busy ones are shown.
-        busy = [t for t, top in frames.items() if t not in (thread, _reporter_ident) and not _idle(top)]
-        lines.append(f"  it waits for a thread; this worker's busy threads besides the loop's ({len(busy)}):")
-        for other in busy:
-            lines.append(f"  thread 0x{other:016x}:")
-            lines += _frames(frames[other], "")
+    chain = _await_chain(task.get_coro())
+    lines = [f"  task {task.get_name()}, awaiting:"] + chain + _pool_threads(chain, thread, frames)
     if running is not None:
         name = running.get_name() if isinstance(running, asyncio.Task) else repr(running)
         lines.append(f"  meanwhile the event loop is blocked by task {name}, in thread 0x{thread:016x}:")
@@ -279,8 +283,57 @@ def _task_stack(task: asyncio.Task[Any], thread: int, frames: dict[int, FrameTyp
     return lines
 
 
+def _trio_stack(task: Any, thread: int, frames: dict[int, FrameType]) -> list[str]:
+    coro, name = task.coro, getattr(task, "name", "?")
+    if coro.cr_frame is None:
+        return [f"  (its task {name} has ended)"]
+    if coro.cr_running:  # in a step now: it blocks trio's loop, whose thread's stack is the request's
+        return [f"  task {name}, which blocks the event loop:"] + _frames(
+            frames.get(thread), "  (the loop thread has no Python frame)"
+        )
+    chain = _await_chain(coro)
+    return [f"  task {name}, awaiting:"] + chain + _pool_threads(chain, thread, frames)
+
+
+def _pool_threads(chain: list[str], thread: int, frames: dict[int, FrameType]) -> list[str]:
+    """When a task's await chain waits for a function run in a thread (a
+    synchronous endpoint of Starlette or FastAPI), the busy threads of the
+    pool: nothing ties that thread to the task."""
+    if not any(marker in line for line in chain for marker in _TO_THREAD):
+        return []
+    busy = [t for t, top in frames.items() if t not in (thread, _reporter_ident) and not _idle(top)]
+    pool = [t for t in busy if _in_pool(frames[t])]
+    if pool:  # the server's and shmwheel's own threads (a health check, a driver's reaper) are not its
+        lines = [f"  it waits for a thread; this worker's busy pool threads ({len(pool)}):"]
+    else:  # a pool not known here
+        lines = [f"  it waits for a thread; this worker's busy threads besides the loop's ({len(busy)}):"]
+    for other in pool or busy:
+        lines.append(f"  thread 0x{other:016x}:")
+        lines += _frames(frames[other], "")
+    return lines
+
+
 # A frame of these in a task's await chain: it awaits a function run in a thread.
-_TO_THREAD = ("in run_in_threadpool", "in run_sync", "in run_in_executor", "in to_thread")
+_TO_THREAD = ("in run_in_threadpool", "in run_sync", "in run_in_executor", "in to_thread", "in to_thread_run_sync")
+
+
+# Where a pool's thread runs what it is given: anyio's worker thread (the
+# pool of Starlette and FastAPI), concurrent.futures' (run_in_executor,
+# asyncio.to_thread), trio's thread cache (anyio under trio).
+_POOL_FRAMES = (
+    ("run", "/anyio/_backends/_asyncio.py"),
+    ("_worker", "/concurrent/futures/thread.py"),
+    ("_handle_job", "/trio/_core/_thread_cache.py"),
+)
+
+
+def _in_pool(top: FrameType) -> bool:
+    """Whether a thread is one of a known pool's."""
+    return any(
+        frame.f_code.co_name == name and frame.f_code.co_filename.endswith(path)
+        for frame in _walk(top)
+        for name, path in _POOL_FRAMES
+    )
 
 
 def _idle(top: FrameType) -> bool:
@@ -298,12 +351,11 @@ def _idle(top: FrameType) -> bool:
 _AWAITS = ("cr_await", "gi_yieldfrom", "ag_await")  # what a coroutine, a generator, an async generator awaits
 
 
-def _await_chain(task: asyncio.Task[Any]) -> list[str]:
-    """A suspended task's coroutines, outermost first, down to what the
-    innermost awaits; into the tasks it awaits."""
+def _await_chain(coro: Any) -> list[str]:
+    """A suspended task's coroutines from ``coro``, its outermost, down to
+    what the innermost awaits; into the asyncio tasks it awaits."""
     chain: list[tuple[FrameType, int | None]] = []
     tail = ""
-    coro: Any = task.get_coro()
     seen: set[int] = set()
     while coro is not None and id(coro) not in seen and len(chain) < MAX_FRAMES:
         seen.add(id(coro))

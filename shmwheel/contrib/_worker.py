@@ -37,7 +37,7 @@ from ._record import (
     encode_request,
     with_kind,
 )
-from ._stacks import Active, listen, real
+from ._stacks import Active, listen, real, server_log
 from ._supervisor import AutoDriver
 
 __all__ = ["RequestTimer", "timed_apps"]
@@ -189,7 +189,11 @@ class RequestTimer:
                 if tries == ATTACH_TRIES:
                     raise
                 continue
-            self._drive(auto)
+            if server_log() is not None:
+                self._drive(auto)
+            # Else at the first request (start() looks at once): the driver
+            # writes where the server logs, and a server may set its log up
+            # only once it serves (Hypercorn, after its lifespan startup).
             return wheel
         raise AssertionError("unreachable")
 
@@ -202,8 +206,9 @@ class RequestTimer:
     def start(self, method: str, path: str, request_id: str | None = None, task: Any = None) -> int | None:
         """Add the request's timer; return its handle, or None if it has none.
 
-        ``task`` is the asyncio task that runs the request, if it runs in
-        one; a request in a greenlet (gevent, eventlet) is found by itself."""
+        ``task`` is the asyncio or trio task that runs the request, if it
+        runs in one; a request in a greenlet (gevent, eventlet) is found by
+        itself."""
         now = time.monotonic_ns()
         if now >= self._look_at and self._pid == os.getpid():
             self._look_at = now + LOOK_INTERVAL_NS

@@ -166,7 +166,7 @@ class TimeoutMiddleware:
             await self.app(scope, receive, send)
             return
         timer = self.timer
-        handle = timer.start(scope.get("method", "WEBSOCKET"), _path(scope), _request_id(scope), current_task())
+        handle = timer.start(scope.get("method", "WEBSOCKET"), _path(scope), _request_id(scope), _task())
         finished = False
 
         def finish() -> None:
@@ -184,6 +184,20 @@ class TimeoutMiddleware:
             await self.app({**scope, TIMED: handle}, receive, send_timed)
         finally:
             finish()
+
+
+def _task() -> Any:
+    """What runs this request: its asyncio task, or under trio (Hypercorn's
+    trio worker), where asyncio has no loop, its trio task; else None."""
+    try:
+        return current_task()
+    except RuntimeError:  # no asyncio loop runs in this thread
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        with contextlib.suppress(RuntimeError, AttributeError):
+            return trio.lowlevel.current_task()
+    return None
 
 
 def _completes(message: Message) -> bool:

@@ -1,0 +1,128 @@
+"""An ASGI application (Starlette) with a request stuck each way a request
+can be, for the end-to-end tests of the stacks the workers write.
+
+    GET /              answers at once
+    GET /loop-sleep    time.sleep in an async endpoint: blocks the event loop
+    GET /await-sleep   awaits asyncio.sleep: the loop runs on
+    GET /recv          a blocking recv on a socket with no data, in an async
+                       endpoint: blocks the event loop
+    GET /spin          a pure-Python loop: blocks the event loop, holds the
+                       GIL in turns
+    GET /regex?n=N     a catastrophic regex, 2**N steps in C: holds the GIL
+                       throughout, and cannot be interrupted
+    GET /thread-sleep  a synchronous endpoint: time.sleep in the thread
+                       Starlette runs it in
+
+Each stays stuck for ``s`` seconds (``?s=``, default 3), /regex for as long
+as its match takes.  ``app`` is wrapped in the ASGI middleware with a
+timeout of ``SHMWHEEL_TEST_TIMEOUT`` seconds (default 1) and no kill;
+``routes`` is the same application unwrapped, for Gunicorn's ``install()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from shmwheel.contrib.asgi import TimeoutMiddleware
+
+
+def _number(request: Request, key: str, default: float) -> float:
+    try:
+        return float(request.query_params.get(key, default))
+    except ValueError:
+        return default
+
+
+def _done() -> PlainTextResponse:
+    return PlainTextResponse(f"done by pid {os.getpid()}\n")
+
+
+async def index(request: Request) -> PlainTextResponse:
+    return _done()
+
+
+def sleep_in_the_loop(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+async def await_sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+def recv_in_the_loop(seconds: float) -> None:
+    quiet, other = socket.socketpair()
+    with quiet, other:
+        quiet.settimeout(seconds)  # blocking, with a deadline: nobody ever writes
+        try:
+            quiet.recv(1)
+        except TimeoutError:
+            pass
+
+
+def spin(seconds: float) -> int:
+    end = time.monotonic() + seconds
+    turns = 0
+    while time.monotonic() < end:
+        turns += sum(i * i for i in range(100)) & 1
+    return turns
+
+
+def backtrack(n: int) -> bool:
+    return re.match(r"(a+)+$", "a" * n + "b") is not None
+
+
+def sleep_in_a_thread(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+async def loop_sleep(request: Request) -> PlainTextResponse:
+    sleep_in_the_loop(_number(request, "s", 3.0))
+    return _done()
+
+
+async def await_sleep_endpoint(request: Request) -> PlainTextResponse:
+    await await_sleep(_number(request, "s", 3.0))
+    return _done()
+
+
+async def recv(request: Request) -> PlainTextResponse:
+    recv_in_the_loop(_number(request, "s", 3.0))
+    return _done()
+
+
+async def spin_endpoint(request: Request) -> PlainTextResponse:
+    spin(_number(request, "s", 3.0))
+    return _done()
+
+
+async def regex(request: Request) -> PlainTextResponse:
+    backtrack(int(_number(request, "n", 27)))
+    return _done()
+
+
+def thread_sleep(request: Request) -> PlainTextResponse:
+    sleep_in_a_thread(_number(request, "s", 3.0))
+    return _done()
+
+
+routes = Starlette(
+    routes=[
+        Route("/", index),
+        Route("/loop-sleep", loop_sleep),
+        Route("/await-sleep", await_sleep_endpoint),
+        Route("/recv", recv),
+        Route("/spin", spin_endpoint),
+        Route("/regex", regex),
+        Route("/thread-sleep", thread_sleep),
+    ]
+)
+app = TimeoutMiddleware(routes, timeout=float(os.environ.get("SHMWHEEL_TEST_TIMEOUT", "1.0")), kill=False)
