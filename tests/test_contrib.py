@@ -306,6 +306,35 @@ def test_a_stack_signal_the_worker_does_not_catch_is_not_sent(make_wheel, worker
     assert proc.poll() is None
 
 
+FORK_THEN_CLOSE = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from shmwheel.contrib.timeouts import RequestTimer
+    RequestTimer(sys.argv[1], 30.0).prepare()  # the stack signal's handler, and its pipe
+    pid = os.fork()
+    if pid == 0:  # a child that closes every descriptor (a daemon does) and reuses their numbers
+        os.closerange(3, 4096)
+        fds = [os.open(sys.argv[2] + str(n), os.O_WRONLY | os.O_CREAT, 0o600) for n in range(4)]
+        os.kill(os.getpid(), signal.SIGURG)  # the stack signal, as a driver would send it
+        time.sleep(0.2)
+        for fd in fds:
+            os.write(fd, b"mine")
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_the_stack_signal_never_writes_into_a_descriptor_a_forked_child_reused(make_wheel, tmp_path: Path) -> None:
+    """The signal's handler, inherited by a fork, writes to its pipe only:
+    not to a file the child opened under a number the pipe once had."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    prefix = str(tmp_path / "file")
+    subprocess.run([sys.executable, "-c", FORK_THEN_CLOSE, wheel.name, prefix], check=True, timeout=WAIT)
+    assert [Path(prefix + str(n)).read_bytes() for n in range(4)] == [b"mine"] * 4
+
+
 def test_handler_kills_a_worker_that_ignores_the_graceful_signal(make_wheel, worker, caplog) -> None:
     """Both requests of the stubborn worker time out: it is sent SIGTERM once,
     for the first, and SIGKILL ends it; the polite one exits on SIGTERM."""

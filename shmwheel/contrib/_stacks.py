@@ -130,7 +130,7 @@ def listen(signum: int, dump_signum: int, timers: Callable[[], Iterable[RequestT
     with _lock:
         faulthandler.register(dump_signum, file=sys.stderr, all_threads=True)
         _start_reporter()
-        if signum in _listening:
+        if signum in _listening:  # a fork's: _after_fork pointed it at this process's pipe
             return
         replaced = lib.shmw_signal_to_fd(signum, _pipe[1])
         if replaced < 0:
@@ -141,20 +141,14 @@ def listen(signum: int, dump_signum: int, timers: Callable[[], Iterable[RequestT
 
 
 def _start_reporter() -> None:
-    """The pipe and the reporter thread of this process (a fork has neither): under _lock."""
+    """The pipe and the reporter thread of this process: under _lock."""
     global _pid, _pipe
     pid = os.getpid()
     if _pid == pid:
         return
-    if _pid:  # forked: the parent's pipe is the parent's
-        for fd in _pipe:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-    _pipe = os.pipe2(os.O_CLOEXEC)
-    os.set_blocking(_pipe[1], False)
+    if _pipe[0] < 0:
+        _pipe = _new_pipe()
     _pid = pid
-    for signum in _listening:  # the handler is inherited; the fd it writes to is new
-        lib.shmw_signal_to_fd(signum, _pipe[1])
     # With every signal blocked, which it inherits: a signal sent to the
     # process (the server's SIGINT, SIGTERM) must land in one of the
     # server's threads, whose handlers expect it there, never in this one.
@@ -163,6 +157,33 @@ def _start_reporter() -> None:
         real("_thread", "start_new_thread")(_report_forever, (_pipe[0], pid))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _new_pipe() -> tuple[int, int]:
+    r, w = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(w, False)
+    return r, w
+
+
+def _after_fork() -> None:
+    """In a forked child, while the inherited descriptors still are the
+    parent's pipe: a pipe of its own, which the handler writes to from now
+    on, so that the child's signals never reach the parent's reporter and a
+    descriptor the child reuses is never written to.  Its reporter thread
+    (the parent's did not come along) starts with its first listen()."""
+    global _lock, _pipe
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    if _pipe[0] < 0:
+        return
+    for fd in _pipe:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _pipe = _new_pipe()
+    for signum in _listening:
+        lib.shmw_signal_to_fd(signum, _pipe[1])
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def real(module: str, name: str) -> Any:
