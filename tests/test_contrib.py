@@ -145,7 +145,8 @@ def test_actions_take_signal_names_and_round_trip_through_the_command_line() -> 
 # asleep, or in "gil" mode in a regular expression that holds the GIL for
 # many seconds, so that no Python runs.  "stubborn" also ignores SIGTERM, so
 # only SIGKILL ends it.  "lost" listens on SIGUSR2, then sets it back to
-# its default action, as something in a worker might.  Without a wheel it registers faulthandler on SIGURG
+# its default action, as something in a worker might.  "ends" finishes its
+# request 0.2 s after its timeout.  Without a wheel it registers faulthandler on SIGURG
 # and only sits.
 WORKER = textwrap.dedent(
     """
@@ -159,13 +160,17 @@ WORKER = textwrap.dedent(
         assert timer.prepare()
         if mode == "lost":  # something took the stack signal back: its default action ends the process
             signal.signal(signal.SIGUSR2, signal.SIG_DFL)
-        assert timer.start("GET", "/slow", "r1") is not None
+        handle = timer.start("GET", "/slow", "r1")
+        assert handle is not None
         if mode in ("two", "stubborn"):
             assert timer.start("GET", "/slower", "r2") is not None
     else:
         faulthandler.register(signal.SIGURG, file=sys.stderr, all_threads=True)
     def serving_a_slow_request():
         print("ready", flush=True)
+        if mode == "ends":  # it ends just after its timeout, while the driver acts on it
+            time.sleep(float(sys.argv[3]) + 0.2)
+            timer.finish(handle)
         if mode == "gil":
             re.match(r"(a+)+$", "a" * 32 + "b")
         time.sleep(60)
@@ -333,6 +338,21 @@ def test_the_stack_signal_never_writes_into_a_descriptor_a_forked_child_reused(m
     prefix = str(tmp_path / "file")
     subprocess.run([sys.executable, "-c", FORK_THEN_CLOSE, wheel.name, prefix], check=True, timeout=WAIT)
     assert [Path(prefix + str(n)).read_bytes() for n in range(4)] == [b"mine"] * 4
+
+
+def test_a_request_that_ends_after_its_timeout_fired_spares_its_worker_the_kill(make_wheel, worker, caplog) -> None:
+    """The timer fired and the worker was asked for the stack; then the
+    request ended: the worker says so, and the driver, which would have
+    sent the kill signal next, leaves it alone and says why."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("ends", wheel.name)
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, kill_after=0.5))
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        fire_all(wheel, handler, time.monotonic() + 1.5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[-1] == f"GET /slow (request r1, worker pid {proc.pid}, thread " + lines[-1].split(", thread ")[1]
+    assert lines[-1].endswith(f"has finished since it timed out: worker pid {proc.pid} is left alone")
+    assert proc.poll() is None  # no SIGTERM came
 
 
 def test_handler_kills_a_worker_that_ignores_the_graceful_signal(make_wheel, worker, caplog) -> None:

@@ -55,15 +55,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._checks import check_seconds, check_signal
+from .._errors import ShmwheelError, one_line
 from .._process import alive, signal_disposition, uids
 from .._records import Fire
 from .._segment import segment_name
 from .._wheel import Wheel, attach
 from ._record import (
+    DUMP_SIGNAL,
     KIND_ANSWER,
     KIND_CHECK,
+    KIND_FINISHED,
     KIND_GRACEFUL,
     KIND_KILL,
+    STACK_SIGNALS,
     RequestRecord,
     decode_request,
     signal_name,
@@ -86,7 +90,7 @@ _log = logging.getLogger("shmwheel.timeouts")
 DEFAULT_KILL_AFTER = 5.0
 #: Seconds a worker has to write a request's stack before the driver takes
 #: it that no Python can run there; and from the dump to kill_signal.
-DUMP_TIME = 0.5  # gevent runs a Python signal handler within 0.3 s when its hub waits
+DUMP_TIME = 0.5
 
 
 def signal_process(pid: int, start: int, signum: int) -> bool:
@@ -196,6 +200,7 @@ class TimeoutActions:
 
 
 FOLLOW_UPS = {KIND_KILL: "SIGKILL", KIND_GRACEFUL: "kill_signal", KIND_CHECK: "stack check"}
+ASKED, ANSWERED, FINISHED = "asked", "answered", "finished"  # where a request's follow-ups stand
 FORGET_AFTER = 600.0  # s: how long a worker sent kill_signal is remembered, at most
 
 
@@ -218,7 +223,7 @@ class TimeoutHandler:
         self._wheel: Wheel | None = None  # for the follow-up timers and the producer table, opened on first need
         self._producers: dict[int, int] = {}  # pid: start time of the live producers, as last read
         self._producers_read = -math.inf
-        self._asked: dict[bytes, bool] = {}  # request (record past its kind): whether its worker answered
+        self._asked: dict[bytes, str] = {}  # request (record past its kind): ASKED, ANSWERED or FINISHED
         self._draining: dict[tuple[int, int], float] = {}  # (pid, start): when it was sent kill_signal
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -229,10 +234,11 @@ class TimeoutHandler:
         if record is None:
             _log.warning("timer %d carries no request record: payload %r", fire.handle, fire.payload[:64])
             return
-        if record.kind == KIND_ANSWER:  # it only spares a worker the dump: believed on its word
+        if record.kind in (KIND_ANSWER, KIND_FINISHED):
+            # They only spare a worker the dump or the kill: believed on their word.
             key = fire.payload[1:]
-            if key in self._asked:
-                self._asked[key] = True
+            if key in self._asked and self._asked[key] != FINISHED:
+                self._asked[key] = ANSWERED if record.kind == KIND_ANSWER else FINISHED
             return
         there = alive(record.pid, record.start)
         if there:
@@ -243,7 +249,9 @@ class TimeoutHandler:
         if record.kind == KIND_KILL:
             self._sigkill(fire, record, there)
         elif record.kind == KIND_GRACEFUL:
-            if there:
+            if self._asked.pop(fire.payload[1:], None) == FINISHED:
+                self._finished(record)
+            elif there:
                 self._graceful(fire, record)
         elif record.kind == KIND_CHECK:
             self._check(fire, record, there)
@@ -255,7 +263,7 @@ class TimeoutHandler:
         stack = dump = 0  # the signals to ask the worker with: those its record names, if it catches them
         if there and actions.tracebacks:
             stack = record.stack_signal if self._catches(record, record.stack_signal) else 0
-            dump = record.dump_signal if self._catches(record, record.dump_signal) else 0
+            dump = record.dump_signal if record.dump_signal == DUMP_SIGNAL and self._catches(record, DUMP_SIGNAL) else 0
         if actions.log:
             # One line, written before the worker is signalled, so that it
             # comes ahead of the stack the worker writes.
@@ -280,16 +288,23 @@ class TimeoutHandler:
             )
         if not there:
             return
+        key = fire.payload[1:]
         if stack:
             if self._signal(fire, record, stack):
-                self._asked[fire.payload[1:]] = False
-                self._later(DUMP_TIME, KIND_CHECK, fire.payload)
+                self._asked[key] = ASKED
+                if not self._later(DUMP_TIME, KIND_CHECK, fire.payload):
+                    self._asked.pop(key, None)
+                    if actions.kill:
+                        self._graceful(fire, record)
         elif dump:
             if self._signal(fire, record, dump) and actions.kill:
                 # The dump runs in the worker's signal handler; a kill_signal
                 # that lands before it is done can end the worker mid-dump
                 # (uWSGI's SIGTERM exits at once), so it follows a little later.
-                self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
+                self._asked[key] = ASKED
+                if not self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload):
+                    self._asked.pop(key, None)
+                    self._graceful(fire, record)
         elif actions.kill:
             self._graceful(fire, record)
 
@@ -298,6 +313,13 @@ class TimeoutHandler:
         names (0: none): a signal it does not catch is not sent, since it
         could end the worker (a real-time signal's default action)."""
         if not signum:
+            return False
+        if signum not in STACK_SIGNALS | {DUMP_SIGNAL} or signum == self.actions.kill_signal:
+            _log.warning(
+                "worker pid %d: its record names %s to ask it for a stack, which is no signal for that: not sent",
+                record.pid,
+                signal_name(signum),
+            )
             return False
         how = signal_disposition(record.pid, signum)
         if how in ("caught", None):  # None: /proc cannot say; the pidfd's signal finds out
@@ -312,10 +334,14 @@ class TimeoutHandler:
 
     def _check(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         """DUMP_TIME after the stack signal: the dump if the worker did not answer, then the kill."""
-        answered = self._asked.pop(fire.payload[1:], False)
+        key = fire.payload[1:]
+        state = self._asked.pop(key, ASKED)
         if not there:
             return
-        if not answered and self._catches(record, record.dump_signal):
+        if state == FINISHED:
+            self._finished(record)
+            return
+        if state == ASKED and record.dump_signal == DUMP_SIGNAL and self._catches(record, DUMP_SIGNAL):
             _log.warning(
                 "worker pid %d did not write the stack of %s within %g s: no Python runs in it (a C call that holds "
                 "the GIL?); faulthandler writes every thread's stack to its stderr on %s, and the request's is "
@@ -327,19 +353,30 @@ class TimeoutHandler:
                 record.thread,
             )
             if self._signal(fire, record, record.dump_signal) and self.actions.kill:
-                self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
-                return
+                self._asked[key] = ASKED
+                if self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload):
+                    return
+                self._asked.pop(key, None)
         if self.actions.kill:
             self._graceful(fire, record)
+
+    def _finished(self, record: RequestRecord) -> None:
+        _log.info("%s has finished since it timed out: worker pid %d is left alone", record.describe(), record.pid)
 
     def _open(self) -> Wheel:
         if self._wheel is None:
             self._wheel = attach(self.name)
         return self._wheel
 
-    def _later(self, delay: float, kind: int, payload: bytes) -> None:
-        """A timer of this wheel that will bring the record back as ``kind``."""
-        self._open().add(delay, with_kind(payload, kind))
+    def _later(self, delay: float, kind: int, payload: bytes) -> bool:
+        """A timer of this wheel that will bring the record back as ``kind``;
+        False, and a WARNING, if it could not be added (the wheel is full)."""
+        try:
+            self._open().add(delay, with_kind(payload, kind))
+        except (ShmwheelError, OSError) as exc:
+            _log.warning("the %s follow-up could not be added: %s", FOLLOW_UPS[kind], one_line(exc))
+            return False
+        return True
 
     def _graceful(self, fire: Fire, record: RequestRecord) -> None:
         worker = (record.pid, record.start)
@@ -364,7 +401,10 @@ class TimeoutHandler:
             return
         if self._signal(fire, record, self.actions.kill_signal):
             self._draining[worker] = now
-            self._later(self.actions.kill_after, KIND_KILL, fire.payload)
+            if not self._later(self.actions.kill_after, KIND_KILL, fire.payload):
+                _log.warning(
+                    "worker pid %d: no SIGKILL follows its %s", record.pid, signal_name(self.actions.kill_signal)
+                )
 
     def _sigkill(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         name = signal_name(self.actions.kill_signal)

@@ -57,8 +57,8 @@ class LogTarget:
         if formatter is None:
             return cls(path, None, None, None)
         style = getattr(formatter, "_style", None)
-        if not isinstance(style, logging.PercentStyle) or isinstance(style, (logging.StrFormatStyle,)):
-            return cls(path, None, None, None)  # a format the command line cannot carry: the default one
+        if type(style) is not logging.PercentStyle:  # "{" and "$" styles derive from it
+            return cls(path, None, None, None)  # a format the command line does not carry: the default one
         kind = type(formatter)
         name = None if kind is logging.Formatter else f"{kind.__module__}:{kind.__qualname__}"
         if kind.__module__ == "__main__":
@@ -108,6 +108,12 @@ class LogTarget:
         return handler
 
     def _formatter(self) -> logging.Formatter:
+        try:
+            return self._server_formatter()
+        except ValueError:  # a format no formatter takes: the driver's own, rather than no driver
+            return logging.Formatter()
+
+    def _server_formatter(self) -> logging.Formatter:
         if self.formatter is not None:
             module, _, qualname = self.formatter.partition(":")
             try:

@@ -42,11 +42,13 @@ __all__ = [
     "DUMP_SIGNAL",
     "KIND_ANSWER",
     "KIND_CHECK",
+    "KIND_FINISHED",
     "KIND_GRACEFUL",
     "KIND_KILL",
     "KIND_REQUEST",
     "PAYLOAD_SIZE",
     "REQUEST_ID",
+    "STACK_SIGNALS",
     "RequestRecord",
     "check_traceback_signal",
     "decode_request",
@@ -62,7 +64,8 @@ KIND_KILL = 2  #: the driver's follow-up: SIGKILL, kill_after after kill_signal
 KIND_GRACEFUL = 3  #: the driver's follow-up: kill_signal, once the stack is written
 KIND_CHECK = 4  #: the driver's follow-up: did the worker write the stack it was asked for?
 KIND_ANSWER = 5  #: the worker's: it has written the stack of the request this names
-KINDS = frozenset({KIND_REQUEST, KIND_KILL, KIND_GRACEFUL, KIND_CHECK, KIND_ANSWER})
+KIND_FINISHED = 6  #: the worker's: the request this names has finished, after its timer fired
+KINDS = frozenset({KIND_REQUEST, KIND_KILL, KIND_GRACEFUL, KIND_CHECK, KIND_ANSWER, KIND_FINISHED})
 
 TRUNCATED = 1  # flags: the path was cut to fit
 TASK = 2  # flags: the task field is an asyncio task's id
@@ -85,6 +88,10 @@ DEFAULT_TRACEBACK_SIGNAL = signal.SIGURG
 #: worker in which no Python can run (a C call that holds the GIL): the
 #: fallback, sent only when the worker has not answered the first.
 DUMP_SIGNAL = signal.SIGRTMIN
+#: The signals a worker may be asked for a stack with: none that stops,
+#: ends or reloads a process or a server, so that a record that names one
+#: (a forged one, say) can make the driver send nothing harmful.
+STACK_SIGNALS = frozenset({signal.SIGURG, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH})
 
 
 def check_traceback_signal(value: object, what: str = "traceback_signal") -> int:
@@ -92,10 +99,9 @@ def check_traceback_signal(value: object, what: str = "traceback_signal") -> int
     from .._checks import check_signal
 
     signum = check_signal(value, what)
-    if signum in (signal.SIGKILL, signal.SIGSTOP):
-        raise ValueError(f"{what} cannot be {signum.name}: no handler can catch it")
-    if signum == DUMP_SIGNAL:
-        raise ValueError(f"{what} cannot be {signal_name(DUMP_SIGNAL)}: faulthandler's dump signal")
+    if signum not in STACK_SIGNALS:
+        names = ", ".join(sorted(signal_name(s) for s in STACK_SIGNALS))
+        raise ValueError(f"{what} cannot be {signal_name(signum)}: it is one of {names}")
     return signum
 
 

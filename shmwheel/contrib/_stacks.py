@@ -290,12 +290,12 @@ def _task_stack(task: asyncio.Task[Any], thread: int, frames: dict[int, FrameTyp
     if task.done():
         return [f"  (its task {task.get_name()} has ended)"]
     loop = task.get_loop()
-    running = asyncio.tasks._current_tasks.get(loop)  # type: ignore[attr-defined]  # the task in a step now, if any
+    running = asyncio.current_task(loop)  # the task in a step now, if any (from any thread)
     if running is task:  # it blocks the loop: its stack is the loop thread's
         return [f"  task {task.get_name()}, which blocks the event loop:"] + _frames(
             frames.get(thread), "  (the loop thread has no Python frame)"
         )
-    chain = _await_chain(task.get_coro())
+    chain = _await_chain(task.get_coro(), task)
     lines = [f"  task {task.get_name()}, awaiting:"] + chain + _pool_threads(chain, thread, frames)
     if running is not None:
         name = running.get_name() if isinstance(running, asyncio.Task) else repr(running)
@@ -372,26 +372,39 @@ def _idle(top: FrameType) -> bool:
 _AWAITS = ("cr_await", "gi_yieldfrom", "ag_await")  # what a coroutine, a generator, an async generator awaits
 
 
-def _await_chain(coro: Any) -> list[str]:
+def _frame_of(coro: Any) -> FrameType | None:
+    for name in ("cr_frame", "gi_frame", "ag_frame"):
+        frame = getattr(coro, name, None)
+        if frame is not None:
+            return frame  # type: ignore[no-any-return]
+    return None
+
+
+def _await_chain(coro: Any, task: Any = None) -> list[str]:
     """A suspended task's coroutines from ``coro``, its outermost, down to
-    what the innermost awaits; into the asyncio tasks it awaits."""
+    what the innermost awaits (an asyncio ``task``'s future); into the
+    asyncio tasks it awaits."""
+    lines: list[str] = []
     chain: list[tuple[FrameType, int | None]] = []
-    tail = ""
     seen: set[int] = set()
     while coro is not None and id(coro) not in seen and len(chain) < MAX_FRAMES:
         seen.add(id(coro))
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        frame = _frame_of(coro)
         if frame is None:
             break
         chain.append((frame, frame.f_lineno))
-        inner = next(
-            (getattr(coro, a) for a in ("cr_await", "gi_yieldfrom", "ag_await") if getattr(coro, a, None)), None
-        )
-        if isinstance(inner, asyncio.Task):
-            coro = inner.get_coro()
-        elif isinstance(inner, asyncio.Future):
-            tail = f"  awaiting {inner!r}"[:300]
-            break
-        else:
+        inner = next((getattr(coro, a) for a in _AWAITS if getattr(coro, a, None) is not None), None)
+        if inner is not None and _frame_of(inner) is not None:  # a coroutine it awaits: down into it
             coro = inner
-    return _format(chain) + ([tail] if tail else [])
+            continue
+        # The innermost coroutine: what it awaits is the future its task
+        # waits for (a Future's own iterator stands in the chain).
+        waiter = getattr(task, "_fut_waiter", None)
+        if isinstance(waiter, asyncio.Task):
+            lines += _format(chain) + [f"  awaiting task {waiter.get_name()}:"]
+            chain, task, coro = [], waiter, waiter.get_coro()
+            continue
+        if waiter is not None:
+            return lines + _format(chain) + [f"  awaiting {waiter!r}"[:300]]
+        break
+    return lines + _format(chain)

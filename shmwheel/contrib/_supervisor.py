@@ -411,11 +411,17 @@ class AutoDriver:
     that stops leaves nothing in /dev/shm.
     """
 
-    def __init__(self, name: str, actions: TimeoutActions, *, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self, name: str, actions: TimeoutActions, *, capacity: int = DEFAULT_CAPACITY, after_server_log: bool = False
+    ) -> None:
         segment_name(name)
         self.name = name
         self.actions = actions
         self.capacity = capacity
+        #: Start the driver only once the server's error log is set up (or
+        #: at the first request), so that it writes there: a server that
+        #: sets it up late (Hypercorn) would leave it writing to stderr.
+        self.after_server_log = after_server_log
 
     def make_wheel(self) -> None:
         """Create the wheel unless it is there (of two workers, one makes it)."""

@@ -30,6 +30,7 @@ from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
     DUMP_SIGNAL,
     KIND_ANSWER,
+    KIND_FINISHED,
     KIND_REQUEST,
     PAYLOAD_SIZE,
     REQUEST_ID,
@@ -37,7 +38,7 @@ from ._record import (
     encode_request,
     with_kind,
 )
-from ._stacks import Active, listen, real, server_log
+from ._stacks import SLACK_NS, Active, listen, real, server_log
 from ._supervisor import AutoDriver
 
 __all__ = ["RequestTimer", "timed_apps"]
@@ -189,11 +190,11 @@ class RequestTimer:
                 if tries == ATTACH_TRIES:
                     raise
                 continue
-            if server_log() is not None:
+            if not auto.after_server_log or server_log() is not None:
                 self._drive(auto)
             # Else at the first request (start() looks at once): the driver
-            # writes where the server logs, and a server may set its log up
-            # only once it serves (Hypercorn, after its lifespan startup).
+            # writes where the server logs, and Hypercorn sets its log up
+            # only once it serves, after its lifespan startup.
             return wheel
         raise AssertionError("unreachable")
 
@@ -255,15 +256,18 @@ class RequestTimer:
         return self._active.copy()
 
     def answer(self, payload: bytes) -> None:
-        """Tell the driver that the stack of the request ``payload`` names has
-        been written: a timer due at once, which the driver hears."""
+        """Tell the driver that the stack of the request ``payload`` names has been written."""
+        self._tell(payload, KIND_ANSWER)
+
+    def _tell(self, payload: bytes, kind: int) -> None:
+        """A timer due at once, which the driver hears: the request ``payload`` names, as ``kind``."""
         wheel = self._wheel
         if wheel is None:
             return
         try:
-            wheel.add(0.0, with_kind(payload, KIND_ANSWER))
+            wheel.add(0.0, with_kind(payload, kind))
         except (ShmwheelError, ValueError) as exc:
-            _log.debug("wheel %r: the driver could not be told a stack was written: %s", self.name, exc)
+            _log.debug("wheel %r: the driver could not be told about a timed-out request: %s", self.name, exc)
 
     def finish(self, handle: int | None) -> None:
         """Cancel the request's timer (nothing if it had none or it fired).
@@ -275,7 +279,7 @@ class RequestTimer:
         its own key), so the wheels are simply tried in turn."""
         if handle is None or self._pid != os.getpid():
             return
-        self._active.pop(handle, None)
+        active = self._active.pop(handle, None)
         current, old = self._wheel, self._old  # once each: other threads replace them, never change them
         try:
             for wheel in (current, *old) if current is not None else old:
@@ -283,6 +287,11 @@ class RequestTimer:
                     return
         except ShmwheelError as exc:
             self._warn(f"cancelling a request's timer failed: {exc}")
+            return
+        # Not cancelled: its timer has fired, and the driver is acting on a
+        # request that has ended.  Told, it leaves the worker alone.
+        if active is not None and time.monotonic_ns() >= active.deadline_ns - SLACK_NS:
+            self._tell(active.payload, KIND_FINISHED)
 
     def _replaced(self, wheel: Wheel) -> None:
         """``wheel`` was removed or replaced: attach the name again at the next start."""

@@ -153,7 +153,7 @@ class TimeoutMiddleware:
                 "shmwheel: this server runs in one process, which nothing restarts: with kill=True, a timed-out "
                 "request ends the whole server; run it with --workers N, or under a process manager that restarts it"
             )
-        auto = AutoDriver(name, self.actions, capacity=self.capacity)
+        auto = AutoDriver(name, self.actions, capacity=self.capacity, after_server_log=_hypercorn_worker())
         if self.actions.kill and _hypercorn_worker():
             _exit_cleanly_on(self.actions.kill_signal)
         return RequestTimer(name, self.timeout, traceback_signal=signum, auto_driver=auto)
