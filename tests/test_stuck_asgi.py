@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import http.client
 import re
 import signal
 import sys
@@ -70,19 +69,6 @@ def app_frame(function: str) -> str:
     return rf'  File ".*/tests/apps/asgi_stuck\.py", line \d+, in {function}\n'
 
 
-def get_as(port: int, path: str, request_id: str) -> tuple[int, str]:
-    """GET a path with an X-Request-Id: (status, body); (0, error) if the connection broke."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
-    try:
-        conn.request("GET", path, headers={"X-Request-Id": request_id})
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    except (OSError, http.client.HTTPException) as exc:
-        return 0, repr(exc)
-    finally:
-        conn.close()
-
-
 def stuck_requests_write_their_own_stacks(server: Server, errors: Server, prefix: str) -> None:
     """Fast requests never time out; each stuck one does once, and its stack
     is in ``errors`` (the server's error log), each line of the report's
@@ -91,7 +77,7 @@ def stuck_requests_write_their_own_stacks(server: Server, errors: Server, prefix
         assert get(server.port, "/")[0] == 200
     for n, (path, way, function) in enumerate(STUCK):
         request_id = f"stuck-{n}"
-        status, body = get_as(server.port, path, request_id)
+        status, body = get(server.port, path, WAIT, request_id)
         assert status == 200 and body.startswith("done by pid "), (path, status, body)
         route = re.escape(path.split("?")[0])
         driver_line = (
