@@ -453,7 +453,8 @@ def test_driver_jsonl_decodes_a_request_record(make_wheel: MakeWheel) -> None:
     assert first["payload_hex"] == record.hex()
     assert first["request"] == {
         "method": "POST", "path": "/upload/é", "truncated": False, "request_id": "abc-1", "worker_pid": 4321,
-        "thread": 0x7F01, "task": 0, "task_kind": "", "started_ns": 12345,
+        "thread": 0x7F01, "task": 0, "task_kind": "", "started_ns": 12345, "timeout_ms": 0, "warn": False,
+        "interrupt": False,
     }  # fmt: skip
     assert "request" not in second
 

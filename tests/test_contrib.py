@@ -54,7 +54,9 @@ def test_request_record_round_trips() -> None:
     payload = encode_request(KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é")
     record = decode_request(payload)
     assert record is not None
-    assert record == (KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é", False, 0, 0, "", 0, 0)
+    assert record == (
+        KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é", False, 0, 0, "", 0, 0, 0, False, False
+    )  # fmt: skip
     assert record.describe() == "GET /a/b?c=d é (request abc.7, worker pid 1234)"
 
 
@@ -72,7 +74,8 @@ def test_a_request_record_names_its_thread_its_task_and_its_signals(kind: str) -
     assert record.describe() == f"GET /x (request r, worker pid 7, thread 0x00000000007f00ab, {kind} 0xbeef)"
     assert record.as_dict() == {
         "method": "GET", "path": "/x", "truncated": False, "request_id": "r", "worker_pid": 7,
-        "thread": 0x7F00AB, "task": 0xBEEF, "task_kind": kind, "started_ns": 9,
+        "thread": 0x7F00AB, "task": 0xBEEF, "task_kind": kind, "started_ns": 9, "timeout_ms": 0, "warn": False,
+        "interrupt": False,
     }  # fmt: skip
 
 
@@ -93,7 +96,7 @@ _GOOD = encode_request(KIND_REQUEST, 1, 2, 3, "GET", "id", "/")
     [
         b"",
         _GOOD[:47],  # shorter than the head
-        b"\x09" + _GOOD[1:],  # no such kind
+        b"\x0a" + _GOOD[1:],  # no such kind
         _GOOD[:1] + b"\xff\xff" + _GOOD[3:],  # sizes past the end
         _GOOD[:42] + b"\x00\x00" + _GOOD[44:],  # no magic number: another program's payload
         _GOOD[:48] + b"G T" + _GOOD[51:],  # a method that is no HTTP token

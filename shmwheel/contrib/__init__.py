@@ -20,4 +20,14 @@ One thin adapter a server:
   workers start the driver themselves under Uvicorn and Hypercorn;
 * :mod:`shmwheel.contrib.gunicorn`: Gunicorn server hooks, from a config file;
 * :mod:`shmwheel.contrib.uwsgi`: the same for uWSGI, the driver as a mule.
+
+What a request's own code may use, here: :func:`extend` and
+:func:`no_timeout` change the timeout of the request in progress, and
+:class:`RequestTimeout` is what ends one that ran past it
+(``interrupt=True``).
 """
+
+from ._interrupt import RequestTimeout
+from ._worker import extend, no_timeout
+
+__all__ = ["RequestTimeout", "extend", "no_timeout"]

@@ -51,7 +51,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._checks import check_seconds, check_signal
@@ -65,8 +65,11 @@ from ._record import (
     KIND_ANSWER,
     KIND_CHECK,
     KIND_FINISHED,
+    KIND_GRACE,
     KIND_GRACEFUL,
     KIND_KILL,
+    KIND_RELEASED,
+    KIND_TIMEOUT,
     STACK_SIGNALS,
     RequestRecord,
     decode_request,
@@ -75,6 +78,7 @@ from ._record import (
 )
 
 __all__ = [
+    "DEFAULT_INTERRUPT_GRACE",
     "DEFAULT_KILL_AFTER",
     "DUMP_TIME",
     "TimeoutActions",
@@ -91,6 +95,10 @@ DEFAULT_KILL_AFTER = 5.0
 #: Seconds a worker has to write a request's stack before the driver takes
 #: it that no Python can run there; and from the dump to kill_signal.
 DUMP_TIME = 0.5
+#: How long an interrupted request has to end before the driver says it has
+#: not, and goes on to the kill stage if ``kill`` is on.  Python code sees
+#: the interrupt within milliseconds; a C call only once it returns.
+DEFAULT_INTERRUPT_GRACE = 1.0
 
 
 def signal_process(pid: int, start: int, signum: int) -> bool:
@@ -168,6 +176,8 @@ class TimeoutActions:
     kill: bool = False  #: kill_signal, then SIGKILL after kill_after
     kill_signal: int = signal.SIGTERM
     kill_after: float = DEFAULT_KILL_AFTER
+    #: how long an interrupted request has to end before it is logged, and killed with kill
+    interrupt_grace: float = DEFAULT_INTERRUPT_GRACE
 
     def __post_init__(self) -> None:
         for flag in ("log", "tracebacks", "kill"):
@@ -175,6 +185,8 @@ class TimeoutActions:
                 raise TypeError(f"{flag} must be True or False, not {getattr(self, flag)!r}")
         object.__setattr__(self, "kill_signal", check_signal(self.kill_signal, "kill_signal"))
         object.__setattr__(self, "kill_after", check_seconds(self.kill_after, "kill_after", positive=True))
+        grace = check_seconds(self.interrupt_grace, "interrupt_grace", positive=True)
+        object.__setattr__(self, "interrupt_grace", grace)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TimeoutActions:
@@ -185,11 +197,16 @@ class TimeoutActions:
             kill=args.kill,
             kill_signal=args.kill_signal,
             kill_after=args.kill_after,
+            interrupt_grace=args.interrupt_grace,
         )
 
     def as_args(self) -> list[str]:
         """The same settings as command-line arguments of ``python -m shmwheel.contrib.timeouts``."""
-        args = [f"--kill-signal={signal.Signals(self.kill_signal).name}", f"--kill-after={self.kill_after!r}"]
+        args = [
+            f"--kill-signal={signal.Signals(self.kill_signal).name}",
+            f"--kill-after={self.kill_after!r}",
+            f"--interrupt-grace={self.interrupt_grace!r}",
+        ]
         if not self.log:
             args.append("--no-log")
         if not self.tracebacks:
@@ -199,9 +216,30 @@ class TimeoutActions:
         return args
 
 
-FOLLOW_UPS = {KIND_KILL: "SIGKILL", KIND_GRACEFUL: "kill_signal", KIND_CHECK: "stack check"}
-ASKED, ANSWERED, FINISHED = "asked", "answered", "finished"  # where a request's follow-ups stand
-FORGET_AFTER = 600.0  # s: how long a worker sent kill_signal is remembered, at most
+FOLLOW_UPS = {
+    KIND_KILL: "SIGKILL",
+    KIND_GRACEFUL: "kill_signal",
+    KIND_CHECK: "stack check",
+    KIND_TIMEOUT: "timeout stage",
+    KIND_GRACE: "interrupt check",
+}
+WARNED, TIMED_OUT = "warned", "timed out"  # the stage a late request is at
+FORGET_AFTER = 600.0  # s: how long a worker sent kill_signal, or a late request, is remembered, at most
+SLACK_NS = 5_000_000  # a fire this close to a request's timeout is its timeout (clock rounding)
+
+
+@dataclass
+class _Late:
+    """What the driver knows of a request past its warn_after stage or its
+    timeout, while follow-ups of it are due."""
+
+    stage: str  # WARNED or TIMED_OUT
+    since: float = field(default_factory=time.monotonic)
+    answered: bool = False  # the worker has written the stack asked for
+    ended: bool = False  # the request has finished, or the worker gave it a new timer
+    asked_at: float = 0.0  # time.monotonic() when the worker was signalled at this stage
+    interrupted_at: float = 0.0  # time.monotonic() when it was asked to end it
+    dumped_at: float = 0.0  # time.monotonic() when faulthandler's dump was asked for
 
 
 class TimeoutHandler:
@@ -223,7 +261,7 @@ class TimeoutHandler:
         self._wheel: Wheel | None = None  # for the follow-up timers and the producer table, opened on first need
         self._producers: dict[int, int] = {}  # pid: start time of the live producers, as last read
         self._producers_read = -math.inf
-        self._asked: dict[bytes, str] = {}  # request (record past its kind): ASKED, ANSWERED or FINISHED
+        self._late: dict[bytes, _Late] = {}  # request (record past its kind): while follow-ups of it are due
         self._draining: dict[tuple[int, int], float] = {}  # (pid, start): when it was sent kill_signal
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -234,11 +272,10 @@ class TimeoutHandler:
         if record is None:
             _log.warning("timer %d carries no request record: payload %r", fire.handle, fire.payload[:64])
             return
-        if record.kind in (KIND_ANSWER, KIND_FINISHED):
+        key = fire.payload[1:]
+        if record.kind in (KIND_ANSWER, KIND_FINISHED, KIND_RELEASED):
             # They only spare a worker the dump or the kill: believed on their word.
-            key = fire.payload[1:]
-            if key in self._asked and self._asked[key] != FINISHED:
-                self._asked[key] = ANSWERED if record.kind == KIND_ANSWER else FINISHED
+            self._heard(self._late.get(key), record)
             return
         there = alive(record.pid, record.start)
         if there:
@@ -249,21 +286,91 @@ class TimeoutHandler:
         if record.kind == KIND_KILL:
             self._sigkill(fire, record, there)
         elif record.kind == KIND_GRACEFUL:
-            if self._asked.pop(fire.payload[1:], None) == FINISHED:
+            late = self._late.pop(key, None)
+            if late is not None and late.ended:
                 self._finished(record)
             elif there:
                 self._graceful(fire, record)
         elif record.kind == KIND_CHECK:
             self._check(fire, record, there)
-        else:
+        elif record.kind == KIND_GRACE:
+            self._grace_over(fire, record, there)
+        elif record.kind == KIND_TIMEOUT:
+            late = self._late.get(key)
+            if late is not None and late.ended:
+                del self._late[key]
+            else:
+                self._timed_out(fire, record, there)
+        elif record.warn and time.monotonic_ns() < (record.timeout_at() or 0) - SLACK_NS:
+            self._warned(fire, record, there)
+        else:  # its timeout; a warn_after stage delivered late (a driver restart) is its timeout too
             self._timed_out(fire, record, there)
+
+    def _heard(self, late: _Late | None, record: RequestRecord) -> None:
+        """The worker's word about a request whose follow-ups are due."""
+        if late is None or late.ended:
+            return
+        if record.kind == KIND_ANSWER:
+            late.answered = True
+            return
+        late.ended = True
+        if record.kind == KIND_FINISHED and late.interrupted_at:
+            ended = time.monotonic() - late.interrupted_at
+            _log.info("%s ended %.3f s after it was interrupted", record.describe(), ended)
+        elif record.kind == KIND_FINISHED and late.stage == WARNED:
+            _log.info("%s finished, %.3f s after it started", record.describe(), record.running_for())
+
+    def _new_late(self, key: bytes, stage: str) -> _Late:
+        now = time.monotonic()
+        if len(self._late) > 64:  # the follow-ups of some were lost (a full wheel): not kept for ever
+            self._late = {k: v for k, v in self._late.items() if now - v.since < FORGET_AFTER}
+        late = self._late[key] = _Late(stage)
+        return late
+
+    def _stack_signals(self, record: RequestRecord, asked: bool) -> tuple[int, int]:
+        """The signals to ask the worker with, if ``asked``: those its record names, if it catches them."""
+        if not asked:
+            return 0, 0
+        stack = record.stack_signal if self._catches(record, record.stack_signal) else 0
+        dump = record.dump_signal if record.dump_signal == DUMP_SIGNAL and self._catches(record, DUMP_SIGNAL) else 0
+        return stack, dump
+
+    def _warned(self, fire: Fire, record: RequestRecord, there: bool) -> None:
+        """The request's warn_after stage: its stack, and its timeout stage added for later."""
+        timeout_at = record.timeout_at() or 0
+        stack, dump = self._stack_signals(record, there and self.actions.tracebacks)
+        if self.actions.log:
+            if not there:
+                then = "; the worker has exited"
+            elif stack:
+                then = f"; asking it for the request's stack ({signal_name(stack)})"
+            else:
+                then = ""
+            _log.warning(
+                "request is slow: %s, running for %.3f s, %.3f s before its timeout%s",
+                record.describe(),
+                record.running_for(),
+                (timeout_at - time.monotonic_ns()) / 1e9,
+                then,
+            )
+        if not there:
+            return
+        key = fire.payload[1:]
+        if not self._later(max(timeout_at - time.monotonic_ns(), 0) / 1e9, KIND_TIMEOUT, fire.payload):
+            return
+        late = self._new_late(key, WARNED)
+        if stack and self._signal(fire, record, stack):
+            late.asked_at = time.monotonic()
+            self._later(DUMP_TIME, KIND_CHECK, fire.payload)
 
     def _timed_out(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         actions = self.actions
-        stack = dump = 0  # the signals to ask the worker with: those its record names, if it catches them
-        if there and actions.tracebacks:
-            stack = record.stack_signal if self._catches(record, record.stack_signal) else 0
-            dump = record.dump_signal if record.dump_signal == DUMP_SIGNAL and self._catches(record, DUMP_SIGNAL) else 0
+        # A worker that ends its requests itself is signalled for that, even
+        # with tracebacks off: the same signal has it look.
+        stack, dump = self._stack_signals(record, there and (actions.tracebacks or record.interrupt))
+        interrupting = bool(stack) and record.interrupt
+        if not actions.tracebacks and not interrupting:
+            stack = dump = 0
         if actions.log:
             # One line, written before the worker is signalled, so that it
             # comes ahead of the stack the worker writes.
@@ -271,13 +378,19 @@ class TimeoutHandler:
                 then = "; the worker has exited"
             else:
                 steps = []
-                if stack:
+                if interrupting:
+                    steps.append(f"asking it to end the request ({signal_name(stack)})")
+                elif stack:
                     steps.append(f"asking it for the request's stack ({signal_name(stack)})")
                 elif dump:
                     steps.append(f"asking it for every thread's stack ({signal_name(dump)})")
                 if actions.kill:
                     name = signal_name(actions.kill_signal)
-                    steps.append(f"then {name}, and SIGKILL {actions.kill_after:g} s later")
+                    if interrupting:
+                        steps.append(f"then {name} if it has not ended {actions.interrupt_grace:g} s later")
+                    else:
+                        steps.append(f"then {name}")
+                    steps[-1] += f", and SIGKILL {actions.kill_after:g} s after that"
                 then = "; " + ", ".join(steps) if steps else ""
             _log.warning(
                 "request timed out: %s, running for %.3f s%s%s",
@@ -290,22 +403,34 @@ class TimeoutHandler:
             return
         key = fire.payload[1:]
         if stack:
-            if self._signal(fire, record, stack):
-                self._asked[key] = ASKED
-                if not self._later(DUMP_TIME, KIND_CHECK, fire.payload):
-                    self._asked.pop(key, None)
+            if not self._signal(fire, record, stack):
+                self._late.pop(key, None)
+                return
+            late = self._new_late(key, TIMED_OUT)
+            late.asked_at = time.monotonic()
+            checked = self._later(DUMP_TIME, KIND_CHECK, fire.payload)
+            if interrupting:
+                late.interrupted_at = time.monotonic()
+                if not self._later(actions.interrupt_grace, KIND_GRACE, fire.payload):
+                    self._late.pop(key, None)
                     if actions.kill:
                         self._graceful(fire, record)
+            elif not checked:
+                self._late.pop(key, None)
+                if actions.kill:
+                    self._graceful(fire, record)
         elif dump:
+            self._late.pop(key, None)
             if self._signal(fire, record, dump) and actions.kill:
                 # The dump runs in the worker's signal handler; a kill_signal
                 # that lands before it is done can end the worker mid-dump
                 # (uWSGI's SIGTERM exits at once), so it follows a little later.
-                self._asked[key] = ASKED
+                self._new_late(key, TIMED_OUT)
                 if not self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload):
-                    self._asked.pop(key, None)
+                    self._late.pop(key, None)
                     self._graceful(fire, record)
         elif actions.kill:
+            self._late.pop(key, None)
             self._graceful(fire, record)
 
     def _catches(self, record: RequestRecord, signum: int) -> bool:
@@ -333,15 +458,23 @@ class TimeoutHandler:
         return False
 
     def _check(self, fire: Fire, record: RequestRecord, there: bool) -> None:
-        """DUMP_TIME after the stack signal: the dump if the worker did not answer, then the kill."""
+        """DUMP_TIME after the stack signal: the dump if the worker did not
+        answer; then, at a timeout that is not interrupted, the kill."""
         key = fire.payload[1:]
-        state = self._asked.pop(key, ASKED)
+        late = self._late.get(key)
+        if late is None or time.monotonic() - late.asked_at < DUMP_TIME / 2:
+            return  # settled (it ended), or the check of its warn_after stage, which its timeout has overtaken
+        waits = late.stage == WARNED or late.interrupted_at > 0  # a timeout stage or an interrupt check follows
+        if not waits:
+            self._late.pop(key, None)
         if not there:
+            self._late.pop(key, None)
             return
-        if state == FINISHED:
-            self._finished(record)
+        if late.ended:
+            if not waits:
+                self._finished(record)
             return
-        if state == ASKED and record.dump_signal == DUMP_SIGNAL and self._catches(record, DUMP_SIGNAL):
+        if not late.answered and record.dump_signal == DUMP_SIGNAL and self._catches(record, DUMP_SIGNAL):
             _log.warning(
                 "worker pid %d did not write the stack of %s within %g s: no Python runs in it (a C call that holds "
                 "the GIL?); faulthandler writes every thread's stack to its stderr on %s, and the request's is "
@@ -352,13 +485,38 @@ class TimeoutHandler:
                 signal_name(record.dump_signal),
                 record.thread,
             )
-            if self._signal(fire, record, record.dump_signal) and self.actions.kill:
-                self._asked[key] = ASKED
-                if self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload):
-                    return
-                self._asked.pop(key, None)
-        if self.actions.kill:
+            if self._signal(fire, record, record.dump_signal):
+                late.dumped_at = time.monotonic()
+                if not waits and self.actions.kill:
+                    self._late[key] = late
+                    if self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload):
+                        return
+                    self._late.pop(key, None)
+        if not waits and self.actions.kill:
             self._graceful(fire, record)
+
+    def _grace_over(self, fire: Fire, record: RequestRecord, there: bool) -> None:
+        """interrupt_grace after the interrupt: a request that has not ended is logged, and with kill, killed."""
+        late = self._late.pop(fire.payload[1:], None)
+        if not there or (late is not None and late.ended):
+            return
+        actions = self.actions
+        _log.warning(
+            "%s has not ended %g s after it was interrupted: it is in a C call that has not returned, or its code "
+            "caught RequestTimeout%s",
+            record.describe(),
+            actions.interrupt_grace,
+            f"; sending {signal_name(actions.kill_signal)}" if actions.kill else "; it runs on (kill is off)",
+        )
+        if not actions.kill:
+            return
+        if late is not None and late.dumped_at and time.monotonic() - late.dumped_at < DUMP_TIME:
+            # faulthandler may be writing yet: kill_signal could end the worker mid-dump.
+            self._late[fire.payload[1:]] = late
+            if self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload):
+                return
+            self._late.pop(fire.payload[1:], None)
+        self._graceful(fire, record)
 
     def _finished(self, record: RequestRecord) -> None:
         _log.info("%s has finished since it timed out: worker pid %d is left alone", record.describe(), record.pid)

@@ -9,7 +9,10 @@ the path (little-endian)::
          1     1  method length in bytes
          2     1  request id length in bytes
          3     1  flags: TRUNCATED, the path was cut to fit; TASK, ``task``
-                  is an asyncio task; GREENLET, ``task`` is a greenlet
+                  is an asyncio task; GREENLET, ``task`` is a greenlet;
+                  WARN, the timer is the request's warn_after stage, and
+                  its timeout comes later; INTERRUPT, the worker ends the
+                  request itself when asked at its timeout
          4     4  worker pid
          8     8  worker start time, clock ticks since boot (/proc/PID/stat)
         16     8  request start, time.monotonic_ns()
@@ -22,7 +25,9 @@ the path (little-endian)::
                   it, when no Python can run in the worker (0: none)
         42     2  MAGIC, so that a payload of another kind is never read
                   as a request
-        44     4  reserved, 0
+        44     4  the request's timeout, milliseconds after its start (0:
+                  this timer is the timeout); a WARN timer's driver adds
+                  the timeout stage for then
         48     -  method, request id, path (UTF-8, the path cut to fit)
 
 The worker names the signals itself, so a driver run elsewhere, with
@@ -43,9 +48,12 @@ __all__ = [
     "KIND_ANSWER",
     "KIND_CHECK",
     "KIND_FINISHED",
+    "KIND_GRACE",
     "KIND_GRACEFUL",
     "KIND_KILL",
+    "KIND_RELEASED",
     "KIND_REQUEST",
+    "KIND_TIMEOUT",
     "PAYLOAD_SIZE",
     "REQUEST_ID",
     "STACK_SIGNALS",
@@ -65,13 +73,19 @@ KIND_GRACEFUL = 3  #: the driver's follow-up: kill_signal, once the stack is wri
 KIND_CHECK = 4  #: the driver's follow-up: did the worker write the stack it was asked for?
 KIND_ANSWER = 5  #: the worker's: it has written the stack of the request this names
 KIND_FINISHED = 6  #: the worker's: the request this names has finished, after its timer fired
-KINDS = frozenset({KIND_REQUEST, KIND_KILL, KIND_GRACEFUL, KIND_CHECK, KIND_ANSWER, KIND_FINISHED})
+KIND_TIMEOUT = 7  #: the driver's follow-up: the timeout stage of a request warned first
+KIND_GRACE = 8  #: the driver's follow-up: has the request it interrupted ended?
+KIND_RELEASED = 9  #: the worker's: the request this names was given a new timer, or none, after this one fired
+KINDS = frozenset(range(KIND_REQUEST, KIND_RELEASED + 1))
 
 TRUNCATED = 1  # flags: the path was cut to fit
 TASK = 2  # flags: the task field is an asyncio task's id
 GREENLET = 4  # flags: the task field is a greenlet's id
+WARN = 8  # flags: this timer is the request's warn_after stage; its timeout is timeout_ms after its start
+INTERRUPT = 16  # flags: at its timeout, the worker ends the request itself when asked
+MAX_TIMEOUT_MS = 2**32 - 1  # what the timeout field holds: a longer timeout is written as this, about 49 days
 MAGIC = 0x7273  # "sr": a request record
-HEAD = struct.Struct("<BBBBIQqQQBBHI")
+HEAD = struct.Struct("<BBBBIQqQQBBHI")  # the last field: the timeout, in ms
 MAX_METHOD = 32
 MAX_REQUEST_ID = 64
 #: What a request id taken from a client header may hold: it is written into
@@ -129,6 +143,13 @@ class RequestRecord(NamedTuple):
     task_kind: str = ""  #: "task", "greenlet" or ""
     stack_signal: int = 0  #: the worker writes the request's stack on it (0: none)
     dump_signal: int = 0  #: faulthandler's signal in the worker (0: none)
+    timeout_ms: int = 0  #: the request's timeout, ms after its start (0: this timer is the timeout)
+    warn: bool = False  #: this timer is the request's warn_after stage
+    interrupt: bool = False  #: at its timeout the worker ends the request itself, when asked
+
+    def timeout_at(self) -> int | None:
+        """time.monotonic_ns() when the request times out, if the record says."""
+        return self.started_ns + self.timeout_ms * 1_000_000 if self.timeout_ms else None
 
     def running_for(self, now_ns: int | None = None) -> float:
         """Seconds since the request started."""
@@ -159,6 +180,9 @@ class RequestRecord(NamedTuple):
             "task": self.task,
             "task_kind": self.task_kind,
             "started_ns": self.started_ns,
+            "timeout_ms": self.timeout_ms,
+            "warn": self.warn,
+            "interrupt": self.interrupt,
         }
 
 
@@ -177,6 +201,9 @@ def encode_request(
     task_kind: str = "",
     stack_signal: int = 0,
     dump_signal: int = 0,
+    timeout_ms: int = 0,
+    warn: bool = False,
+    interrupt: bool = False,
 ) -> bytes:
     """A request record of at most ``size`` bytes: the path is cut to fit."""
     m = method.encode("ascii", "replace")[:MAX_METHOD]
@@ -186,12 +213,17 @@ def encode_request(
     if room < 0:
         raise ValueError(f"a payload of {size} bytes has no room for a request record")
     flags = TASK if task_kind == "task" else GREENLET if task_kind == "greenlet" else 0
+    if warn:
+        flags |= WARN
+    if interrupt:
+        flags |= INTERRUPT
     if len(p) > room:
         p = p[:room]
         flags |= TRUNCATED
     head = HEAD.pack(
-        kind, len(m), len(r), flags, pid, start, started_ns, thread, task, stack_signal, dump_signal, MAGIC, 0
-    )
+        kind, len(m), len(r), flags, pid, start, started_ns, thread, task, stack_signal, dump_signal, MAGIC,
+        min(timeout_ms, MAX_TIMEOUT_MS),
+    )  # fmt: skip
     return head + m + r + p
 
 
@@ -203,7 +235,7 @@ def decode_request(payload: bytes) -> RequestRecord | None:
     token."""
     if len(payload) < HEAD.size:
         return None
-    kind, m_len, r_len, flags, pid, start, started_ns, thread, task, stack, dump, magic, _ = HEAD.unpack_from(payload)
+    kind, m_len, r_len, flags, pid, start, started_ns, thread, task, stack, dump, magic, ms = HEAD.unpack_from(payload)
     if magic != MAGIC or kind not in KINDS or HEAD.size + m_len + r_len > len(payload):
         return None
     at = HEAD.size
@@ -217,8 +249,16 @@ def decode_request(payload: bytes) -> RequestRecord | None:
     task_kind = "task" if flags & TASK else "greenlet" if flags & GREENLET else ""
     return RequestRecord(
         kind, pid, start, started_ns, method, request_id, path, bool(flags & TRUNCATED),
-        thread, task, task_kind, stack, dump,
+        thread, task, task_kind, stack, dump, ms, bool(flags & WARN), bool(flags & INTERRUPT),
     )  # fmt: skip
+
+
+def rearmed(payload: bytes, timeout_ms: int) -> bytes:
+    """The same request's record for a new timer, which is its timeout
+    ``timeout_ms`` after its start (:func:`shmwheel.contrib.extend`)."""
+    at = HEAD.size - 4  # the timeout field
+    ms = struct.pack("<I", min(timeout_ms, MAX_TIMEOUT_MS))
+    return payload[:3] + bytes([payload[3] & ~WARN]) + payload[4:at] + ms + payload[HEAD.size :]
 
 
 def with_kind(payload: bytes, kind: int) -> bytes:

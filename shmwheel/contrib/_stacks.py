@@ -70,9 +70,12 @@ class Active(NamedTuple):
     """A request in progress, as its worker's table holds it."""
 
     payload: bytes  #: its timer's record
-    deadline_ns: int  #: time.monotonic_ns() when it times out
+    deadline_ns: int  #: time.monotonic_ns() when its timer fires: at its warn_after stage, or its timeout
     thread: int  #: its OS thread, as _thread.get_ident() names it before any monkey-patching
     task: Any  #: its asyncio or trio task, or its greenlet, or None
+    handle: int  #: its timer (extend() gives it a new one)
+    timeout_ns: int  #: time.monotonic_ns() when it times out
+    interrupt: bool  #: whether it is ended at its timeout
 
 
 def writes_somewhere(logger: logging.Logger | None) -> bool:
@@ -216,38 +219,51 @@ def _report_forever(fd: int, pid: int) -> None:
                 _log.exception("shmwheel: writing a timed-out request's stack failed")
 
 
-_reported: set[bytes] = set()  # records whose stack has been written (a second signal answers again)
+_reported: set[tuple[bytes, bool]] = set()  # (record, timed out) whose stack has been written
 
 
 def report_overdue(now_ns: int | None = None) -> int:
-    """Write the stack of each request of this process past its deadline and
-    answer the driver for it; return how many were written."""
+    """For each request of this process past its warn_after stage or its
+    timeout: its stack written (once a stage), and at its timeout the
+    worker's on_timeout hook and its interrupt; then the driver answered.
+    Returns how many stacks were written."""
     now = time.monotonic_ns() if now_ns is None else now_ns
     frames = sys._current_frames()
     written = 0
-    still: set[bytes] = set()
+    still: set[tuple[bytes, bool]] = set()
     for timer in list(_timers()):
-        for active in timer.active().values():
+        for handle, active in timer.active().items():
             if active.deadline_ns - SLACK_NS > now:
                 continue
-            still.add(active.payload)
-            if active.payload not in _reported:
+            timed_out = active.timeout_ns - SLACK_NS <= now
+            mark = (active.payload, timed_out)
+            still.add(mark)
+            if mark not in _reported:
                 record = decode_request(active.payload)
                 if record is not None:
-                    server_logger().warning("%s", report(record, active, frames, now))
-                    written += 1
+                    stack = report(record, active, frames, now, timed_out)
+                    if timer.stacks:
+                        server_logger().warning("%s", stack)
+                        written += 1
+                    if timed_out:
+                        timer.timed_out(handle, active, record, stack)
             timer.answer(active.payload)
     _reported.intersection_update(still)
     _reported.update(still)
     return written
 
 
-def report(record: RequestRecord, active: Active, frames: dict[int, FrameType], now_ns: int) -> str:
-    """A timed-out request's header line and its own stack."""
-    lines = [
-        f"shmwheel: the stack of timed-out request {record.describe()}, running for "
-        f"{record.running_for(now_ns):.3f} s (most recent call last):"
-    ]
+def report(
+    record: RequestRecord, active: Active, frames: dict[int, FrameType], now_ns: int, timed_out: bool = True
+) -> str:
+    """A late request's header line and its own stack."""
+    running = f"running for {record.running_for(now_ns):.3f} s"
+    if timed_out:
+        head = f"shmwheel: the stack of timed-out request {record.describe()}, {running}"
+    else:
+        left = (active.timeout_ns - now_ns) / 1e9
+        head = f"shmwheel: the stack of slow request {record.describe()}, {running}, {left:.3f} s before its timeout"
+    lines = [head + " (most recent call last):"]
     lines += _stack_of(active, frames)
     return "\n".join(line.rstrip("\n") for line in lines)
 

@@ -10,6 +10,7 @@ which the driver asks for the stack of one that timed out
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import logging
 import math
@@ -26,22 +27,28 @@ from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, 
 from .._process import start_time
 from .._segment import segment_name
 from .._wheel import Wheel, attach
+from ._interrupt import interrupt
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
     DUMP_SIGNAL,
     KIND_ANSWER,
     KIND_FINISHED,
+    KIND_RELEASED,
     KIND_REQUEST,
     PAYLOAD_SIZE,
     REQUEST_ID,
+    RequestRecord,
     check_traceback_signal,
+    decode_request,
     encode_request,
+    rearmed,
     with_kind,
 )
-from ._stacks import SLACK_NS, Active, listen, real, server_log
+from ._routes import Routes, compile_routes
+from ._stacks import SLACK_NS, Active, listen, real, server_log, server_logger
 from ._supervisor import AutoDriver
 
-__all__ = ["RequestTimer", "timed_apps"]
+__all__ = ["RequestTimer", "current_handle", "extend", "no_timeout", "queued_ns", "timed_apps"]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
@@ -97,6 +104,11 @@ class RequestTimer:
         *,
         traceback_signal: int | None = DEFAULT_TRACEBACK_SIGNAL,
         auto_driver: AutoDriver | None = None,
+        warn_after: float | None = None,
+        interrupt: bool = False,
+        routes: Routes | None = None,
+        on_timeout: Callable[[RequestRecord, str], object] | None = None,
+        stacks: bool = True,
     ) -> None:
         segment_name(name)  # a bad name fails here, not at the first request
         self.name = name
@@ -104,9 +116,23 @@ class RequestTimer:
         #: ASGI middleware's own wheel); without it both come from elsewhere.
         self.auto_driver = auto_driver
         self.timeout = check_seconds(timeout, "timeout", positive=True)
+        self.warn_after = check_stages(self.timeout, warn_after, interrupt, on_timeout)
         if traceback_signal is not None:
             traceback_signal = check_traceback_signal(traceback_signal)
+        elif interrupt or warn_after is not None or on_timeout is not None:
+            raise ValueError(
+                "traceback_signal cannot be None with warn_after, interrupt or on_timeout: it is the signal on which "
+                "the driver tells the worker that a request of its is late"
+            )
         self.traceback_signal = traceback_signal
+        self.interrupt = interrupt
+        self.on_timeout = on_timeout
+        if not isinstance(stacks, bool):
+            raise TypeError(f"stacks must be True or False, not {stacks!r}")
+        self.stacks = stacks  #: whether the worker writes a late request's stack to the server's log
+        self._routes = compile_routes(routes, round(self.timeout * 1e9))
+        self._warn_ns = 0 if self.warn_after is None else round(self.warn_after * 1e9)
+        self._interrupted: set[int] = set()  # handles of the requests interrupted
         self._lock = threading.Lock()
         self._pid = 0
         self._wheel: Wheel | None = None
@@ -145,6 +171,7 @@ class RequestTimer:
                 self._old = []
                 self._ids = itertools.count(1)
                 self._active = {}
+                self._interrupted = set()
                 self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
                 self._get_ident = real("_thread", "get_ident")
                 self._start = start_time(pid) or 0
@@ -204,12 +231,22 @@ class RequestTimer:
         except OSError as exc:
             self._warn(f"no driver could be started, so no request times out: {one_line(exc)}")
 
-    def start(self, method: str, path: str, request_id: str | None = None, task: Any = None) -> int | None:
+    def start(
+        self,
+        method: str,
+        path: str,
+        request_id: str | None = None,
+        task: Any = None,
+        request_start: str | None = None,
+    ) -> int | None:
         """Add the request's timer; return its handle, or None if it has none.
 
         ``task`` is the asyncio or trio task that runs the request, if it
         runs in one; a request in a greenlet (gevent, eventlet) is found by
-        itself."""
+        itself.  ``request_start`` is the proxy's ``X-Request-Start``
+        header, from which the request's time is counted when it is sane
+        (see :func:`queued_ns`).  The handle stays the request's for
+        :meth:`finish` even if :func:`extend` gives it another timer."""
         now = time.monotonic_ns()
         if now >= self._look_at and self._pid == os.getpid():
             self._look_at = now + LOOK_INTERVAL_NS
@@ -221,6 +258,19 @@ class RequestTimer:
         wheel = self._ready()
         if wheel is None:
             return None
+        timeout_ns = self._timeout_ns
+        if self._routes is not None:
+            try:
+                route_ns = self._routes(method, path)
+            except Exception as exc:  # noqa: BLE001 - the user's callable: never a failed request
+                self._warn(f"routes({method!r}, {path!r}) failed, so the default timeout applies: {one_line(exc)}")
+            else:
+                if route_ns is None:
+                    return None  # exempt
+                timeout_ns = route_ns
+        started = now
+        if request_start is not None:
+            started = now - queued_ns(request_start, time.time_ns())
         if request_id is None or not REQUEST_ID.fullmatch(request_id):
             request_id = f"{self._pid:x}.{next(self._ids)}"
         thread = self._get_ident()
@@ -231,29 +281,56 @@ class RequestTimer:
             current = self._getcurrent()
             if current.parent is not None:  # not the thread's own: a greenlet that serves the request
                 task, kind = current, "greenlet"
+        warn = 0 < self._warn_ns < timeout_ns
+        due = started + (self._warn_ns if warn else timeout_ns)
         try:
             payload = encode_request(
-                KIND_REQUEST, self._pid, self._start, now, method, request_id, path, self._size,
+                KIND_REQUEST, self._pid, self._start, started, method, request_id, path, self._size,
                 thread=thread, task=id(task) if task is not None else 0, task_kind=kind,
                 stack_signal=self._stack_signal, dump_signal=self._dump_signal,
+                timeout_ms=-(-timeout_ns // 1_000_000), warn=warn, interrupt=self.interrupt,
             )  # fmt: skip
-            try:
-                handle = wheel.add(self.timeout, payload, cancel_on_exit=True)
-            except SegmentRemovedError:  # removed or replaced: the name may hold another wheel now
-                self._replaced(wheel)
-                wheel = self._ready()
-                if wheel is None:
-                    return None
-                handle = wheel.add(self.timeout, payload, cancel_on_exit=True)
+            handle = self._add(wheel, max(due - now, 0) / 1e9, payload)
         except (ShmwheelError, ValueError) as exc:
             self._warn(f"a request runs without a timeout: {exc}")
             return None
-        self._active[handle] = Active(payload, now + self._timeout_ns, thread, task)
+        if handle is None:
+            return None
+        self._active[handle] = Active(payload, due, thread, task, handle, started + timeout_ns, self.interrupt)
+        _current.set((self, handle))
         return handle
+
+    def _add(self, wheel: Wheel, delay: float, payload: bytes) -> int | None:
+        try:
+            return wheel.add(delay, payload, cancel_on_exit=True)
+        except SegmentRemovedError:  # removed or replaced: the name may hold another wheel now
+            self._replaced(wheel)
+            again = self._ready()
+            if again is None:
+                return None
+            return again.add(delay, payload, cancel_on_exit=True)
 
     def active(self) -> dict[int, Active]:
         """A copy of this process's table of requests in progress, by handle."""
         return self._active.copy()
+
+    def interrupted(self, handle: int | None) -> bool:
+        """Whether the request of ``handle`` has been interrupted at its timeout."""
+        return handle in self._interrupted
+
+    def timed_out(self, handle: int, active: Active, record: RequestRecord, stack: str) -> None:
+        """The request of ``handle`` is past its timeout and its driver has
+        asked: the worker's hook, then the interrupt.  In the reporter thread."""
+        if self.on_timeout is not None:
+            try:
+                self.on_timeout(record, stack)
+            except Exception:  # noqa: BLE001 - the user's hook: logged, and the interrupt goes ahead
+                server_logger().exception("shmwheel: on_timeout(%s) failed", record.describe())
+        if not active.interrupt or handle in self._interrupted:
+            return
+        self._interrupted.add(handle)
+        how = interrupt(active.thread, active.task, lambda: handle in self._active)
+        server_logger().warning("shmwheel: interrupting %s: %s", record.describe(), how)
 
     def answer(self, payload: bytes) -> None:
         """Tell the driver that the stack of the request ``payload`` names has been written."""
@@ -275,23 +352,70 @@ class RequestTimer:
         The wheel it was added to may have been replaced since, and none
         attached again yet: its timer is still cancelled there, or a request
         that ended in time would be timed out by a driver that still drives
-        the old wheel.  A handle cancels nothing in another wheel (each has
-        its own key), so the wheels are simply tried in turn."""
+        the old wheel."""
         if handle is None or self._pid != os.getpid():
             return
         active = self._active.pop(handle, None)
+        if active is None:  # exempted by no_timeout(), or finished already
+            return
+        self._interrupted.discard(handle)
+        if self._cancel(active.handle) is not False:
+            return
+        # Not cancelled: its timer has fired, and the driver is acting on a
+        # request that has ended.  Told, it leaves the worker alone.
+        if time.monotonic_ns() >= active.deadline_ns - SLACK_NS:
+            self._tell(active.payload, KIND_FINISHED)
+
+    def _cancel(self, handle: int) -> bool | None:
+        """Cancel timer ``handle`` in whichever of this process's wheels has
+        it (each wheel has its own key, so a handle cancels nothing in
+        another); whether it was, or None if the wheel failed."""
         current, old = self._wheel, self._old  # once each: other threads replace them, never change them
         try:
             for wheel in (current, *old) if current is not None else old:
                 if wheel.cancel(handle):
-                    return
+                    return True
         except ShmwheelError as exc:
             self._warn(f"cancelling a request's timer failed: {exc}")
-            return
-        # Not cancelled: its timer has fired, and the driver is acting on a
-        # request that has ended.  Told, it leaves the worker alone.
-        if active is not None and time.monotonic_ns() >= active.deadline_ns - SLACK_NS:
-            self._tell(active.payload, KIND_FINISHED)
+            return None
+        return False
+
+    def rearm(self, handle: int, seconds: float | None) -> bool:
+        """Give the request of ``handle`` ``seconds`` from now (None: no
+        timeout at all); False if it has no timer, or has timed out."""
+        active = self._active.get(handle)
+        if active is None or handle in self._interrupted or self._pid != os.getpid():
+            return False
+        now = time.monotonic_ns()
+        cancelled = self._cancel(active.handle)
+        if cancelled is None:
+            return False
+        if not cancelled:
+            if now >= active.timeout_ns - SLACK_NS:
+                return False  # its timeout has fired: the driver is acting on it
+            # Its warn_after stage has fired, and the driver holds its
+            # timeout stage: told, it drops that.
+            self._tell(active.payload, KIND_RELEASED)
+        if seconds is None:
+            self._active.pop(handle, None)
+            return True
+        ns = round(seconds * 1e9)
+        record = decode_request(active.payload)
+        wheel = self._ready()
+        if record is None or wheel is None:
+            self._active.pop(handle, None)
+            return False
+        payload = rearmed(active.payload, -(-(now + ns - record.started_ns) // 1_000_000))
+        try:
+            new = self._add(wheel, seconds, payload)
+        except (ShmwheelError, ValueError) as exc:
+            self._warn(f"a request runs on without a timeout: {exc}")
+            new = None
+        if new is None:
+            self._active.pop(handle, None)
+            return False
+        self._active[handle] = active._replace(payload=payload, deadline_ns=now + ns, handle=new, timeout_ns=now + ns)
+        return True
 
     def _replaced(self, wheel: Wheel) -> None:
         """``wheel`` was removed or replaced: attach the name again at the next start."""
@@ -311,3 +435,76 @@ class RequestTimer:
         if now - self._warned_at >= 60.0:
             self._warned_at = now
             _log.warning("wheel %r: %s", self.name, message)
+
+
+# The request in progress in this context (thread, asyncio task, greenlet):
+# its timer and handle, for extend() and no_timeout().
+_current: contextvars.ContextVar[tuple[RequestTimer, int] | None] = contextvars.ContextVar(
+    "shmwheel_request", default=None
+)
+
+
+def current_handle(timer: RequestTimer) -> int | None:
+    """The handle of ``timer``'s request in progress in this context, if any."""
+    current = _current.get()
+    return current[1] if current is not None and current[0] is timer else None
+
+
+def extend(seconds: float) -> bool:
+    """Give the request in progress ``seconds`` from now before it times
+    out, whatever its timeout was: for an upload, a streaming response that
+    makes progress.  Its warn_after stage, if it had one yet to come, is
+    dropped.  Returns False, changing nothing, if this request has no timer
+    (none is in progress here, its route has none, it was exempted) or if
+    it has timed out already: too late."""
+    seconds = check_seconds(seconds, "seconds", positive=True)
+    current = _current.get()
+    return current is not None and current[0].rearm(current[1], seconds)
+
+
+def no_timeout() -> bool:
+    """Exempt the request in progress from its timeout; False if it had no
+    timer, or has timed out already (too late)."""
+    current = _current.get()
+    return current is not None and current[0].rearm(current[1], None)
+
+
+#: How long a request may have queued by its X-Request-Start header: a
+#: longer wait is taken for a clock that differs from the proxy's.
+MAX_QUEUED_NS = 3600 * 1_000_000_000
+_UNITS = ((10**17, 1), (10**14, 1_000), (10**11, 1_000_000))  # ns, us, ms since the epoch: above these
+
+
+def queued_ns(header: str, now_ns: int) -> int:
+    """How long a request waited before its worker took it, from the proxy's
+    ``X-Request-Start`` header (``t=1700000000.123``, ``t=1700000000123456``,
+    seconds, milliseconds, microseconds or nanoseconds since the epoch, as
+    nginx, Heroku and HAProxy set it), at wall-clock ``now_ns``; 0 if the
+    header says nothing sane (in the future, or older than an hour: clocks
+    that disagree)."""
+    text = header.strip()
+    if text.startswith("t="):
+        text = text[2:]
+    try:
+        value = float(text) if "." in text else int(text)
+    except ValueError:
+        return 0
+    if not math.isfinite(value) or value <= 0:
+        return 0
+    scale = next((s for above, s in _UNITS if value > above), 1_000_000_000)
+    queued = now_ns - round(value * scale)
+    return queued if 0 <= queued <= MAX_QUEUED_NS else 0
+
+
+def check_stages(timeout: float, warn_after: float | None, interrupt: object, on_timeout: object) -> float | None:
+    """The stages' arguments, checked together; returns warn_after."""
+    if not isinstance(interrupt, bool):
+        raise TypeError(f"interrupt must be True or False, not {interrupt!r}")
+    if on_timeout is not None and not callable(on_timeout):
+        raise TypeError(f"on_timeout must be a function of (request, stack), not {type(on_timeout).__name__}")
+    if warn_after is None:
+        return None
+    warn = check_seconds(warn_after, "warn_after", positive=True)
+    if warn >= timeout:
+        raise ValueError(f"warn_after ({warn:g} s) must be shorter than the timeout ({timeout:g} s)")
+    return warn

@@ -37,17 +37,19 @@ import os
 import signal
 import sys
 import threading
-from asyncio import current_task
+from asyncio import CancelledError, current_task
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from .._checks import CAPACITIES, check_int, check_seconds
 from .._segment import segment_name
-from ._handler import DEFAULT_KILL_AFTER, TimeoutActions
-from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
+from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
+from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RequestTimeout
+from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
+from ._routes import Routes, compile_routes
 from ._stacks import server_logger
 from ._supervisor import DEFAULT_CAPACITY, WHEEL_ENV, AutoDriver
-from ._worker import RequestTimer, timed_apps
+from ._worker import RequestTimer, check_stages, timed_apps
 
 __all__ = ["TIMED", "TimeoutMiddleware", "own_wheel_name"]
 
@@ -62,6 +64,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 #: The scope key of a timed request: its timer's handle (None if it has none).
 TIMED = "shmwheel.timer"
 _REQUEST_ID_HEADER = b"x-request-id"  # ASGI servers lower-case header names
+_REQUEST_START_HEADER = b"x-request-start"
 
 
 def own_wheel_name() -> str:
@@ -86,6 +89,14 @@ class TimeoutMiddleware:
     ``kill_signal`` SIGTERM: Uvicorn and Hypercorn shut a worker down
     gracefully on it) and how many requests may be in progress at once
     (``capacity``); a driver run elsewhere has its own settings.
+
+    The stages, as for the WSGI middleware: ``warn_after`` logs the
+    request's stack and lets it run; with ``interrupt`` its timeout cancels
+    its task (or raises :class:`~shmwheel.contrib.RequestTimeout` in it, if
+    it blocks the event loop) and answers ``504 Gateway Timeout``, or closes
+    the connection if the response has started; ``kill`` is the last
+    resort, ``interrupt_grace`` seconds after the interrupt.  ``routes``,
+    ``on_timeout`` and ``x_request_start`` as for the WSGI middleware.
     """
 
     def __init__(
@@ -102,6 +113,12 @@ class TimeoutMiddleware:
         kill_signal: int | str = signal.SIGTERM,
         kill_after: float = DEFAULT_KILL_AFTER,
         capacity: int = DEFAULT_CAPACITY,
+        warn_after: float | None = None,
+        interrupt: bool = False,
+        interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
+        routes: Routes | None = None,
+        on_timeout: Callable[[RequestRecord, str], object] | None = None,
+        x_request_start: bool = False,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI application, not {type(app).__name__}")
@@ -119,8 +136,20 @@ class TimeoutMiddleware:
             kill=kill,
             kill_signal=kill_signal,  # type: ignore[arg-type]
             kill_after=kill_after,
+            interrupt_grace=interrupt_grace,
         )
-        self.traceback_signal = check_traceback_signal(traceback_signal) if tracebacks else None
+        self.warn_after = check_stages(self.timeout, warn_after, interrupt, on_timeout)
+        self.interrupt = interrupt
+        self.routes = routes
+        compile_routes(routes, 0)  # a bad route fails here, not in a worker
+        self.on_timeout = on_timeout
+        if not isinstance(x_request_start, bool):
+            raise TypeError(f"x_request_start must be True or False, not {x_request_start!r}")
+        self.x_request_start = x_request_start
+        # The signal is the driver's word to a late request's worker: needed
+        # by the stages even without the stacks.
+        asks = tracebacks or interrupt or warn_after is not None or on_timeout is not None
+        self.traceback_signal = check_traceback_signal(traceback_signal) if asks else None
         self.capacity = check_int(capacity, "capacity", *CAPACITIES)
         self._lock = threading.Lock()
         self._timer: RequestTimer | None = None
@@ -139,12 +168,17 @@ class TimeoutMiddleware:
                 self._timer_pid = pid
             return self._timer
 
+    def _timer_on(self, name: str, auto: AutoDriver | None = None) -> RequestTimer:
+        return RequestTimer(
+            name, self.timeout, traceback_signal=self.traceback_signal, auto_driver=auto, warn_after=self.warn_after,
+            interrupt=self.interrupt, routes=self.routes, on_timeout=self.on_timeout, stacks=self.actions.tracebacks,
+        )  # fmt: skip
+
     def _resolve(self) -> RequestTimer:
-        signum = self.traceback_signal
         name = self.name or os.environ.get(WHEEL_ENV)
         if name:
             try:
-                return RequestTimer(name, self.timeout, traceback_signal=signum)
+                return self._timer_on(name)
             except ValueError as exc:  # a bad name in the environment: never a failed request
                 _log.error("shmwheel: %s=%r: %s; using a wheel of this server's own", WHEEL_ENV, name, exc)
         name = own_wheel_name()
@@ -156,7 +190,7 @@ class TimeoutMiddleware:
         auto = AutoDriver(name, self.actions, capacity=self.capacity, after_server_log=_hypercorn_worker())
         if self.actions.kill and _hypercorn_worker():
             _exit_cleanly_on(self.actions.kill_signal)
-        return RequestTimer(name, self.timeout, traceback_signal=signum, auto_driver=auto)
+        return self._timer_on(name, auto)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -166,8 +200,12 @@ class TimeoutMiddleware:
             await self.app(scope, receive, send)
             return
         timer = self.timer
-        handle = timer.start(scope.get("method", "WEBSOCKET"), _path(scope), _request_id(scope), _task())
+        task = _task()
+        request_start = _header(scope, _REQUEST_START_HEADER) if self.x_request_start else None
+        handle = timer.start(scope.get("method", "WEBSOCKET"), _path(scope), _header(scope, _REQUEST_ID_HEADER), task,
+                             request_start)  # fmt: skip
         finished = False
+        started = replaced = False
 
         def finish() -> None:
             nonlocal finished
@@ -176,14 +214,41 @@ class TimeoutMiddleware:
                 timer.finish(handle)
 
         async def send_timed(message: Message) -> None:
+            nonlocal started, replaced
+            if replaced:
+                return  # the application's answer after its interrupt, which a 504 replaced
+            if message["type"] == "http.response.start":
+                if timer.interrupted(handle):  # it answers after its interrupt (a framework's 500, say)
+                    replaced = True
+                    await _send_504(send)
+                    finish()
+                    return
+                started = True
             await send(message)
             if _completes(message):
                 finish()
 
         try:
             await self.app({**scope, TIMED: handle}, receive, send_timed)
+        except BaseException as exc:
+            if not timer.interrupted(handle):
+                raise
+            if isinstance(exc, CancelledError) and hasattr(task, "uncancel"):
+                task.uncancel()  # ours, which ends here: its task is not being cancelled any more
+            if replaced:
+                return
+            if started or kind != "http":
+                raise RequestTimeout() from None  # the server closes the connection
+            replaced = True
+            await _send_504(send)
         finally:
             finish()
+
+
+async def _send_504(send: Send) -> None:
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in RESPONSE_HEADERS]
+    await send({"type": "http.response.start", "status": 504, "headers": headers})
+    await send({"type": "http.response.body", "body": RESPONSE_BODY, "more_body": False})
 
 
 def _task() -> Any:
@@ -212,9 +277,9 @@ def _path(scope: Scope) -> str:
     return str(scope.get("path") or "/")
 
 
-def _request_id(scope: Scope) -> str | None:
+def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers") or ():
-        if key == _REQUEST_ID_HEADER:
+        if key == name:
             return bytes(value).decode("latin-1")
     return None
 

@@ -48,22 +48,25 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from .._checks import check_seconds, check_signal
-from ._handler import DEFAULT_KILL_AFTER, TimeoutActions
+from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
 from ._logs import LogTarget
-from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
+from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
+from ._routes import Routes
 from ._supervisor import DEFAULT_CAPACITY, WHEEL_ENV, DriverSupervisor
 from ._worker import RequestTimer, timed_apps
 from .asgi import TimeoutMiddleware
+from .wsgi import InterruptibleApp
 
 __all__ = ["install"]
 
 _HOOKS = ("on_starting", "post_worker_init", "pre_request", "post_request", "on_exit")
 _REQUEST_ID_HEADER = "X-REQUEST-ID"  # Gunicorn upper-cases header names
+_REQUEST_START_HEADER = "X-REQUEST-START"
 # Gunicorn's worker classes that call pre_request and post_request around
 # every request (eventlet's and gevent's derive from AsyncWorker).
 _HOOKED_WORKERS = frozenset(
@@ -91,6 +94,8 @@ class _Settings:
     traceback_signal: int | None  # the workers': the signal they write a request's stack on
     capacity: int
     kill_signal_given: bool  # False: the worker class's own (see _actions_for)
+    stages: dict[str, Any]  # the workers' RequestTimer's: warn_after, interrupt, routes, on_timeout
+    x_request_start: bool
 
 
 class _State:
@@ -121,14 +126,26 @@ def install(
     kill_after: float = DEFAULT_KILL_AFTER,
     log: bool = True,
     capacity: int = DEFAULT_CAPACITY,
+    warn_after: float | None = None,
+    interrupt: bool = False,
+    interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
+    routes: Routes | None = None,
+    on_timeout: Callable[[RequestRecord, str], object] | None = None,
+    x_request_start: bool = False,
 ) -> None:
     """Give every request a ``timeout`` (seconds): call it with ``globals()``
     last in a Gunicorn config file.  ``name`` is the wheel's name (default
-    ``gunicorn-<master pid>``); the rest are :class:`TimeoutActions`, where
-    ``kill_signal`` defaults to the worker class's graceful signal: SIGABRT
-    for Gunicorn's own, SIGTERM for Uvicorn's."""
+    ``gunicorn-<master pid>``); the stages and ``routes``, ``on_timeout``
+    and ``x_request_start`` are those of the middlewares
+    (:class:`shmwheel.contrib.wsgi.TimeoutMiddleware`); the rest are
+    :class:`TimeoutActions`, where ``kill_signal`` defaults to the worker
+    class's graceful signal: SIGABRT for Gunicorn's own, SIGTERM for
+    Uvicorn's."""
     if not isinstance(config, MutableMapping):
         raise TypeError(f"install() takes the config's namespace, globals(), not {type(config).__name__}")
+    if not isinstance(x_request_start, bool):
+        raise TypeError(f"x_request_start must be True or False, not {x_request_start!r}")
+    asks = tracebacks or interrupt or warn_after is not None or on_timeout is not None
     settings = _Settings(
         name=name,
         timeout=check_seconds(timeout, "timeout", positive=True),
@@ -138,13 +155,16 @@ def install(
             kill=kill,
             kill_signal=signal.SIGABRT if kill_signal is None else check_signal(kill_signal, "kill_signal"),
             kill_after=kill_after,
+            interrupt_grace=interrupt_grace,
         ),
-        traceback_signal=check_traceback_signal(traceback_signal) if tracebacks else None,
+        traceback_signal=check_traceback_signal(traceback_signal) if asks else None,
         capacity=capacity,
         kill_signal_given=kill_signal is not None,
+        stages={"warn_after": warn_after, "interrupt": interrupt, "routes": routes, "on_timeout": on_timeout},
+        x_request_start=x_request_start,
     )
-    if name is not None:
-        RequestTimer(name, settings.timeout)  # a bad name fails now
+    # Bad stages or routes, or a bad name, fail now rather than in a worker.
+    _timer(name or "gunicorn-check", settings)
     with _state.lock:
         reload = _state.supervisor is not None
         _state.settings = settings
@@ -160,6 +180,8 @@ def install(
     def post_worker_init(worker: Any) -> None:
         if _state.timer is not None:
             _state.timer.prepare()
+            if _state.timer.interrupt:  # a request it interrupts is answered 504
+                worker.wsgi = InterruptibleApp(worker.wsgi, _state.timer)
         elif _state.how == WRAP:
             _wrap(worker, settings)
         elif _state.how == NONE and not timed_apps:
@@ -175,7 +197,8 @@ def install(
     def pre_request(worker: Any, req: Any) -> None:
         timer = _state.timer
         if timer is not None:
-            req.shmwheel_timer = timer.start(req.method, req.path, _header(req, _REQUEST_ID_HEADER))
+            start = _header(req, _REQUEST_START_HEADER) if settings.x_request_start else None
+            req.shmwheel_timer = timer.start(req.method, req.path, _header(req, _REQUEST_ID_HEADER), None, start)
         _call(earlier["pre_request"], worker, req)
 
     def post_request(worker: Any, req: Any, environ: Any, resp: Any) -> None:
@@ -214,7 +237,13 @@ def _header(req: Any, name: str) -> str | None:
 
 
 def _timer(name: str, settings: _Settings) -> RequestTimer:
-    return RequestTimer(name, settings.timeout, traceback_signal=settings.traceback_signal)
+    return RequestTimer(
+        name,
+        settings.timeout,
+        traceback_signal=settings.traceback_signal,
+        stacks=settings.actions.tracebacks,
+        **settings.stages,
+    )
 
 
 def _use_server_log(server: Any) -> None:
@@ -276,8 +305,10 @@ def _wrap(worker: Any, settings: _Settings) -> None:
             app,
             settings.timeout,
             name=os.environ[WHEEL_ENV],
-            tracebacks=settings.traceback_signal is not None,
+            tracebacks=settings.actions.tracebacks,
             traceback_signal=settings.traceback_signal or DEFAULT_TRACEBACK_SIGNAL,
+            x_request_start=settings.x_request_start,
+            **settings.stages,
         )
         setattr(worker, attr, app)
     app.timer.prepare()

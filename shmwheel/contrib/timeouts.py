@@ -38,7 +38,14 @@ from .._driver import Driver, dedicated_process
 from .._errors import SegmentNotFoundError, ShmwheelError, one_line
 from .._segment import SHM, bare_name, segment_name
 from .._wheel import observe, unlink
-from ._handler import DEFAULT_KILL_AFTER, DUMP_TIME, TimeoutActions, TimeoutHandler, signal_process
+from ._handler import (
+    DEFAULT_INTERRUPT_GRACE,
+    DEFAULT_KILL_AFTER,
+    DUMP_TIME,
+    TimeoutActions,
+    TimeoutHandler,
+    signal_process,
+)
 from ._logs import LogTarget
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
@@ -58,6 +65,7 @@ from ._worker import RequestTimer
 
 __all__ = [
     "DEFAULT_CAPACITY",
+    "DEFAULT_INTERRUPT_GRACE",
     "DEFAULT_KILL_AFTER",
     "DEFAULT_TRACEBACK_SIGNAL",
     "DUMP_SIGNAL",
@@ -119,6 +127,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kill", action="store_true", help="signal the worker, then SIGKILL it")
     p.add_argument("--kill-signal", default="SIGTERM", metavar="SIG")
     p.add_argument("--kill-after", type=float, default=DEFAULT_KILL_AFTER, metavar="SECONDS")
+    p.add_argument(
+        "--interrupt-grace",
+        type=float,
+        default=DEFAULT_INTERRUPT_GRACE,
+        metavar="SECONDS",
+        help="how long a request its worker was asked to end (interrupt=True in the worker) has to end before "
+        "it is logged and, with --kill, its worker signalled (default %(default)s)",
+    )
     p.add_argument(
         "--user",
         type=_user,

@@ -26,6 +26,19 @@ The ``shmwheel-*`` options (uWSGI hands every process the whole config):
                             (default ``true``)
 ``shmwheel-traceback-signal``  the signal a worker writes it on (default
                             ``URG``)
+``shmwheel-warn-after``     seconds after which a request's stack is
+                            logged, and it runs on (default: none)
+``shmwheel-interrupt``      ``true``: end a request at its timeout, with
+                            a 504, rather than only log it (default
+                            ``false``)
+``shmwheel-interrupt-grace``  seconds an interrupted request has to end
+                            before the kill stage (default 1)
+``shmwheel-route``          ``[METHOD] PREFIX SECONDS``, or ``none`` for no
+                            timeout; once a route (the longest prefix wins)
+``shmwheel-on-timeout``     ``module:function``, called in the worker with
+                            the request record and its stack at its timeout
+``shmwheel-x-request-start``  ``true``: count a request's time from the
+                            proxy's ``X-Request-Start`` header
 ``shmwheel-log``            ``false``: no log line per timeout
 ``shmwheel-name``           the wheel (default ``uwsgi-<master pid>``)
 ``shmwheel-capacity``       requests in progress at once (default 65536)
@@ -67,7 +80,7 @@ from .._driver import Driver
 from .._errors import DriverRunningError, SegmentNotFoundError, ShmwheelError
 from .._process import alive, start_time
 from .._wheel import observe, unlink
-from ._handler import DEFAULT_KILL_AFTER, TimeoutActions, TimeoutHandler
+from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions, TimeoutHandler
 from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
 from ._stacks import writes_somewhere
 from ._supervisor import DEFAULT_CAPACITY, LOG_FORMAT, create_wheel, watch_parent
@@ -92,6 +105,11 @@ class Settings:
     actions: TimeoutActions
     traceback_signal: int | None  # the workers': the signal they write a request's stack on
     capacity: int
+    warn_after: float | None = None
+    interrupt: bool = False
+    routes: dict[str, float | None] | None = None
+    on_timeout: str | None = None  # module:function
+    x_request_start: bool = False
 
 
 def _option(opts: Mapping[str, Any], key: str, prefix: str = _PREFIX) -> str | None:
@@ -128,9 +146,48 @@ def _number(opts: Mapping[str, Any], key: str, default: float | None, cast: Call
         raise ValueError(f"{_PREFIX}{key} must be a number, not {text!r}") from None
 
 
+def _routes(opts: Mapping[str, Any]) -> dict[str, float | None] | None:
+    """``shmwheel-route = [METHOD] PREFIX SECONDS|none``, once a route."""
+    given = opts.get(_PREFIX + "route")
+    if given is None:
+        return None
+    routes: dict[str, float | None] = {}
+    for value in given if isinstance(given, list) else [given]:
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        key, _, seconds = text.strip().rpartition(" ")
+        if not key:
+            raise ValueError(
+                f"{_PREFIX}route must be '[METHOD] PREFIX SECONDS' or '[METHOD] PREFIX none', not {text!r}"
+            )
+        try:
+            routes[key.strip()] = None if seconds.lower() == "none" else float(seconds)
+        except ValueError:
+            raise ValueError(f"{_PREFIX}route {text!r}: {seconds!r} is not a number of seconds, or none") from None
+    return routes
+
+
+def on_timeout_hook(spec: str | None) -> Any:
+    """The function ``module:function`` names (``shmwheel-on-timeout``), or None."""
+    if spec is None:
+        return None
+    module, _, function = spec.partition(":")
+    if not module or not function:
+        raise ValueError(f"shmwheel: {_PREFIX}on-timeout must be module:function, not {spec!r}")
+    import importlib
+
+    try:
+        hook = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"shmwheel: {_PREFIX}on-timeout {spec!r}: {exc}") from None
+    return hook
+
+
 def settings(opts: Mapping[str, Any], master_pid: int) -> Settings:
     """Read the ``shmwheel-*`` options (``uwsgi.opt``); ValueError names a bad one."""
     try:
+        warn_after = _number(opts, "warn-after", 0.0)
+        interrupt = _flag(opts, "interrupt", False)
+        asks = _flag(opts, "tracebacks", True) or interrupt or bool(warn_after) or _option(opts, "on-timeout")
         return Settings(
             name=_option(opts, "name") or f"uwsgi-{master_pid}",
             timeout=check_seconds(_number(opts, "timeout", None), f"{_PREFIX}timeout", positive=True),
@@ -140,15 +197,21 @@ def settings(opts: Mapping[str, Any], master_pid: int) -> Settings:
                 kill=_flag(opts, "kill", False),
                 kill_signal=_option(opts, "kill-signal") or signal.SIGTERM,  # type: ignore[arg-type]
                 kill_after=_number(opts, "kill-after", DEFAULT_KILL_AFTER),
+                interrupt_grace=_number(opts, "interrupt-grace", DEFAULT_INTERRUPT_GRACE),
             ),
             traceback_signal=(
                 check_traceback_signal(
                     _option(opts, "traceback-signal") or DEFAULT_TRACEBACK_SIGNAL, f"{_PREFIX}traceback-signal"
                 )
-                if _flag(opts, "tracebacks", True)
+                if asks
                 else None
             ),
             capacity=_number(opts, "capacity", DEFAULT_CAPACITY, int),
+            warn_after=warn_after or None,
+            interrupt=interrupt,
+            routes=_routes(opts),
+            on_timeout=_option(opts, "on-timeout"),
+            x_request_start=_flag(opts, "x-request-start", False),
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"shmwheel: {exc}") from None
@@ -193,7 +256,11 @@ def request_timeouts(app: WSGIApp) -> TimeoutMiddleware:
         _remove_when_master_exits(config.name, os.getpid(), owner)
     elif not in_master:
         _created.add(config.name)  # reported once
-    middleware = TimeoutMiddleware(app, config.name, config.timeout, traceback_signal=config.traceback_signal)
+    middleware = TimeoutMiddleware(
+        app, config.name, config.timeout, traceback_signal=config.traceback_signal, warn_after=config.warn_after,
+        interrupt=config.interrupt, routes=config.routes, on_timeout=on_timeout_hook(config.on_timeout),
+        x_request_start=config.x_request_start, stacks=config.actions.tracebacks,
+    )  # fmt: skip
 
     def after_fork() -> None:
         if uwsgi.worker_id() > 0:  # a worker, not a mule

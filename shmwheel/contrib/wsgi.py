@@ -14,13 +14,16 @@ uWSGI integrations set both up for you.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ._record import DEFAULT_TRACEBACK_SIGNAL
-from ._worker import RequestTimer, timed_apps
+from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RESPONSE_STATUS, RequestTimeout
+from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
+from ._routes import Routes
+from ._worker import RequestTimer, current_handle, timed_apps
 
-__all__ = ["TimeoutMiddleware"]
+__all__ = ["InterruptibleApp", "TimeoutMiddleware"]
 
 Environ = dict[str, Any]
 StartResponse = Callable[..., Any]
@@ -30,6 +33,16 @@ WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 class TimeoutMiddleware:
     """Wrap a WSGI application: each request gets a timer of ``timeout``
     seconds in wheel ``name``, cancelled when its response is closed.
+
+    ``warn_after``: seconds after which the driver has the worker log the
+    request's stack, and lets it run.  ``interrupt``: at its timeout the
+    request is ended where it runs (:class:`~shmwheel.contrib.RequestTimeout`
+    in its thread or greenlet) and answered ``504 Gateway Timeout``, or its
+    connection closed if its response has started.  ``routes``: timeouts by
+    method and path prefix, or a function of (method, path).
+    ``on_timeout(request, stack)`` is called in the worker before the
+    interrupt.  ``x_request_start``: count the request's time from the
+    proxy's ``X-Request-Start`` header, so that time spent queued counts.
 
     The request id in the timeout's log line is the client's
     ``X-Request-Id`` header if it has a sane one, else the worker's pid and
@@ -44,11 +57,23 @@ class TimeoutMiddleware:
         timeout: float,
         *,
         traceback_signal: int | None = DEFAULT_TRACEBACK_SIGNAL,
+        warn_after: float | None = None,
+        interrupt: bool = False,
+        routes: Routes | None = None,
+        on_timeout: Callable[[RequestRecord, str], object] | None = None,
+        x_request_start: bool = False,
+        stacks: bool = True,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be a WSGI application, not {type(app).__name__}")
+        if not isinstance(x_request_start, bool):
+            raise TypeError(f"x_request_start must be True or False, not {x_request_start!r}")
         self.app = app
-        self.timer = RequestTimer(name, timeout, traceback_signal=traceback_signal)
+        self.timer = RequestTimer(
+            name, timeout, traceback_signal=traceback_signal, warn_after=warn_after, interrupt=interrupt,
+            routes=routes, on_timeout=on_timeout, stacks=stacks,
+        )  # fmt: skip
+        self.x_request_start = x_request_start
         timed_apps.add(self)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
@@ -57,14 +82,99 @@ class TimeoutMiddleware:
             environ.get("REQUEST_METHOD", "-"),
             _path(environ),
             environ.get("HTTP_X_REQUEST_ID"),
+            request_start=environ.get("HTTP_X_REQUEST_START") if self.x_request_start else None,
         )
         environ["shmwheel.timer"] = handle
         try:
-            body = self.app(environ, start_response)
+            if timer.interrupt and handle is not None:
+                body = _call_interruptible(self.app, environ, start_response, timer, handle)
+            else:
+                body = self.app(environ, start_response)
         except BaseException:
             timer.finish(handle)
             raise
         return _ClosingBody(body, timer, handle)
+
+
+class InterruptibleApp:
+    """A WSGI application whose requests a timer interrupts answered 504:
+    what Gunicorn's ``install(interrupt=True)`` wraps each worker's
+    application in, the timers coming from its request hooks."""
+
+    def __init__(self, app: WSGIApp, timer: RequestTimer) -> None:
+        self.app = app
+        self.timer = timer
+
+    def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        handle = current_handle(self.timer)
+        if handle is None:
+            return self.app(environ, start_response)
+        return _call_interruptible(self.app, environ, start_response, self.timer, handle)
+
+
+def _call_interruptible(
+    app: WSGIApp, environ: Environ, start_response: StartResponse, timer: RequestTimer, handle: int
+) -> Iterable[bytes]:
+    """The application's answer, or 504 once the timer has interrupted the
+    request: whatever the application says after its interrupt (a framework
+    that answers RequestTimeout with a 500, as Flask and Django do) is
+    replaced, and a RequestTimeout that comes out of it is answered."""
+    replaced = [False]
+
+    def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        if timer.interrupted(handle):
+            replaced[0] = True
+            return start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS), exc_info)
+        return start_response(status, headers, exc_info)
+
+    try:
+        body = app(environ, start)
+    except RequestTimeout:
+        if not timer.interrupted(handle):
+            raise
+        start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS), sys.exc_info())
+        return [RESPONSE_BODY]
+    return _InterruptibleBody(body, start_response, timer, handle, replaced)
+
+
+class _InterruptibleBody:
+    """An interruptible request's body: the 504's once its answer was
+    replaced; a RequestTimeout in the middle of it answered 504 if nothing
+    has been sent yet, else raised, and the server closes the connection."""
+
+    def __init__(
+        self,
+        body: Iterable[bytes],
+        start_response: StartResponse,
+        timer: RequestTimer,
+        handle: int,
+        replaced: list[bool],
+    ) -> None:
+        self._body = body
+        self._start_response = start_response
+        self._timer = timer
+        self._handle = handle
+        self._replaced = replaced
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            for chunk in self._body:
+                if self._replaced[0]:
+                    break
+                yield chunk
+        except RequestTimeout:
+            if not self._timer.interrupted(self._handle):
+                raise
+            # Raises again if the headers have gone out: the connection is closed.
+            self._start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS), sys.exc_info())
+            self._replaced[0] = True
+        if self._replaced[0]:
+            yield RESPONSE_BODY
+
+    def close(self) -> None:
+        close = getattr(self._body, "close", None)
+        if close is not None:
+            close()
 
 
 def _path(environ: Environ) -> str:
