@@ -223,7 +223,7 @@ async def waits_in_trio() -> None:
 
 
 async def blocks_trio(me: list[TrioTask], report: list[list[str]]) -> None:
-    active = _stacks.Active(b"", 0, threading.get_ident(), me[0])
+    active = _stacks.Active(b"", 0, threading.get_ident(), me[0], 0, 0, False)
     report.append(_stacks._stack_of(active, sys._current_frames()))
 
 
@@ -243,7 +243,7 @@ def test_a_trio_tasks_stack_is_its_await_chain_or_its_threads_frames() -> None:
     assert suspended.send(None) == "rescheduled"
     try:
         lines = _stacks._stack_of(
-            _stacks.Active(b"", 0, threading.get_ident(), TrioTask(suspended)), sys._current_frames()
+            _stacks.Active(b"", 0, threading.get_ident(), TrioTask(suspended), 0, 0, False), sys._current_frames()
         )
     finally:
         suspended.close()
@@ -262,4 +262,4 @@ def test_a_trio_tasks_stack_is_its_await_chain_or_its_threads_frames() -> None:
 
     ended = TrioTask(waits_in_trio())
     ended.coro.close()
-    assert _stacks._stack_of(_stacks.Active(b"", 0, 0, ended), {}) == ["  (its task handle has ended)"]
+    assert _stacks._stack_of(_stacks.Active(b"", 0, 0, ended, 0, 0, False), {}) == ["  (its task handle has ended)"]

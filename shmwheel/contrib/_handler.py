@@ -3,20 +3,31 @@ timer fires, and whom it may do it to.
 
 When a timer fires the driver hands it to :class:`TimeoutHandler`, which
 acts on the worker, because a worker stuck in a request cannot act for
-itself:
+itself.  A request's timer is due at its first stage; the driver adds
+the timers of the later ones (follow-ups), so that the worker still pays
+one add and one cancel a request:
 
-1. a WARNING log line with the method, path, request id, worker pid,
-   thread (and task or greenlet) and how long the request has been running;
+0. at ``warn_after``, if the request's record says it has that stage: a
+   WARNING line, the request's own stack as in 2., and a follow-up for
+   its timeout;
+1. at its timeout, a WARNING line with the method, path, request id,
+   worker pid, thread (and task or greenlet) and how long the request has
+   been running;
 2. optionally the request's own stack: the record names the signal on
    which the worker writes it (:mod:`shmwheel.contrib._stacks`), and the
    worker answers through the wheel once it has.  A worker that has not
    answered :data:`DUMP_TIME` later is one in which no Python runs (a C
    call that holds the GIL): it gets the record's dump signal, on which
    :mod:`faulthandler` writes every thread's stack from C, and a line says
-   which thread is the request's;
+   which thread is the request's.  A record with the INTERRUPT flag has
+   the same signal tell its worker to end the request
+   (:mod:`shmwheel.contrib._interrupt`), and a follow-up
+   ``interrupt_grace`` later says whether it has: a request that has ended
+   tells the driver so, and is left alone;
 3. optionally ``kill_signal`` (graceful: the worker may finish up), once
-   the stack is written, then, ``kill_after`` seconds later if the same
-   process is still there, SIGKILL.  A worker that has had kill_signal
+   the stack is written or, for an interrupted request, once the grace is
+   over and it has not ended; then, ``kill_after`` seconds later if the
+   same process is still there, SIGKILL.  A worker that has had kill_signal
    already (another of its requests timed out) is not sent it again: it
    is draining, and the SIGKILL already due ends it.  Each of these steps
    is a timer in the wheel, and the log says what came of each: the

@@ -22,6 +22,9 @@ header line that repeats the driver's line, then the request's own stack:
 * a greenlet (gevent, eventlet): its frames, or its thread's when it is
   the one running.
 
+At a request's timeout (not at its warn_after stage) the reporter then
+calls the worker's ``on_timeout`` hook with the record and that stack,
+and, with ``interrupt``, ends the request (:mod:`shmwheel.contrib._interrupt`).
 It then tells the driver, with a timer of kind ``KIND_ANSWER`` due at
 once: a driver that hears nothing sends the dump signal, on which
 :mod:`faulthandler` writes every thread's stack from C (the fallback for a

@@ -11,6 +11,7 @@ which the driver asks for the stack of one that timed out
 from __future__ import annotations
 
 import contextvars
+import decimal
 import itertools
 import logging
 import math
@@ -486,13 +487,13 @@ def queued_ns(header: str, now_ns: int) -> int:
     if text.startswith("t="):
         text = text[2:]
     try:
-        value = float(text) if "." in text else int(text)
-    except ValueError:
+        value = decimal.Decimal(text)  # exact: a float would round away the microseconds
+    except decimal.InvalidOperation:
         return 0
-    if not math.isfinite(value) or value <= 0:
+    if not value.is_finite() or value <= 0:
         return 0
     scale = next((s for above, s in _UNITS if value > above), 1_000_000_000)
-    queued = now_ns - round(value * scale)
+    queued = now_ns - int(value * scale)
     return queued if 0 <= queued <= MAX_QUEUED_NS else 0
 
 

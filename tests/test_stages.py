@@ -1,0 +1,434 @@
+"""The stages of a late request, piece by piece: routes, the X-Request-Start
+header, the record's stage fields, the driver's warn, interrupt and kill
+stages on real worker processes, and the interrupt of a thread, an asyncio
+task and a greenlet through the middlewares.  (test_interrupt.py runs the
+real servers.)"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shmwheel
+from shmwheel.contrib import RequestTimeout, extend, no_timeout
+from shmwheel.contrib._record import rearmed
+from shmwheel.contrib._routes import compile_routes
+from shmwheel.contrib._worker import queued_ns
+from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware
+from shmwheel.contrib.timeouts import (
+    KIND_CHECK,
+    KIND_REQUEST,
+    PAYLOAD_SIZE,
+    RequestTimer,
+    TimeoutActions,
+    TimeoutHandler,
+    decode_request,
+    encode_request,
+)
+from shmwheel.contrib.wsgi import TimeoutMiddleware
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+WAIT = 30.0
+S = 1_000_000_000
+
+# -- routes and the X-Request-Start header ----------------------------------------
+
+
+def test_routes_pick_the_longest_prefix_and_a_method_before_none() -> None:
+    lookup = compile_routes({"/": 5, "/api/": 2, "POST /api/": 9, "/api/health": None, "GET /up": 60}, 30 * S)
+    assert lookup is not None
+    assert lookup("GET", "/api/x") == 2 * S
+    assert lookup("POST", "/api/x") == 9 * S  # as long a prefix, with a method: it wins
+    assert lookup("GET", "/api/health") is None  # no timeout
+    assert lookup("GET", "/upload") == 60 * S
+    assert lookup("PUT", "/upload") == 5 * S  # the method does not match: "/" does
+    assert compile_routes({"/api/": 2}, 30 * S)("GET", "/other") == 30 * S  # type: ignore[misc]
+    assert compile_routes(lambda method, path: 3 if path == "/x" else None, 30 * S)("GET", "/x") == 3 * S  # type: ignore[misc]
+    assert compile_routes(None, 30 * S) is None
+
+
+@pytest.mark.parametrize(
+    ("routes", "error", "match"),
+    [
+        ({"api/": 2}, ValueError, "is not a path prefix"),
+        ({"GET  /x": 2}, ValueError, "is not a path prefix"),
+        ({"/x": 0}, ValueError, "positive"),
+        ({"/x": "2"}, TypeError, "number of seconds"),
+        ([("/x", 2)], TypeError, "mapping of path prefixes or a callable"),
+    ],
+)
+def test_bad_routes_fail_when_made(routes: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        RequestTimer("w", 30.0, routes=routes)
+
+
+def test_request_start_header_in_each_unit_and_insane_ones_ignored() -> None:
+    now = 1_700_000_000 * S
+    queued = 250_000_000  # 250 ms
+    t = now - queued
+    assert queued_ns(f"t={t / S:.3f}", now) == queued  # nginx: seconds with ms
+    assert queued_ns(f"t={t // 1000}", now) == queued  # microseconds
+    assert queued_ns(str(t // 1_000_000), now) == queued  # Heroku: milliseconds
+    assert queued_ns(str(t), now) == queued  # nanoseconds
+    assert queued_ns(f"t={(now + S) / S}", now) == 0  # from the future: clocks that disagree
+    assert queued_ns(f"t={(now - 7200 * S) / S}", now) == 0  # two hours: the same
+    for junk in ("", "t=", "abc", "t=nan", "-5", "t=inf"):
+        assert queued_ns(junk, now) == 0
+
+
+# -- the record and the arguments -------------------------------------------------
+
+
+def test_a_record_carries_its_stages_and_a_rearmed_one_is_a_plain_timeout() -> None:
+    payload = encode_request(KIND_REQUEST, 1, 2, 3, "GET", "r", "/x", timeout_ms=30_000, warn=True, interrupt=True)
+    record = decode_request(payload)
+    assert record is not None
+    assert (record.timeout_ms, record.warn, record.interrupt) == (30_000, True, True)
+    assert record.timeout_at() == 3 + 30_000 * 1_000_000
+    again = decode_request(rearmed(payload, 45_000))
+    assert again == record._replace(timeout_ms=45_000, warn=False)
+    huge = decode_request(encode_request(KIND_REQUEST, 1, 2, 3, "GET", "r", "/x", timeout_ms=2**40))
+    assert huge is not None and huge.timeout_ms == 2**32 - 1  # clamped, not wrapped
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"warn_after": 30.0}, ValueError, r"warn_after \(30 s\) must be shorter than the timeout \(30 s\)"),
+        ({"warn_after": -1}, ValueError, "positive"),
+        ({"interrupt": 1}, TypeError, "interrupt must be True or False"),
+        ({"on_timeout": "report"}, TypeError, "on_timeout must be a function"),
+        ({"interrupt": True, "traceback_signal": None}, ValueError, "traceback_signal cannot be None"),
+    ],
+)
+def test_bad_stages_fail_when_made(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        RequestTimer("w", 30.0, **kwargs)
+    if "traceback_signal" not in kwargs:  # the ASGI middleware's way to none is tracebacks=False
+        with pytest.raises(error, match=match):
+            AsgiMiddleware(lambda *a: None, 30.0, **kwargs)  # type: ignore[arg-type]
+
+
+def test_actions_refuse_a_bad_interrupt_grace() -> None:
+    with pytest.raises(ValueError, match="interrupt_grace must be a positive number"):
+        TimeoutActions(interrupt_grace=0)
+
+
+# -- the driver's stages, on worker processes ----------------------------------------
+
+# A stand-in worker: one request of GET /slow with a timeout of argv[2]
+# seconds (and warn_after argv[3], if not "-"), interrupt on, stuck in a
+# function to find in its stack: "spin" a Python loop, which RequestTimeout
+# ends (it says so, and finishes its request); "gil" a regular expression
+# that holds the GIL, which nothing ends; "swallow" a loop that catches
+# every Exception, so the interrupt is lost.
+STAGED = textwrap.dedent(
+    """
+    import re, sys, time
+    from shmwheel.contrib import RequestTimeout
+    from shmwheel.contrib.timeouts import RequestTimer
+    mode, name, timeout, warn = sys.argv[1:5]
+    timer = RequestTimer(name, float(timeout), interrupt=True, warn_after=None if warn == "-" else float(warn))
+    assert timer.prepare()
+    handle = timer.start("GET", "/slow", "r1")
+    def serving_a_slow_request():
+        print("ready", flush=True)
+        until = time.monotonic() + 20
+        if mode == "gil":
+            re.match(r"(a+)+$", "a" * 32 + "b")
+        while time.monotonic() < until:
+            try:
+                while time.monotonic() < until:
+                    pass
+            except RequestTimeout:
+                if mode != "swallow":
+                    print("interrupted", flush=True)
+                    timer.finish(handle)
+                    time.sleep(20)
+    serving_a_slow_request()
+    """
+)
+
+
+@pytest.fixture
+def staged(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(mode: str, wheel: str, timeout: float, warn_after: float | None = None) -> subprocess.Popen[str]:
+        err = open(tmp_path / f"staged{len(procs)}.err", "w+")  # noqa: SIM115 - closed with the process
+        args = [mode, wheel, repr(timeout), "-" if warn_after is None else repr(warn_after)]
+        proc = subprocess.Popen([sys.executable, "-c", STAGED, *args], stdout=subprocess.PIPE, stderr=err, text=True)
+        proc.err = err  # type: ignore[attr-defined]
+        procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.err.close()  # type: ignore[attr-defined]
+
+
+def drive(wheel: shmwheel.Wheel, handler: TimeoutHandler, seconds: float) -> list[int]:
+    """Hand every fire to the handler for ``seconds``; the kinds of the fires, in order."""
+    kinds = []
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        for fire in wheel.poll():
+            handler(fire)
+            kinds.append(fire.payload[0])
+        time.sleep(0.01)
+    return kinds
+
+
+def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "shmwheel.timeouts"]
+
+
+def test_an_interrupted_request_ends_and_its_worker_is_left_alone(make_wheel, staged, caplog) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = staged("spin", wheel.name, 0.2)
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, interrupt_grace=0.5))
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        drive(wheel, handler, 1.5)
+    assert proc.stdout is not None and proc.stdout.readline() == "interrupted\n"
+    lines = messages(caplog)
+    assert re.fullmatch(
+        rf"request timed out: GET /slow \(request r1, worker pid {proc.pid}, thread 0x[0-9a-f]{{16}}\), running for "
+        r"0\.\d+ s; asking it to end the request \(SIGURG\), then SIGTERM if it has not ended 0\.5 s later, and "
+        r"SIGKILL 5 s after that",
+        lines[0],
+    ), lines
+    assert re.fullmatch(r"GET /slow \(request r1, .*\) ended 0\.\d{3} s after it was interrupted", lines[1]), lines
+    assert len(lines) == 2, lines
+    assert proc.poll() is None  # ended the request, not the worker
+    err = Path(proc.err.name).read_text()  # type: ignore[attr-defined]
+    assert "shmwheel: the stack of timed-out request GET /slow" in err
+    assert "in serving_a_slow_request" in err
+    assert re.search(r"shmwheel: interrupting GET /slow .*: RequestTimeout raised in thread 0x", err), err
+
+
+@pytest.mark.parametrize("mode", ["gil", "swallow"])
+def test_a_request_that_does_not_end_after_its_interrupt_goes_on_to_the_kill(
+    mode: str, make_wheel, staged, caplog
+) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = staged(mode, wheel.name, 0.2)
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, interrupt_grace=0.6, kill_after=1.0))
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        drive(wheel, handler, 2.0)
+    lines = messages(caplog)
+    assert any(
+        re.fullmatch(
+            r"GET /slow \(request r1, .*\) has not ended 0\.6 s after it was interrupted: it is in a C call that has "
+            r"not returned, or its code caught RequestTimeout; sending SIGTERM",
+            line,
+        )
+        for line in lines
+    ), lines
+    assert proc.wait(WAIT) == -signal.SIGTERM
+    if mode == "gil":  # no Python ran to answer: faulthandler's dump came first
+        assert any(line.startswith(f"worker pid {proc.pid} did not write the stack") for line in lines), lines
+
+
+def test_without_kill_a_request_that_does_not_end_is_logged_and_runs_on(make_wheel, staged, caplog) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = staged("swallow", wheel.name, 0.2)
+    handler = TimeoutHandler(wheel.name, TimeoutActions(interrupt_grace=0.4))
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        drive(wheel, handler, 1.2)
+    assert any(line.endswith("caught RequestTimeout; it runs on (kill is off)") for line in messages(caplog))
+    assert proc.poll() is None
+
+
+def test_warn_after_logs_the_stack_then_the_timeout_stage_follows(make_wheel, staged, caplog) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = staged("spin", wheel.name, 1.0, 0.2)
+    handler = TimeoutHandler(wheel.name, TimeoutActions())
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        kinds = drive(wheel, handler, 1.8)
+    lines = messages(caplog)
+    assert re.fullmatch(
+        r"request is slow: GET /slow \(request r1, .*\), running for 0\.[2-7]\d\d s, 0\.[2-7]\d\d s before its "
+        r"timeout; asking it for the request's stack \(SIGURG\)",
+        lines[0],
+    ), lines
+    assert lines[1].startswith("request timed out: GET /slow (request r1, "), lines
+    assert kinds.count(KIND_REQUEST) == 1  # one timer from the worker for both stages
+    assert kinds.count(KIND_CHECK) == 2
+    err = Path(proc.err.name).read_text()  # type: ignore[attr-defined]
+    assert re.search(r"shmwheel: the stack of slow request GET /slow .*, running for 0\.\d+ s, 0\.\d+ s before", err)
+    assert "interrupted\n" == proc.stdout.readline()  # type: ignore[union-attr]
+
+
+# -- in this process: the middlewares answer 504 --------------------------------------
+
+
+@pytest.fixture
+def driven(make_wheel, tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """A wheel driven by the driver command, with these arguments; its log's path."""
+    procs: list[subprocess.Popen[bytes]] = []
+    log = tmp_path / "driver.log"
+
+    def start(*args: str) -> str:
+        wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+        cmd = [sys.executable, "-m", "shmwheel.contrib.timeouts", wheel.name, "--log-to", str(log), *args]
+        procs.append(subprocess.Popen(cmd))
+        give_up = time.monotonic() + WAIT
+        while wheel.stats().driver_pid != procs[-1].pid:
+            assert time.monotonic() < give_up and procs[-1].poll() is None
+            time.sleep(0.02)
+        return wheel.name
+
+    start.log = log  # type: ignore[attr-defined]
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(WAIT)
+
+
+def call(app: Callable[..., Any], path: str) -> tuple[str, bytes]:
+    status: list[str] = []
+
+    def start_response(s: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+        status.append(s)
+
+    body = app({"REQUEST_METHOD": "GET", "PATH_INFO": path}, start_response)
+    try:
+        data = b"".join(body)
+    finally:
+        body.close()  # type: ignore[attr-defined]
+    return status[-1], data
+
+
+def spin(seconds: float) -> None:
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        pass
+
+
+def wsgi_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+    path = environ["PATH_INFO"]
+    if path == "/spin":
+        try:
+            spin(10)
+        except Exception as exc:  # noqa: BLE001 - as a framework does: an error page
+            start_response("500 Internal Server Error", [])
+            return [repr(exc).encode()]
+    elif path == "/raise":
+        spin(10)
+    elif path == "/extend":
+        for _ in range(5):
+            time.sleep(0.15)
+            assert extend(0.4)
+    elif path == "/exempt":
+        assert no_timeout()
+        time.sleep(0.8)
+    elif path == "/late":  # it extends after its timeout: too late, and ended
+        try:
+            spin(10)
+        except RequestTimeout:
+            assert not extend(5)
+            raise
+    start_response("200 OK", [])
+    return [b"ok"]
+
+
+def test_wsgi_interrupt_answers_504_and_leaves_the_other_requests_alone(driven) -> None:
+    name = driven("--interrupt-grace", "2")
+    app = TimeoutMiddleware(wsgi_app, name, 0.3, interrupt=True)
+    paths = ["/spin", "/raise", "/extend", "/exempt", "/late", "/"]
+    answers: dict[str, tuple[str, bytes]] = {}
+
+    def one(path: str) -> None:
+        answers[path] = call(app, path)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    timeout = ("504 Gateway Timeout", b"504 Gateway Timeout: the request took too long\n")
+    # The framework's 500 for RequestTimeout is replaced; a RequestTimeout out of the app is answered.
+    assert answers["/spin"] == answers["/raise"] == answers["/late"] == timeout
+    assert answers["/extend"] == answers["/exempt"] == answers["/"] == ("200 OK", b"ok")
+    log = driven.log.read_text()
+    assert "/extend" not in log and "/exempt" not in log, log
+    assert len(re.findall(r"ended 0\.\d{3} s after it was interrupted", log)) == 3, log
+
+
+def test_asgi_interrupt_cancels_an_awaiting_task_and_ends_one_that_blocks_the_loop(driven) -> None:
+    name = driven("--interrupt-grace", "2")
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/await":
+            await asyncio.sleep(10)
+        elif scope["path"] == "/block":
+            spin(10)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    middleware = AsgiMiddleware(app, 0.3, name=name, interrupt=True)  # type: ignore[arg-type]
+
+    async def one(path: str) -> tuple[int, bytes]:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request"}
+
+        await middleware({"type": "http", "path": path, "method": "GET", "headers": []}, receive, send)
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]  # the cancel was taken back
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    async def main() -> list[tuple[int, bytes]]:
+        return await asyncio.gather(one("/await"), one("/"))
+
+    assert asyncio.run(main()) == [(504, b"504 Gateway Timeout: the request took too long\n"), (200, b"ok")]
+    assert asyncio.run(one("/block"))[0] == 504
+
+
+def test_on_timeout_sends_the_stack_to_sentry_before_the_interrupt(driven) -> None:
+    """examples/sentry_on_timeout.py with a real Sentry client, whose
+    transport keeps the events here."""
+    sentry_sdk = pytest.importorskip("sentry_sdk")
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from sentry_on_timeout import report_to_sentry
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    events: list[dict[str, Any]] = []
+
+    class Keep(sentry_sdk.transport.Transport):  # type: ignore[misc]
+        def capture_envelope(self, envelope: Any) -> None:
+            events.extend(item.payload.json for item in envelope.items if item.type == "event")
+
+    sentry_sdk.init(dsn="https://key@sentry.invalid/1", transport=Keep, default_integrations=False)
+    try:
+        name = driven()
+        app = TimeoutMiddleware(wsgi_app, name, 0.3, interrupt=True, on_timeout=report_to_sentry)
+        assert call(app, "/spin")[0] == "504 Gateway Timeout"
+        sentry_sdk.flush()
+    finally:
+        sentry_sdk.init(dsn=None)
+    [event] = events
+    assert event["message"].startswith("request timed out: GET /spin, after 0.")
+    assert event["contexts"]["request timeout"]["worker_pid"] == os.getpid()
+    assert "in spin" in event["extra"]["stack"]  # where it was when it timed out
