@@ -58,7 +58,15 @@ _set_async_exc.restype = ctypes.c_int
 
 def _raise_in(thread: int, still: Callable[[], bool]) -> bool:
     """RequestTimeout in ``thread`` at its next bytecode, unless the request
-    has ended by the time it is set (``still()``); whether it was set."""
+    has ended (``still()``, asked right before and right after it is set);
+    whether it was set.
+
+    The two checks leave a window of a few bytecodes: a request that ends
+    in it, just as it is interrupted, may raise RequestTimeout in the
+    server's code after its response, where the server logs it and closes
+    the connection.  Python offers no atomic check-and-raise."""
+    if not still():
+        return False
     if _set_async_exc(thread, RequestTimeout) != 1:
         return False  # no such thread any more
     if not still():  # ended meanwhile: take it back, unless the thread has raised it already
