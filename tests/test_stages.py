@@ -432,3 +432,46 @@ def test_on_timeout_sends_the_stack_to_sentry_before_the_interrupt(driven) -> No
     assert event["message"].startswith("request timed out: GET /spin, after 0.")
     assert event["contexts"]["request timeout"]["worker_pid"] == os.getpid()
     assert "in spin" in event["extra"]["stack"]  # where it was when it timed out
+
+
+# -- the same settings for uWSGI and Gunicorn -------------------------------------
+
+
+def test_uwsgi_reads_the_stages_and_the_routes() -> None:
+    from shmwheel.contrib.uwsgi import on_timeout_hook, settings
+
+    opts = {
+        "shmwheel-timeout": b"30",
+        "shmwheel-tracebacks": b"false",
+        "shmwheel-warn-after": b"10",
+        "shmwheel-interrupt": b"true",
+        "shmwheel-interrupt-grace": b"2.5",
+        "shmwheel-route": [b"/upload 300", b"POST /api/ 5", b"/health none"],
+        "shmwheel-on-timeout": b"sentry_on_timeout:report_to_sentry",
+        "shmwheel-x-request-start": True,
+    }
+    s = settings(opts, 1)
+    assert (s.warn_after, s.interrupt, s.x_request_start) == (10.0, True, True)
+    assert s.actions == TimeoutActions(tracebacks=False, interrupt_grace=2.5)
+    assert s.routes == {"/upload": 300.0, "POST /api/": 5.0, "/health": None}
+    assert s.traceback_signal == signal.SIGURG  # no stacks, but the driver still tells the worker to end a request
+    assert s.on_timeout == "sentry_on_timeout:report_to_sentry"
+    with pytest.raises(ValueError, match="on-timeout must be module:function"):
+        on_timeout_hook("report_to_sentry")
+    with pytest.raises(ValueError, match="No module named 'no_such_module'"):
+        on_timeout_hook("no_such_module:f")
+    with pytest.raises(ValueError, match=r"shmwheel-route '/x soon': 'soon' is not a number of seconds"):
+        settings({"shmwheel-timeout": b"1", "shmwheel-route": b"/x soon"}, 1)
+    with pytest.raises(ValueError, match="shmwheel-route must be"):
+        settings({"shmwheel-timeout": b"1", "shmwheel-route": b"300"}, 1)
+
+
+def test_gunicorn_install_checks_the_stages_in_the_config() -> None:
+    from shmwheel.contrib import gunicorn
+
+    with pytest.raises(ValueError, match="warn_after .* must be shorter than the timeout"):
+        gunicorn.install({}, 5.0, warn_after=10.0)
+    with pytest.raises(ValueError, match="is not a path prefix"):
+        gunicorn.install({}, 5.0, routes={"upload": 60})
+    with pytest.raises(TypeError, match="x_request_start must be True or False"):
+        gunicorn.install({}, 5.0, x_request_start="yes")  # type: ignore[arg-type]
