@@ -9,12 +9,14 @@ or like the wheels the servers and the demo under test make, is left in
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import itertools
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -218,3 +220,28 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if left:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         print(f"\nshmwheel: the suite left segments in /dev/shm: {left}")
+
+
+@contextlib.contextmanager
+def script_processes(tmp_path: Path, script: str, stem: str) -> Iterator[Callable[[list[str]], subprocess.Popen[str]]]:
+    """Start ``python -c script ARGS...`` processes that print "ready" once
+    set up; their stderr goes to a file (``proc.err``).  Each is killed and
+    reaped on the way out."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(args: list[str]) -> subprocess.Popen[str]:
+        err = open(tmp_path / f"{stem}{len(procs)}.err", "w+")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=err, text=True)
+        proc.err = err  # type: ignore[attr-defined]
+        procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.err.close()  # type: ignore[attr-defined]

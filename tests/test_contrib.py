@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import foreign_segment
+from conftest import foreign_segment, script_processes
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -184,23 +184,12 @@ WORKER = textwrap.dedent(
 
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[object]:
-    procs: list[subprocess.Popen[str]] = []
+    with script_processes(tmp_path, WORKER, "worker") as run:
 
-    def start(mode: str = "polite", wheel: str | None = None, timeout: float = 0.05) -> subprocess.Popen[str]:
-        err = open(tmp_path / f"worker{len(procs)}.err", "w+")  # noqa: SIM115 - closed with the process
-        args = [mode] if wheel is None else [mode, wheel, repr(timeout)]
-        proc = subprocess.Popen([sys.executable, "-c", WORKER, *args], stdout=subprocess.PIPE, stderr=err, text=True)
-        proc.err = err  # type: ignore[attr-defined]
-        procs.append(proc)
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        return proc
+        def start(mode: str = "polite", wheel: str | None = None, timeout: float = 0.05) -> subprocess.Popen[str]:
+            return run([mode] if wheel is None else [mode, wheel, repr(timeout)])
 
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.err.close()  # type: ignore[attr-defined]
+        yield start
 
 
 def test_signal_process_checks_the_start_time(worker) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import script_processes
 
 import shmwheel
 from shmwheel.contrib import RequestTimeout, extend, no_timeout
@@ -165,23 +166,12 @@ STAGED = textwrap.dedent(
 
 @pytest.fixture
 def staged(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
+    with script_processes(tmp_path, STAGED, "staged") as run:
 
-    def start(mode: str, wheel: str, timeout: float, warn_after: float | None = None) -> subprocess.Popen[str]:
-        err = open(tmp_path / f"staged{len(procs)}.err", "w+")  # noqa: SIM115 - closed with the process
-        args = [mode, wheel, repr(timeout), "-" if warn_after is None else repr(warn_after)]
-        proc = subprocess.Popen([sys.executable, "-c", STAGED, *args], stdout=subprocess.PIPE, stderr=err, text=True)
-        proc.err = err  # type: ignore[attr-defined]
-        procs.append(proc)
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        return proc
+        def start(mode: str, wheel: str, timeout: float, warn_after: float | None = None) -> subprocess.Popen[str]:
+            return run([mode, wheel, repr(timeout), "-" if warn_after is None else repr(warn_after)])
 
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.err.close()  # type: ignore[attr-defined]
+        yield start
 
 
 def drive(wheel: shmwheel.Wheel, handler: TimeoutHandler, seconds: float) -> list[int]:
