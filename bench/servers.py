@@ -132,12 +132,14 @@ class Variant:
         return self.timer == "shmwheel"
 
 
-SERVER_LABELS = {
-    "gunicorn-sync": f"Gunicorn sync, {WORKERS} workers",
-    "gunicorn-gthread": f"Gunicorn gthread, {WORKERS} x {THREADS} threads",
-    "uwsgi": f"uWSGI, {WORKERS} processes x {THREADS} threads",
-    "uvicorn": f"Uvicorn, --workers {WORKERS}",
-}
+def server_label(server: str) -> str:
+    return {
+        "gunicorn-sync": f"Gunicorn sync, {WORKERS} workers",
+        "gunicorn-gthread": f"Gunicorn gthread, {WORKERS} x {THREADS} threads",
+        "uwsgi": f"uWSGI, {WORKERS} processes x {THREADS} threads",
+        "uvicorn": f"Uvicorn, --workers {WORKERS}",
+    }[server]
+
 
 GUNICORN_TIMERS = {
     "off": f"off (Gunicorn's own timeout = {GUNICORN_TIMEOUT} only)",
@@ -617,7 +619,7 @@ def summary_table(runs: list[Run], variants: list[Variant]) -> str:
         rps, cpu = ratios(runs, v)
         errors = sum(sum(r.errors.values()) for r in mine) + sum(1 for r in mine if r.failure)
         lines.append(
-            f"| {SERVER_LABELS[v.server]} | {v.label} | {fmt(med([r.requests_per_s for r in good]))} "
+            f"| {server_label(v.server)} | {v.label} | {fmt(med([r.requests_per_s for r in good]))} "
             f"| {fmt(med([r.p50_ms for r in good]), 2)} / {fmt(med([r.p99_ms for r in good]), 2)} "
             f"| {fmt(med([r.server_cpu_us for r in good]))} "
             f"| {fmt(med([r.driver_cpu_us for r in good]), 2) if v.shmwheel else ''} "
@@ -676,8 +678,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--only", metavar="REGEX", help="the variants whose server/timer matches, e.g. 'uwsgi|sync/off'"
     )
+    parser.add_argument(
+        "--threads", type=int, default=THREADS, help=f"threads a worker, gthread and uWSGI (default {THREADS})"
+    )
     parser.add_argument("--json", metavar="FILE", help="also write every run to FILE as JSON")
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.duration is not None and not 0 < args.duration <= 600:
@@ -686,7 +693,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global THREADS
     args = parse_args(argv)
+    THREADS = args.threads
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     duration = args.duration or (QUICK_DURATION if args.quick else DURATION)
     warmup = WARMUP
