@@ -13,7 +13,7 @@ and on and beside the timers those servers offer today:
   process-wide, one timer per process: right for a sync worker, only a
   cost figure under gthread, where a thread's call replaces another's.
   Gunicorn's own ``timeout`` is always on: every worker beats its
-  heartbeat (a ``fchmod`` of a temporary file) each turn of its loop
+  heartbeat (``os.utime`` of a temporary file) each turn of its loop
   whatever the setting (``timeout = 0`` only stops the master from
   looking), so it cannot be measured apart and is in every Gunicorn row,
   "off" included.  It is 60 s here, above the request timeout, as
