@@ -432,6 +432,16 @@ def serve(variant: Variant, tmp: Path, problems: list[str], wheels: list[str]) -
 
 
 def stop(server: Server, problems: list[str]) -> None:
+    """Stop the server, with Ctrl-C and SIGTERM held until it is done: a
+    second one must not cut the clean-up short."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        _stop(server, problems)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _stop(server: Server, problems: list[str]) -> None:
     proc, key = server.proc, server.variant.key
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
