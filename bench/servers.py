@@ -55,7 +55,7 @@ its server's "off" in the same round, requests/s and CPU per request
 (server plus driver), as median (min-max) over the rounds.  The machine is
 shared and noisy: compare only ratios within one run.
 
-``--quick`` is a smoke test for CI (about 25 s): one round of 1 s runs of
+``--quick`` is a smoke test for CI (about 20 s): one round of 1 s runs of
 a few variants.  The exit status is 1 if any run had a non-2xx response, a
 socket error, no response at all, a server that did not start, a shmwheel
 variant without its driver, or left anything in /dev/shm.  Every server
