@@ -155,6 +155,16 @@ def sibling_carries_on(server: Server, stuck: str, sibling: str, how: str, delay
     return pid
 
 
+def stream_is_cut_when_extend_is_too_short(server: Server, request_id: str) -> None:
+    """The control of the extend() tests: a stream that extends itself by
+    less than it waits between chunks times out, is interrupted, and its
+    connection closed half-way (the status has gone out: no 504 can)."""
+    status, body = get(server.port, "/stream?chunks=6&every=0.4&extend=0.2", WAIT, request_id)
+    assert status == 0 and "IncompleteRead" in body, (status, body)
+    pid = driver_pid(server, "/stream", request_id)
+    server.wait_for(interrupting("/stream", request_id, pid, ".*"))
+
+
 GUNICORN_ACCESS = r'"GET {path} HTTP/1\.1" 504 '
 UWSGI_ACCESS = r"GET {path} => generated \d+ bytes in \d+ msecs \(HTTP/1\.1 504\)"
 UVICORN_ACCESS = r'"GET {path} HTTP/1\.1" 504'
@@ -217,7 +227,11 @@ def test_warn_after_logs_a_slow_requests_stack_and_lets_it_finish(gthread: Serve
 
 def test_extend_keeps_a_streaming_response_alive_past_its_timeout(gthread: Server) -> None:
     """A Flask generator that calls extend(1 s) before each chunk streams for
-    2.4 s, past its 1 s timeout: every chunk arrives, and no stage fires."""
+    2.4 s, past its 1 s timeout: every chunk arrives, and no stage fires.
+    The same stream with extend(0.2 s), too little for its 0.4 s between
+    chunks, times out and is cut off: its response has started, so its
+    connection is closed."""
+    stream_is_cut_when_extend_is_too_short(gthread, "stream-short")
     start = time.monotonic()
     status, body = get(gthread.port, "/stream?chunks=6&every=0.4&extend=1.0", WAIT, "stream")
     assert time.monotonic() - start >= 2.4
@@ -377,17 +391,20 @@ def test_uvicorn_cpu_loop_in_an_async_endpoint_is_answered_504(uvicorn: Server) 
     a cancel: RequestTimeout is raised in the loop thread, inside the task's
     step; the sibling, which waited for the loop, is served after it, and
     the RequestTimeout goes no further than the middleware."""
+    mark = len(uvicorn.log())
     sibling_carries_on(
         uvicorn, f"/spin?s={STUCK}", "/await-sleep?s=0.2", r"RequestTimeout raised in task Task-\d+, which blocks "
         "the event loop", 0.3, UVICORN_ACCESS,
     )  # fmt: skip
     # Starlette answers the RequestTimeout 500, which the 504 replaced, and
     # raises it again: the middleware ends it there, not the server.
-    assert "Exception in ASGI application" not in uvicorn.log(), uvicorn.log()[-4000:]
+    assert "Exception in ASGI application" not in uvicorn.log()[mark:], uvicorn.log()[mark:]
 
 
 def test_uvicorn_extend_keeps_a_streaming_response_alive_past_its_timeout(uvicorn: Server) -> None:
-    """Starlette's StreamingResponse of an async generator that calls extend(1 s) per chunk, for 2.4 s."""
+    """Starlette's StreamingResponse of an async generator that calls
+    extend(1 s) per chunk, for 2.4 s; with extend(0.2 s) it is cut off."""
+    stream_is_cut_when_extend_is_too_short(uvicorn, "asgi-stream-short")
     start = time.monotonic()
     status, body = get(uvicorn.port, "/stream?chunks=6&every=0.4&extend=1.0", WAIT, "asgi-stream")
     assert time.monotonic() - start >= 2.4
