@@ -242,6 +242,21 @@ def test_extend_keeps_a_streaming_response_alive_past_its_timeout(gthread: Serve
     never_timed_out(gthread, "/stream", "stream")
 
 
+def test_extend_after_the_warn_after_stage_drops_the_timeout_the_driver_holds(gthread: Server) -> None:
+    """A stream whose first extend() comes at 0.7 s, after its warn_after
+    stage (0.5 s) has fired and the driver holds its timeout stage (1 s):
+    the worker tells the driver, which drops it, and the stream runs to
+    its end, 1.9 s, with no timeout."""
+    status, body = get(gthread.port, "/stream?chunks=3&every=0.4&extend=1.0&first=0.7", WAIT, "late-extend")
+    chunks = "".join(f"chunk {n}: extend() returned True\n" for n in range(3))
+    assert status == 200 and body.startswith(chunks), (status, body)
+    pid = pid_of((status, body.removeprefix(chunks)))
+    gthread.wait_for(rf"request is slow: GET /stream \(request late-extend, worker pid {pid}, ")
+    time.sleep(0.2)
+    never_timed_out(gthread, "/stream", "late-extend", slow=True)
+    assert "interrupting GET /stream (request late-extend," not in gthread.log()
+
+
 def test_no_timeout_exempts_a_request(gthread: Server) -> None:
     """A request that calls no_timeout() sleeps past its timeout and is answered 200, with no stage of it logged."""
     start = time.monotonic()

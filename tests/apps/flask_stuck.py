@@ -7,9 +7,10 @@
     GET /regex?n=N       a catastrophic regular expression: 2**N steps in C
                          with the GIL held (N = 26: a few seconds), which
                          nothing can interrupt
-    GET /stream?chunks=N&every=S&extend=E
+    GET /stream?chunks=N&every=S&extend=E&first=F
                          a streaming response of N chunks, S s apart, each
-                         preceded by shmwheel.contrib.extend(E)
+                         preceded by shmwheel.contrib.extend(E), the first
+                         F s after the response starts (default 0)
     GET /no-timeout?s=N  shmwheel.contrib.no_timeout(), then time.sleep(N)
 
 Under gevent's monkey-patching the first two yield to the hub, the last
@@ -98,8 +99,10 @@ def stream() -> Response:
     chunks = int(request.args.get("chunks", 5))
     every = float(request.args.get("every", 0.3))
     seconds = float(request.args.get("extend", 1.0))
+    first = float(request.args.get("first", 0.0))
 
     def generate() -> Iterator[str]:
+        time.sleep(first)
         for n in range(chunks):
             extended = extend(seconds)
             yield f"chunk {n}: extend() returned {extended}\n"
