@@ -257,15 +257,21 @@ def test_extend_after_the_warn_after_stage_drops_the_timeout_the_driver_holds(gt
     assert "interrupting GET /stream (request late-extend," not in gthread.log()
 
 
-def test_no_timeout_exempts_a_request(gthread: Server) -> None:
-    """A request that calls no_timeout() sleeps past its timeout and is answered 200, with no stage of it logged."""
+def exempted(server: Server, request_id: str) -> None:
+    """A request that calls no_timeout() sleeps past its timeout and is
+    answered 200, with no stage of it logged."""
     start = time.monotonic()
-    status, body = get(gthread.port, "/no-timeout?s=1.5", WAIT, "exempt")
+    status, body = get(server.port, "/no-timeout?s=1.5", WAIT, request_id)
     assert time.monotonic() - start >= 1.5
-    assert body.startswith("no_timeout() returned True; ")
+    assert body.startswith("no_timeout() returned True; "), (status, body)
     pid_of((status, body))
     time.sleep(0.2)  # a timer that fired anyway would be logged by now
-    never_timed_out(gthread, "/no-timeout", "exempt")
+    never_timed_out(server, "/no-timeout", request_id)
+
+
+def test_no_timeout_exempts_a_request(gthread: Server) -> None:
+    """no_timeout() in a Flask view, in a gthread worker's thread."""
+    exempted(gthread, "exempt")
 
 
 def test_a_request_in_a_c_call_that_holds_the_gil_goes_on_to_the_kill(tmp_path: Path) -> None:
@@ -427,3 +433,8 @@ def test_uvicorn_extend_keeps_a_streaming_response_alive_past_its_timeout(uvicor
     assert status == 200 and body.startswith(chunks), (status, body)
     pid_of((status, body.removeprefix(chunks)))
     never_timed_out(uvicorn, "/stream", "asgi-stream")
+
+
+def test_uvicorn_no_timeout_exempts_a_request(uvicorn: Server) -> None:
+    """no_timeout() in an async endpoint, which then awaits past its timeout."""
+    exempted(uvicorn, "asgi-exempt")

@@ -15,6 +15,7 @@ can be, for the end-to-end tests of the stacks the workers write.
     GET /stream        a streaming response of ``chunks`` chunks (default 5),
                        ``every`` seconds apart (0.3), each preceded by
                        shmwheel.contrib.extend(``extend``) (1.0)
+    GET /no-timeout    shmwheel.contrib.no_timeout(), then awaits asyncio.sleep
 
 Each stays stuck for ``s`` seconds (``?s=``, default 3), /regex for as long
 as its match takes.  ``app`` is wrapped in the ASGI middleware with a
@@ -38,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from shmwheel.contrib import extend
+from shmwheel.contrib import extend, no_timeout
 from shmwheel.contrib.asgi import TimeoutMiddleware
 
 
@@ -136,6 +137,12 @@ async def stream(request: Request) -> StreamingResponse:
     return StreamingResponse(generate(), media_type="text/plain")
 
 
+async def exempt(request: Request) -> PlainTextResponse:
+    exempted = no_timeout()
+    await await_sleep(_number(request, "s", 3.0))
+    return PlainTextResponse(f"no_timeout() returned {exempted}; done by pid {os.getpid()}\n")
+
+
 routes = Starlette(
     routes=[
         Route("/", index),
@@ -146,6 +153,7 @@ routes = Starlette(
         Route("/regex", regex),
         Route("/thread-sleep", thread_sleep),
         Route("/stream", stream),
+        Route("/no-timeout", exempt),
     ]
 )
 TIMEOUT = float(os.environ.get("SHMWHEEL_TEST_TIMEOUT", "1.0"))
