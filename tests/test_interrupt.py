@@ -16,8 +16,10 @@ A request stuck in a C call that holds the GIL (a catastrophic regular
 expression) cannot be interrupted: the driver says so once
 ``interrupt_grace`` has passed, and goes on to the kill.  ``warn_after``
 logs a slow request's stack and lets it finish; ``extend()`` keeps a
-streaming response alive past its first deadline; ``no_timeout()``
-exempts a request.
+streaming response alive past its first deadline (Flask and Starlette),
+also once its warn_after stage has fired, while the same stream extended
+too little is cut off; ``no_timeout()`` exempts a request (Flask and
+Starlette).
 
 Each server is started once for the tests that use it, with a 1 s timeout
 (0.5 s for the kill), from the apps in ``tests/apps``.
