@@ -231,7 +231,10 @@ class TimeoutMiddleware:
         try:
             await self.app({**scope, TIMED: handle}, receive, send_timed)
         except BaseException as exc:
-            if not timer.interrupted(handle):
+            # replaced: the 504 has gone out in place of the framework's
+            # answer (Starlette's 500, which re-raises the RequestTimeout
+            # after it), and finish() has already forgotten the interrupt.
+            if not (replaced or timer.interrupted(handle)):
                 raise
             if isinstance(exc, CancelledError) and hasattr(task, "uncancel"):
                 task.uncancel()  # ours, which ends here: its task is not being cancelled any more

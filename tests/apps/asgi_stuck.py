@@ -12,11 +12,17 @@ can be, for the end-to-end tests of the stacks the workers write.
                        throughout, and cannot be interrupted
     GET /thread-sleep  a synchronous endpoint: time.sleep in the thread
                        Starlette runs it in
+    GET /stream        a streaming response of ``chunks`` chunks (default 5),
+                       ``every`` seconds apart (0.3), each preceded by
+                       shmwheel.contrib.extend(``extend``) (1.0)
+    GET /no-timeout    shmwheel.contrib.no_timeout(), then awaits asyncio.sleep
 
 Each stays stuck for ``s`` seconds (``?s=``, default 3), /regex for as long
 as its match takes.  ``app`` is wrapped in the ASGI middleware with a
 timeout of ``SHMWHEEL_TEST_TIMEOUT`` seconds (default 1) and no kill;
-``routes`` is the same application unwrapped, for Gunicorn's ``install()``.
+``interrupting`` is the same with ``interrupt=True`` (a request is ended at
+its timeout and answered 504); ``routes`` is the same application
+unwrapped, for Gunicorn's ``install()``.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ import os
 import re
 import socket
 import time
+from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse
+from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from shmwheel.contrib import extend, no_timeout
 from shmwheel.contrib.asgi import TimeoutMiddleware
 
 
@@ -114,6 +122,27 @@ def thread_sleep(request: Request) -> PlainTextResponse:
     return _done()
 
 
+async def stream(request: Request) -> StreamingResponse:
+    chunks = int(_number(request, "chunks", 5))
+    every = _number(request, "every", 0.3)
+    seconds = _number(request, "extend", 1.0)
+
+    async def generate() -> AsyncIterator[str]:
+        for n in range(chunks):
+            extended = extend(seconds)
+            yield f"chunk {n}: extend() returned {extended}\n"
+            await asyncio.sleep(every)
+        yield f"done by pid {os.getpid()}\n"
+
+    return StreamingResponse(generate(), media_type="text/plain")
+
+
+async def exempt(request: Request) -> PlainTextResponse:
+    exempted = no_timeout()
+    await await_sleep(_number(request, "s", 3.0))
+    return PlainTextResponse(f"no_timeout() returned {exempted}; done by pid {os.getpid()}\n")
+
+
 routes = Starlette(
     routes=[
         Route("/", index),
@@ -123,6 +152,10 @@ routes = Starlette(
         Route("/spin", spin_endpoint),
         Route("/regex", regex),
         Route("/thread-sleep", thread_sleep),
+        Route("/stream", stream),
+        Route("/no-timeout", exempt),
     ]
 )
-app = TimeoutMiddleware(routes, timeout=float(os.environ.get("SHMWHEEL_TEST_TIMEOUT", "1.0")), kill=False)
+TIMEOUT = float(os.environ.get("SHMWHEEL_TEST_TIMEOUT", "1.0"))
+app = TimeoutMiddleware(routes, timeout=TIMEOUT, kill=False)
+interrupting = TimeoutMiddleware(routes, timeout=TIMEOUT, kill=False, interrupt=True, interrupt_grace=0.5)

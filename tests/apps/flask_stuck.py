@@ -7,6 +7,11 @@
     GET /regex?n=N       a catastrophic regular expression: 2**N steps in C
                          with the GIL held (N = 26: a few seconds), which
                          nothing can interrupt
+    GET /stream?chunks=N&every=S&extend=E&first=F
+                         a streaming response of N chunks, S s apart, each
+                         preceded by shmwheel.contrib.extend(E), the first
+                         F s after the response starts (default 0)
+    GET /no-timeout?s=N  shmwheel.contrib.no_timeout(), then time.sleep(N)
 
 Under gevent's monkey-patching the first two yield to the hub, the last
 two keep it.  Each way is a function of its own, which a timed-out
@@ -19,8 +24,11 @@ import os
 import re
 import socket
 import time
+from collections.abc import Iterator
 
 from flask import Flask, Response, request
+
+from shmwheel.contrib import extend, no_timeout
 
 app = Flask(__name__)
 
@@ -84,3 +92,28 @@ def spin() -> Response:
 def regex() -> Response:
     stuck_in_regex(int(request.args.get("n", 26)))
     return _done()
+
+
+@app.route("/stream")
+def stream() -> Response:
+    chunks = int(request.args.get("chunks", 5))
+    every = float(request.args.get("every", 0.3))
+    seconds = float(request.args.get("extend", 1.0))
+    first = float(request.args.get("first", 0.0))
+
+    def generate() -> Iterator[str]:
+        time.sleep(first)
+        for n in range(chunks):
+            extended = extend(seconds)
+            yield f"chunk {n}: extend() returned {extended}\n"
+            time.sleep(every)
+        yield f"done by pid {os.getpid()}\n"
+
+    return Response(generate(), mimetype="text/plain")
+
+
+@app.route("/no-timeout")
+def exempt() -> Response:
+    exempted = no_timeout()
+    stuck_in_sleep(_seconds())
+    return Response(f"no_timeout() returned {exempted}; done by pid {os.getpid()}\n", mimetype="text/plain")

@@ -1,0 +1,479 @@
+"""End to end: the stages of a late request, under real servers.
+
+With ``interrupt=True`` a request that runs past its timeout is ended where
+it runs and answered ``504 Gateway Timeout``, and its worker carries on:
+the sibling requests it serves meanwhile are answered, and the same worker
+(the pid in the app's "done by pid N") answers before and after.  Each
+way a worker serves a request is tried with the request it can be stuck
+in: a pure-Python CPU loop in a Gunicorn gthread worker's thread, in a
+gevent greenlet (which keeps the hub, so its sibling is served once it is
+ended) and in a uWSGI thread; a cooperative ``time.sleep`` under gevent; an
+``await asyncio.sleep`` (its task is cancelled) and a CPU loop (which
+blocks the event loop: the exception is raised in it) under Uvicorn.  The
+504 is in the server's access log.
+
+A request stuck in a C call that holds the GIL (a catastrophic regular
+expression) cannot be interrupted: the driver says so once
+``interrupt_grace`` has passed, and goes on to the kill.  ``warn_after``
+logs a slow request's stack and lets it finish; ``extend()`` keeps a
+streaming response alive past its first deadline (Flask and Starlette),
+also once its warn_after stage has fired, while the same stream extended
+too little is cut off; ``no_timeout()`` exempts a request (Flask and
+Starlette).
+
+Each server is started once for the tests that use it, with a 1 s timeout
+(0.5 s for the kill), from the apps in ``tests/apps``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from test_servers import (
+    BIN,
+    WAIT,
+    Server,
+    assert_nothing_left,
+    assert_nothing_left_of_asgi,
+    auto_driver_of,
+    free_port,
+    get,
+    serve,
+    serve_asgi,
+    uwsgi_ini,
+)
+from test_stuck_wsgi import gunicorn
+
+from shmwheel.contrib._interrupt import RESPONSE_BODY
+
+APPS = Path(__file__).resolve().parent / "apps"
+TIMEOUT = 1.0  # s: every server's, but the kill test's
+STUCK = 30  # s a stuck request would last if nothing ended it
+GATEWAY_TIMEOUT = (504, RESPONSE_BODY.decode())
+THREAD = r"thread 0x[0-9a-f]{16}(?:, (?:task|greenlet) 0x[0-9a-f]+)?"
+
+
+class Answer:
+    """A request sent in the background: its status, body, and when it was answered."""
+
+    def __init__(self, pool: ThreadPoolExecutor, port: int, path: str, request_id: str) -> None:
+        self.path = path
+        self.request_id = request_id
+        self.sent = time.monotonic()
+        self._future: Future[tuple[int, str, float]] = pool.submit(self._get, port)
+
+    def _get(self, port: int) -> tuple[int, str, float]:
+        status, body = get(port, self.path, WAIT, self.request_id)
+        return status, body, time.monotonic()
+
+    def result(self) -> tuple[int, str]:
+        status, body, _ = self._future.result()
+        return status, body
+
+    @property
+    def took(self) -> float:
+        return self._future.result()[2] - self.sent
+
+
+def pid_of(answer: tuple[int, str]) -> int:
+    """The worker that answered a request of the apps: "done by pid N"."""
+    status, body = answer
+    found = re.search(r"done by pid (\d+)\n$", body)
+    assert status == 200 and found is not None, answer
+    return int(found.group(1))
+
+
+def route(path: str) -> str:
+    return re.escape(path.split("?")[0])
+
+
+def timed_out(path: str, request_id: str, pid: int | str = r"\d+") -> str:
+    """The driver's line for a request it asks its worker to end."""
+    return (
+        rf"request timed out: GET {route(path)} \(request {re.escape(request_id)}, worker pid {pid}, {THREAD}\), "
+        r"running for [\d.]+ s; asking it to end the request \(SIGURG\)"
+    )
+
+
+def interrupting(path: str, request_id: str, pid: int, how: str) -> str:
+    """The worker's line as it ends a request: ``how`` (a pattern)."""
+    return (
+        rf"shmwheel: interrupting GET {route(path)} \(request {re.escape(request_id)}, worker pid {pid}, "
+        rf"{THREAD}\): {how}$"
+    )
+
+
+def driver_pid(server: Server, path: str, request_id: str) -> int:
+    """The worker pid of the one timed-out line of a request."""
+    server.wait_for(timed_out(path, request_id))
+    found = re.findall(timed_out(path, request_id, r"(\d+)"), server.log())
+    assert len(found) == 1, found
+    return int(found[0])
+
+
+def never_timed_out(server: Server, path: str, request_id: str, slow: bool = False) -> None:
+    """The request did not time out; unless it may be ``slow``, no stage of it fired at all."""
+    log = server.log()
+    request = rf"GET {route(path)} \(request {re.escape(request_id)},"
+    assert not re.search(rf"request timed out: {request}", log), log[-4000:]
+    if not slow:
+        assert not re.search(rf"request is slow: {request}", log), log[-4000:]
+
+
+def sibling_carries_on(
+    server: Server, name: str, *, stuck: str, sibling: str, delay: float, how: str, access: str
+) -> int:
+    """A stuck request (request id ``name``-stuck) and, ``delay`` s later, a
+    sibling of it (``name``-sibling) on the same (only) worker: the stuck one
+    is answered 504 within a few seconds of its timeout, which the worker
+    says it interrupted (``how``) and the access log shows (``access``,
+    with {path}); the sibling is answered 200 by the same worker, which
+    still answers afterwards.  Returns the worker's pid."""
+    before = pid_of(get(server.port, "/"))
+    with ThreadPoolExecutor(2) as pool:
+        hung = Answer(pool, server.port, stuck, f"{name}-stuck")
+        time.sleep(delay)
+        other = Answer(pool, server.port, sibling, f"{name}-sibling")
+        assert hung.result() == GATEWAY_TIMEOUT, server.log()[-4000:]
+        assert TIMEOUT <= hung.took < TIMEOUT + 4.0
+        assert pid_of(other.result()) == before
+    pid = driver_pid(server, stuck, hung.request_id)
+    assert pid == before
+    server.wait_for(interrupting(stuck, hung.request_id, pid, how))
+    server.wait_for(access.format(path=re.escape(stuck)))
+    never_timed_out(server, sibling, other.request_id, slow=True)
+    # Past interrupt_grace: the kill never came, the worker is the same.
+    time.sleep(max(0.0, hung.sent + TIMEOUT + 1.0 - time.monotonic()))
+    assert "after it was interrupted: it is in a C call" not in server.log(), server.log()[-5000:]
+    assert pid_of(get(server.port, "/")) == pid
+    return pid
+
+
+def stream_is_cut_when_extend_is_too_short(server: Server, request_id: str) -> None:
+    """The control of the extend() tests: a stream that extends itself by
+    less than it waits between chunks times out, is interrupted, and its
+    connection closed half-way (the status has gone out: no 504 can)."""
+    status, body = get(server.port, "/stream?chunks=6&every=0.4&extend=0.2", WAIT, request_id)
+    assert status == 0 and "IncompleteRead" in body, (status, body)
+    pid = driver_pid(server, "/stream", request_id)
+    server.wait_for(interrupting("/stream", request_id, pid, ".*"))
+
+
+GUNICORN_ACCESS = r'"GET {path} HTTP/1\.1" 504 '
+UWSGI_ACCESS = r"GET {path} => generated \d+ bytes in \d+ msecs \(HTTP/1\.1 504\)"
+UVICORN_ACCESS = r'"GET {path} HTTP/1\.1" 504'
+STAGES = f"timeout={TIMEOUT}, interrupt=True, interrupt_grace=0.5, kill=True, kill_after=2.0"
+
+
+@contextlib.contextmanager
+def stopped_cleanly(server: Server, signum: int = signal.SIGTERM) -> Iterator[Server]:
+    yield server
+    assert server.stop(signum) == 0
+    assert_nothing_left(server)
+
+
+def booted(server: Server) -> int:
+    return len(re.findall(r"Booting worker with pid: \d+", server.log()))
+
+
+# -- Gunicorn gthread: one worker, four threads -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def gthread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """warn_after 0.5 s, interrupt at 1 s, and kill on if a request outlives interrupt_grace."""
+    tmp_path, port = tmp_path_factory.mktemp("gthread"), free_port()
+    options = ("--workers", "1", "--threads", "4", "--access-logfile", "-")
+    cmd = gunicorn(tmp_path, port, "gthread", *options, install=f"{STAGES}, warn_after=0.5")
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        yield server
+
+
+def test_gthread_cpu_loop_is_answered_504_and_its_worker_serves_on(gthread: Server) -> None:
+    """A thread in a Python loop gets RequestTimeout at its timeout; the
+    request beside it in another thread finishes, and no worker is replaced."""
+    pid = sibling_carries_on(
+        gthread,
+        "gthread-spin",
+        stuck=f"/spin?s={STUCK}",
+        sibling="/sleep?s=0.8",
+        delay=0.1,
+        how="RequestTimeout raised in thread 0x[0-9a-f]{16}",
+        access=GUNICORN_ACCESS,
+    )
+    gthread.wait_for(rf"GET /spin \(request gthread-spin-stuck, worker pid {pid}, .*\) ended [\d.]+ s after "
+                     r"it was interrupted$")  # fmt: skip
+    assert booted(gthread) == 1
+
+
+def test_warn_after_logs_a_slow_requests_stack_and_lets_it_finish(gthread: Server) -> None:
+    """At warn_after the driver says the request is slow and its worker
+    writes its stack; the request finishes in time, answered 200."""
+    status, body = get(gthread.port, "/sleep?s=0.8", WAIT, "slow")
+    pid = pid_of((status, body))
+    request = rf"GET /sleep \(request slow, worker pid {pid}, {THREAD}\)"
+    gthread.wait_for(
+        rf"request is slow: {request}, running for 0\.[5-9]\d* s, 0\.[0-5]\d* s before its timeout; asking it for "
+        r"the request's stack \(SIGURG\)$"
+    )
+    gthread.wait_for(
+        rf"shmwheel: the stack of slow request {request}, running for [\d.]+ s, [\d.]+ s before its timeout \(most "
+        r'recent call last\):\n(?:  .*\n)*?  File ".*/tests/apps/flask_stuck\.py", line \d+, in stuck_in_sleep\n'
+    )
+    gthread.wait_for(rf"{request} finished, 0\.[89]\d* s after it started$")
+    assert "request timed out: GET /sleep (request slow," not in gthread.log()
+
+
+def test_extend_keeps_a_streaming_response_alive_past_its_timeout(gthread: Server) -> None:
+    """A Flask generator that calls extend(1 s) before each chunk streams for
+    2.4 s, past its 1 s timeout: every chunk arrives, and no stage fires.
+    The same stream with extend(0.2 s), too little for its 0.4 s between
+    chunks, times out and is cut off: its response has started, so its
+    connection is closed."""
+    stream_is_cut_when_extend_is_too_short(gthread, "stream-short")
+    start = time.monotonic()
+    status, body = get(gthread.port, "/stream?chunks=6&every=0.4&extend=1.0", WAIT, "stream")
+    assert time.monotonic() - start >= 2.4
+    chunks = [f"chunk {n}: extend() returned True\n" for n in range(6)]
+    assert status == 200 and body.startswith("".join(chunks)), (status, body)
+    pid_of((status, body.removeprefix("".join(chunks))))
+    gthread.wait_for(r'"GET /stream\?chunks=6&every=0\.4&extend=1\.0 HTTP/1\.1" 200 ')
+    never_timed_out(gthread, "/stream", "stream")
+
+
+def test_extend_after_the_warn_after_stage_drops_the_timeout_the_driver_holds(gthread: Server) -> None:
+    """A stream whose first extend() comes at 0.7 s, after its warn_after
+    stage (0.5 s) has fired and the driver holds its timeout stage (1 s):
+    the worker tells the driver, which drops it, and the stream runs to
+    its end, 1.9 s, with no timeout."""
+    status, body = get(gthread.port, "/stream?chunks=3&every=0.4&extend=1.0&first=0.7", WAIT, "late-extend")
+    chunks = "".join(f"chunk {n}: extend() returned True\n" for n in range(3))
+    assert status == 200 and body.startswith(chunks), (status, body)
+    pid = pid_of((status, body.removeprefix(chunks)))
+    gthread.wait_for(rf"request is slow: GET /stream \(request late-extend, worker pid {pid}, ")
+    time.sleep(0.2)
+    never_timed_out(gthread, "/stream", "late-extend", slow=True)
+    assert "interrupting GET /stream (request late-extend," not in gthread.log()
+
+
+def exempted(server: Server, request_id: str) -> None:
+    """A request that calls no_timeout() sleeps past its timeout and is
+    answered 200, with no stage of it logged."""
+    start = time.monotonic()
+    status, body = get(server.port, "/no-timeout?s=1.5", WAIT, request_id)
+    assert time.monotonic() - start >= 1.5
+    assert body.startswith("no_timeout() returned True; "), (status, body)
+    pid_of((status, body))
+    time.sleep(0.2)  # a timer that fired anyway would be logged by now
+    never_timed_out(server, "/no-timeout", request_id)
+
+
+def test_no_timeout_exempts_a_request(gthread: Server) -> None:
+    """no_timeout() in a Flask view, in a gthread worker's thread."""
+    exempted(gthread, "exempt")
+
+
+def test_a_request_in_a_c_call_that_holds_the_gil_goes_on_to_the_kill(tmp_path: Path) -> None:
+    """A regular expression that holds the GIL for seconds: no Python runs
+    in the worker, so it can neither write the stack nor be interrupted.
+    interrupt_grace later the driver says it has not ended and sends
+    SIGABRT, which a worker stuck in C cannot act on: SIGKILL ends it, and
+    Gunicorn replaces it."""
+    port = free_port()
+    install = "timeout=0.5, interrupt=True, interrupt_grace=0.5, kill=True, kill_after=1.0"
+    cmd = gunicorn(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        before = pid_of(get(port, "/"))
+        # The thread that answered has its post_request hook yet to run, which
+        # ends its request: once the regex holds the GIL, it never would.
+        time.sleep(0.3)
+        assert get(port, "/regex?n=27", WAIT, "regex")[0] == 0  # 2**27 steps: ended under the request
+        pid = driver_pid(server, "/regex", "regex")
+        assert pid == before
+        request = rf"GET /regex \(request regex, worker pid {pid}, {THREAD}\)"
+        server.wait_for(timed_out("/regex", "regex") + r", then SIGABRT if it has not ended 0\.5 s later, and "
+                        r"SIGKILL 1 s after that$")  # fmt: skip
+        server.wait_for(rf"worker pid {pid} did not write the stack of {request} within [\d.]+ s: no Python runs")
+        server.wait_for(
+            rf"{request} has not ended 0\.5 s after it was interrupted: it is in a C call that has not returned, "
+            r"or its code caught RequestTimeout; sending SIGABRT$"
+        )
+        server.wait_for(
+            rf"killed worker pid {pid} with SIGKILL: it was still there 1 s after SIGABRT, which it handles: .* "
+            rf"\({request} had run for [\d.]+ s\)$"
+        )
+        server.wait_for(rf"Worker \(pid:{pid}\) was sent SIGKILL")
+        server.wait_for(rf"Booting worker with pid: (?!{pid}\b)\d+")
+        give_up = time.monotonic() + WAIT
+        while (answer := get(port, "/"))[0] != 200:  # the new worker, once it serves
+            assert time.monotonic() < give_up, answer
+            time.sleep(0.1)
+        assert pid_of(answer) != pid
+        assert "interrupting GET /regex" not in server.log()  # no Python ran to do it
+        assert len(re.findall(r"request timed out: ", server.log())) == 1
+
+
+# -- Gunicorn gevent: one worker, greenlets ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gevent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp_path, port = tmp_path_factory.mktemp("gevent"), free_port()
+    cmd = gunicorn(tmp_path, port, "gevent", "--workers", "1", "--access-logfile", "-", install=STAGES)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        yield server
+
+
+def test_gevent_cpu_loop_is_answered_504_and_then_its_sibling_is_served(gevent: Server) -> None:
+    """A greenlet in a Python loop keeps the hub: the sibling sent meanwhile
+    waits, and is served, by the same worker, once RequestTimeout has ended
+    the loop in the greenlet's thread."""
+    sibling_carries_on(
+        gevent,
+        "gevent-spin",
+        stuck=f"/spin?s={STUCK}",
+        sibling="/sleep?s=0.2",
+        delay=0.3,
+        how="RequestTimeout raised in thread 0x[0-9a-f]{16}, where its greenlet runs",
+        access=GUNICORN_ACCESS,
+    )
+    # The sibling's request came in only once the hub ran again: after the interrupt.
+    log = gevent.log()
+    interrupted = re.search(r"shmwheel: interrupting GET /spin ", log)
+    served = re.search(r'"GET /sleep\?s=0\.2 HTTP/1\.1" 200 ', log)
+    assert interrupted is not None and served is not None and interrupted.start() < served.start(), log[-4000:]
+    assert booted(gevent) == 1
+
+
+def test_gevent_cooperative_sleep_is_answered_504(gevent: Server) -> None:
+    """A greenlet in time.sleep (gevent.sleep under monkey-patching) waits
+    in the hub: RequestTimeout is thrown into it there, and the worker goes on."""
+    sibling_carries_on(
+        gevent,
+        "gevent-sleep",
+        stuck=f"/sleep?s={STUCK}",
+        sibling="/sleep?s=0.5",
+        delay=0.3,
+        how=r"RequestTimeout thrown into greenlet 0x[0-9a-f]+",
+        access=GUNICORN_ACCESS,
+    )
+    assert booted(gevent) == 1
+
+
+# -- uWSGI: one process, four threads ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uwsgi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp_path, port = tmp_path_factory.mktemp("uwsgi"), free_port()
+    options = {
+        "module": "flask_stuck_uwsgi:application",
+        "pythonpath": str(APPS),
+        "processes": "1",
+        "threads": "4",
+        "shmwheel-timeout": str(TIMEOUT),
+        "shmwheel-interrupt": "true",
+        "shmwheel-interrupt-grace": "0.5",
+        "shmwheel-kill": "true",
+        "shmwheel-kill-after": "2",
+    }
+    cmd = [str(BIN / "uwsgi"), "--ini", str(uwsgi_ini(tmp_path, port, **options))]
+    with serve(cmd, port, tmp_path, "uwsgi") as server:
+        server.wait_for(r"driver \d+: running on wheel 'uwsgi-\d+'")
+        with stopped_cleanly(server, signal.SIGINT):
+            yield server
+            time.sleep(0.3)  # past the close of the last response, in C (see test_servers' group shutdown)
+
+
+def test_uwsgi_thread_in_a_cpu_loop_is_answered_504_and_its_worker_serves_on(uwsgi: Server) -> None:
+    """``shmwheel-interrupt = true``: a thread in a Python loop gets
+    RequestTimeout; the request in the worker's other thread finishes, and
+    uWSGI respawns nothing."""
+    sibling_carries_on(
+        uwsgi,
+        "uwsgi-spin",
+        stuck=f"/spin?s={STUCK}",
+        sibling="/sleep?s=0.8",
+        delay=0.1,
+        how="RequestTimeout raised in thread 0x[0-9a-f]{16}",
+        access=UWSGI_ACCESS,
+    )
+    assert "Respawned uWSGI worker" not in uwsgi.log()
+
+
+# -- Uvicorn: the ASGI middleware ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uvicorn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``--workers 1``, which is one process, the app wrapped in
+    TimeoutMiddleware(interrupt=True): every request is served by the same
+    event loop.  (SIGINT stops it with status 0; on SIGTERM Uvicorn ends by
+    the signal once it has shut down.)"""
+    tmp_path, port = tmp_path_factory.mktemp("uvicorn"), free_port()
+    cmd = [str(BIN / "uvicorn"), "asgi_stuck:interrupting", "--app-dir", str(APPS), "--host", "127.0.0.1",
+           "--port", str(port), "--workers", "1"]  # fmt: skip
+    with serve_asgi(cmd, port, tmp_path) as server:
+        driver = auto_driver_of(server)
+        yield server
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left_of_asgi(server, driver)
+
+
+def test_uvicorn_awaiting_task_is_cancelled_and_answered_504(uvicorn: Server) -> None:
+    """A task in ``await asyncio.sleep`` is cancelled through its loop; a
+    sibling task that awaits on the same loop finishes."""
+    sibling_carries_on(
+        uvicorn,
+        "asgi-await",
+        stuck=f"/await-sleep?s={STUCK}",
+        sibling="/await-sleep?s=0.6",
+        delay=0.5,
+        how=r"task Task-\d+ cancelled",
+        access=UVICORN_ACCESS,
+    )
+
+
+def test_uvicorn_cpu_loop_in_an_async_endpoint_is_answered_504(uvicorn: Server) -> None:
+    """A CPU loop in an async endpoint blocks the loop, which could never run
+    a cancel: RequestTimeout is raised in the loop thread, inside the task's
+    step; the sibling, which waited for the loop, is served after it, and
+    the RequestTimeout goes no further than the middleware."""
+    mark = len(uvicorn.log())
+    sibling_carries_on(
+        uvicorn,
+        "asgi-spin",
+        stuck=f"/spin?s={STUCK}",
+        sibling="/await-sleep?s=0.2",
+        delay=0.3,
+        how=r"RequestTimeout raised in task Task-\d+, which blocks the event loop",
+        access=UVICORN_ACCESS,
+    )
+    # Starlette answers the RequestTimeout 500, which the 504 replaced, and
+    # raises it again: the middleware ends it there, not the server.
+    assert "Exception in ASGI application" not in uvicorn.log()[mark:], uvicorn.log()[mark:]
+
+
+def test_uvicorn_extend_keeps_a_streaming_response_alive_past_its_timeout(uvicorn: Server) -> None:
+    """Starlette's StreamingResponse of an async generator that calls
+    extend(1 s) per chunk, for 2.4 s; with extend(0.2 s) it is cut off."""
+    stream_is_cut_when_extend_is_too_short(uvicorn, "asgi-stream-short")
+    start = time.monotonic()
+    status, body = get(uvicorn.port, "/stream?chunks=6&every=0.4&extend=1.0", WAIT, "asgi-stream")
+    assert time.monotonic() - start >= 2.4
+    chunks = "".join(f"chunk {n}: extend() returned True\n" for n in range(6))
+    assert status == 200 and body.startswith(chunks), (status, body)
+    pid_of((status, body.removeprefix(chunks)))
+    never_timed_out(uvicorn, "/stream", "asgi-stream")
+
+
+def test_uvicorn_no_timeout_exempts_a_request(uvicorn: Server) -> None:
+    """no_timeout() in an async endpoint, which then awaits past its timeout."""
+    exempted(uvicorn, "asgi-exempt")
