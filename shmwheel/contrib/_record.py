@@ -19,6 +19,8 @@ the path (little-endian)::
         24     8  the OS thread that runs the request, _thread.get_ident()
                   (the original, not gevent's or eventlet's patched one)
         32     8  its asyncio task or greenlet, id(), or 0
+                  (the request id is empty when its client sent none: the
+                  worker's pid and the request's start stand in)
         40     1  stack signal: the worker writes the request's own stack
                   on it (0: it cannot be asked)
         41     1  dump signal: faulthandler writes every thread's stack on
@@ -241,7 +243,9 @@ def decode_request(payload: bytes) -> RequestRecord | None:
     at = HEAD.size
     method = payload[at : at + m_len].decode("ascii", "replace")
     at += m_len
-    request_id = payload[at : at + r_len].decode("ascii", "replace")
+    # A request without an id of its client's has one of its worker's: its
+    # pid and its start, which no other request of that worker shares.
+    request_id = payload[at : at + r_len].decode("ascii", "replace") or f"{pid:x}.{started_ns & 0xFFFFFFFF:08x}"
     at += r_len
     path = payload[at:].decode("utf-8", "replace")
     if not _METHOD.fullmatch(method):

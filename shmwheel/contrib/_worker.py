@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextvars
 import decimal
-import itertools
 import logging
 import math
 import os
@@ -32,12 +31,19 @@ from ._interrupt import interrupt
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
     DUMP_SIGNAL,
+    GREENLET,
+    HEAD,
+    INTERRUPT,
     KIND_ANSWER,
     KIND_FINISHED,
     KIND_RELEASED,
     KIND_REQUEST,
+    MAGIC,
+    MAX_METHOD,
     PAYLOAD_SIZE,
     REQUEST_ID,
+    TASK,
+    WARN,
     RequestRecord,
     check_traceback_signal,
     decode_request,
@@ -68,12 +74,23 @@ timed_apps: weakref.WeakSet[object] = weakref.WeakSet()
 _request_timers: weakref.WeakSet[RequestTimer] = weakref.WeakSet()
 
 
-def _new_locks_after_fork() -> None:
+# This process's pid, kept here rather than asked for per request (a system
+# call): set again in a forked child, and checked once a second besides
+# (LOOK_INTERVAL_NS), should something fork without Python's fork hooks.
+_pid = os.getpid()
+
+
+def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
     for timer in list(_request_timers):
         timer._lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_new_locks_after_fork)
+os.register_at_fork(after_in_child=_after_fork)
+_new_active = tuple.__new__  # Active(...) without NamedTuple's keyword handling: half the cost
+_monotonic_ns = time.monotonic_ns
+_pack = HEAD.pack
 
 
 class RequestTimer:
@@ -139,12 +156,14 @@ class RequestTimer:
         self._wheel: Wheel | None = None
         self._start = 0
         self._size = PAYLOAD_SIZE
-        self._ids = itertools.count(1)
         self._retry_at = 0.0
         self._warned_at = -math.inf
         self._look_at = 0  # time.monotonic_ns() when to check the name still names our wheel
         self._old: list[Wheel] = []  # wheels replaced under us, for the cancels of their requests
         self._timeout_ns = round(self.timeout * 1e9)
+        self._timeout_ms = -(-self._timeout_ns // 1_000_000)
+        self._delay = (self._timeout_ns if self.warn_after is None else self._warn_ns) / 1e9  # to the first stage
+        self._flags = INTERRUPT if interrupt else 0  # the record's flags every request of this timer has
         self._stack_signal = 0  # the signals this process listens on, as its records name them
         self._dump_signal = 0
         self._active: dict[int, Active] = {}  # handle: a request of this process in progress
@@ -161,7 +180,7 @@ class RequestTimer:
         return self._ready() is not None
 
     def _ready(self) -> Wheel | None:
-        pid = os.getpid()
+        pid = _pid
         wheel = self._wheel  # once: another thread may drop it meanwhile
         if self._pid == pid and wheel is not None:
             return wheel
@@ -170,7 +189,6 @@ class RequestTimer:
                 self._pid = pid
                 self._wheel = None
                 self._old = []
-                self._ids = itertools.count(1)
                 self._active = {}
                 self._interrupted = set()
                 self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
@@ -248,18 +266,16 @@ class RequestTimer:
         header, from which the request's time is counted when it is sane
         (see :func:`queued_ns`).  The handle stays the request's for
         :meth:`finish` even if :func:`extend` gives it another timer."""
-        now = time.monotonic_ns()
-        if now >= self._look_at and self._pid == os.getpid():
-            self._look_at = now + LOOK_INTERVAL_NS
-            current = self._wheel  # once: another thread may drop it meanwhile
-            if current is not None and not current.is_current():  # removed by hand (rm, an old unlink)
-                self._replaced(current)
-            elif current is not None and self.auto_driver is not None:  # its driver may have died
-                self._drive(self.auto_driver)
-        wheel = self._ready()
-        if wheel is None:
-            return None
+        now = _monotonic_ns()
+        if now >= self._look_at:
+            self._look(now)
+        wheel = self._wheel
+        if wheel is None or self._pid != _pid:
+            wheel = self._ready()
+            if wheel is None:
+                return None
         timeout_ns = self._timeout_ns
+        delay: float | None = self._delay  # to the first stage, in seconds, for the default timeout
         if self._routes is not None:
             try:
                 route_ns = self._routes(method, path)
@@ -268,48 +284,98 @@ class RequestTimer:
             else:
                 if route_ns is None:
                     return None  # exempt
-                timeout_ns = route_ns
+                if route_ns != timeout_ns:
+                    timeout_ns = route_ns
+                    delay = None
         started = now
-        if request_start is not None:
-            started = now - queued_ns(request_start, time.time_ns())
-        if request_id is None or not REQUEST_ID.fullmatch(request_id):
-            request_id = f"{self._pid:x}.{next(self._ids)}"
+        if request_start is not None and (queued := queued_ns(request_start, time.time_ns())):
+            started -= queued
+            delay = None
+        warn = 0 < self._warn_ns < timeout_ns
+        due = started + (self._warn_ns if warn else timeout_ns)
+        if delay is None:
+            delay = max(due - now, 0) / 1e9
+        # The record, packed here rather than by encode_request(): the same
+        # bytes, for a third of the cost.  A method, id or path too long for
+        # its field or the payload takes encode_request()'s way, which cuts it.
+        if request_id is not None and not REQUEST_ID.fullmatch(request_id):
+            request_id = None  # the record's own id, from the worker's pid and the start, stands in
+        m = method.encode("ascii", "replace")
+        r = b"" if request_id is None else request_id.encode("ascii")
+        p = path.encode("utf-8", "surrogateescape")
         thread = self._get_ident()
-        kind = ""
+        flags = self._flags | (WARN if warn else 0)
         if task is not None:
-            kind = "task"
+            flags |= TASK
         elif self._getcurrent is not None:
             current = self._getcurrent()
             if current.parent is not None:  # not the thread's own: a greenlet that serves the request
-                task, kind = current, "greenlet"
-        warn = 0 < self._warn_ns < timeout_ns
-        due = started + (self._warn_ns if warn else timeout_ns)
+                task = current
+                flags |= GREENLET
         try:
-            payload = encode_request(
-                KIND_REQUEST, self._pid, self._start, started, method, request_id, path, self._size,
-                thread=thread, task=id(task) if task is not None else 0, task_kind=kind,
-                stack_signal=self._stack_signal, dump_signal=self._dump_signal,
-                timeout_ms=-(-timeout_ns // 1_000_000), warn=warn, interrupt=self.interrupt,
-            )  # fmt: skip
-            handle = self._add(wheel, max(due - now, 0) / 1e9, payload)
+            if len(m) <= MAX_METHOD and HEAD.size + len(m) + len(r) + len(p) <= self._size:
+                payload = b"".join((
+                    _pack(KIND_REQUEST, len(m), len(r), flags, self._pid, self._start, started, thread,
+                          0 if task is None else id(task), self._stack_signal, self._dump_signal, MAGIC,
+                          self._timeout_ms if timeout_ns == self._timeout_ns else -(-timeout_ns // 1_000_000)),
+                    m, r, p,
+                ))  # fmt: skip
+            else:
+                payload = encode_request(
+                    KIND_REQUEST, self._pid, self._start, started, method, request_id or "", path, self._size,
+                    thread=thread, task=0 if task is None else id(task),
+                    task_kind="task" if flags & TASK else "greenlet" if flags & GREENLET else "",
+                    stack_signal=self._stack_signal, dump_signal=self._dump_signal,
+                    timeout_ms=-(-timeout_ns // 1_000_000), warn=warn, interrupt=self.interrupt,
+                )  # fmt: skip
+            handle: int | None = wheel.add(delay, payload, cancel_on_exit=True)
+        except SegmentRemovedError:  # removed or replaced: the name may hold another wheel now
+            handle = self._add_again(wheel, delay, payload)
         except (ShmwheelError, ValueError) as exc:
             self._warn(f"a request runs without a timeout: {exc}")
             return None
         if handle is None:
             return None
-        self._active[handle] = Active(payload, due, thread, task, handle, started + timeout_ns, self.interrupt)
+        self._active[handle] = _new_active(
+            Active, (payload, due, thread, task, handle, started + timeout_ns, self.interrupt)
+        )
         _current.set((self, handle))
         return handle
+
+    def _look(self, now: int) -> None:
+        """Once a second, from start(): that the wheel's name still names
+        this wheel, that its driver runs, and that this is the process that
+        the pid kept names."""
+        global _pid
+        self._look_at = now + LOOK_INTERVAL_NS
+        if _pid != os.getpid():  # forked without Python's fork hooks
+            _after_fork()
+            return
+        if self._pid != _pid:
+            return  # not attached in this process yet
+        current = self._wheel  # once: another thread may drop it meanwhile
+        if current is not None and not current.is_current():  # removed by hand (rm, an old unlink)
+            self._replaced(current)
+        elif current is not None and self.auto_driver is not None:  # its driver may have died
+            self._drive(self.auto_driver)
+
+    def _add_again(self, wheel: Wheel, delay: float, payload: bytes) -> int | None:
+        """The add of a request whose wheel was removed or replaced: on the name's wheel now, if any."""
+        self._replaced(wheel)
+        again = self._ready()
+        if again is None:
+            return None
+        try:
+            return again.add(delay, payload, cancel_on_exit=True)
+        except (ShmwheelError, ValueError) as exc:
+            self._warn(f"a request runs without a timeout: {exc}")
+            return None
 
     def _add(self, wheel: Wheel, delay: float, payload: bytes) -> int | None:
         try:
             return wheel.add(delay, payload, cancel_on_exit=True)
-        except SegmentRemovedError:  # removed or replaced: the name may hold another wheel now
-            self._replaced(wheel)
-            again = self._ready()
-            if again is None:
-                return None
-            return again.add(delay, payload, cancel_on_exit=True)
+        except SegmentRemovedError:
+            return self._add_again(wheel, delay, payload)
 
     def active(self) -> dict[int, Active]:
         """A copy of this process's table of requests in progress, by handle."""
@@ -354,17 +420,24 @@ class RequestTimer:
         attached again yet: its timer is still cancelled there, or a request
         that ended in time would be timed out by a driver that still drives
         the old wheel."""
-        if handle is None or self._pid != os.getpid():
+        if handle is None or self._pid != _pid:
             return
         active = self._active.pop(handle, None)
         if active is None:  # exempted by no_timeout(), or finished already
             return
-        self._interrupted.discard(handle)
+        if self._interrupted:
+            self._interrupted.discard(handle)
+        wheel = self._wheel
+        try:
+            if wheel is not None and wheel.cancel(active.handle):
+                return
+        except ShmwheelError:
+            pass  # the others are tried, and say
         if self._cancel(active.handle) is not False:
             return
         # Not cancelled: its timer has fired, and the driver is acting on a
         # request that has ended.  Told, it leaves the worker alone.
-        if time.monotonic_ns() >= active.deadline_ns - SLACK_NS:
+        if _monotonic_ns() >= active.deadline_ns - SLACK_NS:
             self._tell(active.payload, KIND_FINISHED)
 
     def _cancel(self, handle: int) -> bool | None:
@@ -385,7 +458,7 @@ class RequestTimer:
         """Give the request of ``handle`` ``seconds`` from now (None: no
         timeout at all); False if it has no timer, or has timed out."""
         active = self._active.get(handle)
-        if active is None or handle in self._interrupted or self._pid != os.getpid():
+        if active is None or handle in self._interrupted or self._pid != _pid:
             return False
         now = time.monotonic_ns()
         cancelled = self._cancel(active.handle)

@@ -46,7 +46,7 @@ class TimeoutMiddleware:
 
     The request id in the timeout's log line is the client's
     ``X-Request-Id`` header if it has a sane one, else the worker's pid and
-    a counter.  The timer's handle is in the environ as ``shmwheel.timer``
+    the request's start.  The timer's handle is in the environ as ``shmwheel.timer``
     (None if the request runs without one).
     """
 
