@@ -74,6 +74,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -412,18 +413,28 @@ def stuck_requests(port: int, path: str, timeout: float, count: int, inflight: i
     query = f"{path}?s={timeout + STUCK_EXTRA:g}"
     per = [count // inflight + (i < count % inflight) for i in range(inflight)]
 
+    abort = threading.Event()  # the benchmark is being stopped: no more requests
+
     def one_client(index: int, n: int) -> list[tuple[int, int]]:
-        time.sleep(index * timeout / inflight)  # spread: not every deadline in the same tick
+        abort.wait(index * timeout / inflight)  # spread: not every deadline in the same tick
         out = []
         for _ in range(n):
+            if abort.is_set():
+                break
             status, sent, answered, _ = request(port, query, timeout + STUCK_EXTRA + 15.0)
             late = round((answered - sent - timeout) * 1e9) if status else 0
             out.append((status, late))
         return out
 
-    with ThreadPoolExecutor(inflight) as pool:
+    pool = ThreadPoolExecutor(inflight)
+    try:
         futures = [pool.submit(one_client, i, n) for i, n in enumerate(per) if n]
         return [r for f in futures for r in f.result()]
+    finally:
+        # On Ctrl-C or SIGTERM, return at once: the server is stopped next,
+        # which ends the requests the clients wait for.
+        abort.set()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def run_model(model: Model, cfg: Config, servers: Servers, ctx: Any) -> ModelResult:
