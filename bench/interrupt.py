@@ -78,7 +78,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from _common import SHM_DIR, Segments, distribution_ms, progress, scratch, strict_json, terminate
@@ -695,6 +695,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, metavar="N", help="stuck requests per model")
     names = [m.name for m in MODELS]
     parser.add_argument("--models", metavar="A,B", help=f"the models to run (default all: {','.join(names)})")
+    parser.add_argument(
+        "--inflight", type=int, metavar="N", help="stuck requests in flight at once, for the models that run several"
+    )
     parser.add_argument("--no-servers", action="store_true", help="only what a request pays (section 3)")
     parser.add_argument("--no-cost", action="store_true", help="only the servers (sections 1 and 2)")
     args = parser.parse_args(argv)
@@ -704,6 +707,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"unknown model(s): {', '.join(sorted(unknown))}; known: {', '.join(names)}")
     if args.samples is not None and args.samples < 1:
         parser.error("--samples must be at least 1")
+    if args.inflight is not None and args.inflight < 1:
+        parser.error("--inflight must be at least 1")
     if args.timeout is not None and not 0.01 <= args.timeout <= 60:
         parser.error("--timeout must be between 0.01 and 60 s")
     return args
@@ -716,6 +721,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = Config(**{**asdict(cfg), **changes})
     chosen = set(args.models.split(",")) if args.models else {m.name for m in MODELS}
     models = [] if args.no_servers else [m for m in MODELS if m.name in chosen]
+    if args.inflight is not None:
+        models = [replace(m, inflight=args.inflight) if m.inflight > 1 else m for m in models]
     signal.signal(signal.SIGTERM, terminate)
     ctx = multiprocessing.get_context("fork")  # the stream starts before this process has any thread
 
