@@ -28,7 +28,12 @@ What it measures:
      monkey-patched ``time.sleep``: ``RequestTimeout`` thrown into it from
      its hub;
    * ``gevent-spin``: the same worker, a greenlet in a CPU loop, which
-     keeps the hub: raised in its thread.
+     keeps the hub: raised in its thread;
+   * ``gthread-sleep``, only when ``--models`` names it: the limit of the
+     thread model.  A thread in a C call (``time.sleep``, a blocking
+     ``recv``) sees the exception only once the call returns, here 3 s
+     after the deadline: its 504 comes then, and the driver logs that the
+     request has not ended ``interrupt_grace`` after its interrupt.
 
    Several stuck requests are in flight at once where the worker can run
    them side by side (gthread, an awaiting task, a waiting greenlet); one
@@ -57,6 +62,9 @@ their drivers and their wheels are removed however the benchmark ends
 Usage::
 
     python bench/interrupt.py [--quick] [--json FILE] [--timeout S] [--samples N] [--models A,B]
+                              [--inflight N] [--logs DIR] [--no-servers | --no-cost]
+
+A full run takes about four minutes, ``--quick`` about half a minute.
 """
 
 from __future__ import annotations
@@ -174,7 +182,7 @@ class Config:
     loops: int  # requests per case and round in section 3
 
 
-FULL = Config("full", samples=120, timeout=0.2, rounds=9, loops=20_000)
+FULL = Config("full", samples=200, timeout=0.2, rounds=9, loops=20_000)
 QUICK = Config("quick", samples=8, timeout=0.2, rounds=3, loops=3_000)
 
 
@@ -185,6 +193,7 @@ class Model:
     path: str  # /spin or /sleep
     inflight: int  # stuck requests in flight at once
     how: str  # how the request is ended, for the table
+    default: bool = True  # run unless --models names others
 
 
 MODELS = (
@@ -193,6 +202,9 @@ MODELS = (
     Model("asgi-spin", "uvicorn", "/spin", 1, "RequestTimeout raised in the loop thread, in the task's step"),
     Model("gevent-sleep", "gevent", "/sleep", 4, "RequestTimeout thrown into the greenlet from its hub"),
     Model("gevent-spin", "gevent", "/spin", 1, "RequestTimeout raised in the thread the greenlet runs in"),
+    # The limit, on request only: a thread in a C call sees the exception
+    # when the call returns, here STUCK_EXTRA s after its deadline.
+    Model("gthread-sleep", "gthread", "/sleep", 2, "RequestTimeout raised once time.sleep returns", default=False),
 )
 
 
@@ -278,8 +290,9 @@ class Servers:
     """Starts servers, each in a session of its own, and stops them, their
     drivers and their wheels however the benchmark ends."""
 
-    def __init__(self, tmp: str) -> None:
+    def __init__(self, tmp: str, logs: str | None = None) -> None:
         self.tmp = tmp
+        self.logs = logs or tmp  # where the servers' logs go
         self.running: list[Server] = []
         with open(os.path.join(tmp, f"{APP_MODULE}.py"), "w", encoding="utf-8") as f:
             f.write(APPS)
@@ -310,7 +323,7 @@ class Servers:
         for attempt in range(3):  # a port taken between free_port() and the bind: another one
             port = free_port()
             cmd, env, prefix = self.command(kind, port, timeout)
-            log_path = os.path.join(self.tmp, f"{kind}-{len(self.running)}-{attempt}.log")
+            log_path = os.path.join(self.logs, f"{kind}-{time.strftime('%H%M%S')}-{attempt}.log")
             with open(log_path, "wb") as out:
                 proc = subprocess.Popen(
                     cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -694,10 +707,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, metavar="S", help=f"the request timeout T (default {FULL.timeout:g})")
     parser.add_argument("--samples", type=int, metavar="N", help="stuck requests per model")
     names = [m.name for m in MODELS]
-    parser.add_argument("--models", metavar="A,B", help=f"the models to run (default all: {','.join(names)})")
+    default = ",".join(m.name for m in MODELS if m.default)
+    others = ",".join(m.name for m in MODELS if not m.default)
+    parser.add_argument("--models", metavar="A,B", help=f"the models to run (default {default}; also {others})")
     parser.add_argument(
         "--inflight", type=int, metavar="N", help="stuck requests in flight at once, for the models that run several"
     )
+    parser.add_argument("--logs", metavar="DIR", help="keep the servers' logs in DIR (default: removed with the rest)")
     parser.add_argument("--no-servers", action="store_true", help="only what a request pays (section 3)")
     parser.add_argument("--no-cost", action="store_true", help="only the servers (sections 1 and 2)")
     args = parser.parse_args(argv)
@@ -719,7 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = QUICK if args.quick else FULL
     changes = {k: v for k, v in (("samples", args.samples), ("timeout", args.timeout)) if v is not None}
     cfg = Config(**{**asdict(cfg), **changes})
-    chosen = set(args.models.split(",")) if args.models else {m.name for m in MODELS}
+    chosen = set(args.models.split(",")) if args.models else {m.name for m in MODELS if m.default}
     models = [] if args.no_servers else [m for m in MODELS if m.name in chosen]
     if args.inflight is not None:
         models = [replace(m, inflight=args.inflight) if m.inflight > 1 else m for m in models]
@@ -733,7 +749,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     costs: list[CostRow] = []
     try:
         with scratch(segs, prefix="shmwheel-bench-interrupt-") as tmp:
-            servers = Servers(tmp)
+            if args.logs:
+                os.makedirs(args.logs, exist_ok=True)
+            servers = Servers(tmp, args.logs)
             try:
                 for model in models:
                     progress(f"{model.name}: {cfg.samples} stuck requests, {model.inflight} in flight")
