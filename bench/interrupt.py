@@ -75,6 +75,7 @@ import contextlib
 import gc
 import importlib.metadata
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -90,7 +91,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from _common import SHM_DIR, Segments, distribution_ms, progress, scratch, strict_json, terminate
+from _common import SHM_DIR, CpuMeter, Segments, distribution_ms, progress, scratch, strict_json, terminate
 from _machine import machine_info
 
 import shmwheel
@@ -416,6 +417,8 @@ class ModelResult:
     ended_ms: dict[str, float]  # from the driver's log: its signal to the worker's word that the request ended
     interrupt_lines: int  # "interrupting ..." lines in the server's log
     not_ended_lines: int  # "... has not ended ... after it was interrupted"
+    busy: float  # the whole machine while the stuck requests ran: CPU busy, of all its CPUs
+    stolen: float  # and the share the hypervisor gave to others
     seconds: float
     late_ns: list[int] = field(default_factory=list, repr=False)
 
@@ -479,7 +482,10 @@ def run_model(model: Model, cfg: Config, servers: Servers, ctx: Any) -> ModelRes
         stream.start()
         try:
             time.sleep(0.2)
+            meter = CpuMeter({})
+            meter.start()
             got = stuck_requests(server.port, model.path, cfg.timeout, cfg.samples, model.inflight)
+            cpu = meter.stop()
             time.sleep(0.2)
         finally:
             stop.set()
@@ -511,6 +517,8 @@ def run_model(model: Model, cfg: Config, servers: Servers, ctx: Any) -> ModelRes
         ended_ms=distribution_ms(from_log(ENDED_LINE, log)),
         interrupt_lines=log.count("shmwheel: interrupting "),
         not_ended_lines=log.count("after it was interrupted: it is in a C call"),
+        busy=cpu.busy / cpu.capacity if cpu.capacity else math.nan,
+        stolen=cpu.steal / cpu.capacity if cpu.capacity else math.nan,
         seconds=time.monotonic() - started,
         late_ns=late,
     )
@@ -684,11 +692,15 @@ def report(cfg: Config, machine: dict[str, Any], models: list[ModelResult], cost
             f"one worker per server; lateness = the 504's first byte - (request sent + T), measured by the client",
             f"- Siblings: fast GET / to the same worker every {SIBLING_INTERVAL * 1e3:g} ms from another "
             "process, a new connection each, while the stuck requests are interrupted",
+            "- Machine busy / stolen: the CPU time of the whole machine (this benchmark, its servers and whatever "
+            "else runs) while the stuck requests ran, and the share the hypervisor gave to other guests, as a "
+            "fraction of all its CPUs",
             "",
             "| model | how it is ended | in flight | 504s / stuck requests | deadline → 504 p50 / p99 / max ms "
             "| of which: deadline → driver's signal, p50 / p99 ms | signal → request ended, p50 / p99 ms "
-            "| siblings | siblings not 200 | sibling latency p50 / p99 / max ms | worker pids seen |",
-            "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| siblings | siblings not 200 | sibling latency p50 / p99 / max ms | worker pids seen "
+            "| machine busy / stolen |",
+            "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for m in models:
             lines.append(
@@ -696,7 +708,7 @@ def report(cfg: Config, machine: dict[str, Any], models: list[ModelResult], cost
                 + (f" (other: {fmt_counts(m.other)})" if m.other else "")
                 + f" | {fmt_ms(m.late_ms)} | {fmt_ms(m.driver_ms, ('p50', 'p99'))} "
                 f"| {fmt_ms(m.ended_ms, ('p50', 'p99'))} | {m.siblings} | {fmt_counts(m.siblings_not_200)} "
-                f"| {fmt_ms(m.sibling_ms)} | {len(m.sibling_pids)} |"
+                f"| {fmt_ms(m.sibling_ms)} | {len(m.sibling_pids)} | {m.busy:.0%} / {m.stolen:.0%} |"
             )
     if costs:
         lines += [
