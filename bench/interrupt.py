@@ -46,7 +46,14 @@ What it measures:
    must be answered 200, by the same worker process (none is killed: kill
    is off); where the stuck request blocks the worker, they wait for it,
    and their latency shows it.
-3. **What a request pays**, in this process, cases interleaved in each
+3. **At the deadline**: on each server, after the siblings' stream, requests
+   whose work lasts about their timeout (T +- 5 ms), and how each ended: a
+   whole 200 (it ended first), a 504 (the interrupt reached it in the
+   application), or a 200 cut short: the interrupt reached it while the
+   server wrote its response, whose status line had gone, and the server
+   closed the connection (as documented: "its connection closed if its
+   response has started").  Reported, not judged.
+4. **What a request pays**, in this process, cases interleaved in each
    round (the median of the rounds is reported): ``RequestTimer.start`` +
    ``finish`` with the defaults (today's path), with ``warn_after`` and
    ``interrupt=True``, and with routes too; the WSGI
@@ -78,6 +85,7 @@ import json
 import math
 import multiprocessing
 import os
+import random
 import re
 import signal
 import socket
@@ -180,12 +188,13 @@ class Config:
     name: str
     samples: int  # stuck requests per model
     timeout: float  # T, s
-    rounds: int  # interleaved rounds of section 3
+    edge: int  # requests that end about at their deadline, per model
+    rounds: int  # interleaved rounds of section 4
     loops: int  # requests per case and round in section 3
 
 
-FULL = Config("full", samples=200, timeout=0.2, rounds=31, loops=5_000)
-QUICK = Config("quick", samples=8, timeout=0.2, rounds=5, loops=2_000)
+FULL = Config("full", samples=200, timeout=0.2, edge=100, rounds=31, loops=5_000)
+QUICK = Config("quick", samples=8, timeout=0.2, edge=8, rounds=5, loops=2_000)
 
 
 @dataclass(frozen=True)
@@ -417,6 +426,7 @@ class ModelResult:
     ended_ms: dict[str, float]  # from the driver's log: its signal to the worker's word that the request ended
     interrupt_lines: int  # "interrupting ..." lines in the server's log
     not_ended_lines: int  # "... has not ended ... after it was interrupted"
+    edge: dict[str, int]  # how the requests that end about at their deadline ended
     busy: float  # the whole machine while the stuck requests ran: CPU busy, of all its CPUs
     stolen: float  # and the share the hypervisor gave to others
     seconds: float
@@ -469,6 +479,33 @@ def stuck_requests(port: int, path: str, timeout: float, count: int, inflight: i
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+EDGE_MS = 5.0  # the edge requests' work lasts T +- this
+
+
+def edge_requests(port: int, path: str, timeout: float, count: int, inflight: int) -> dict[str, int]:
+    """``count`` requests whose work lasts about their timeout (T +- EDGE_MS,
+    uniformly), ``inflight`` at a time: how each ended.  One that ends just
+    before its deadline is answered 200; one the interrupt reaches in the
+    application, 504; one it reaches while the server writes the response,
+    which has started, is cut short (its status line and headers, then a
+    closed connection), as the middlewares' documentation says."""
+    rng = random.Random(1)
+    queries = [f"{path}?s={timeout + rng.uniform(-EDGE_MS, EDGE_MS) / 1e3:.4f}" for _ in range(count)]
+    outcomes: collections.Counter[str] = collections.Counter()
+
+    def one_client(part: list[str]) -> None:
+        for query in part:
+            status, _, _, body = request(port, query, timeout + STUCK_EXTRA + 15.0)
+            if status == 200:
+                outcomes["200" if body.startswith(b"ok ") else "200 cut short"] += 1
+            else:
+                outcomes[str(status) if status else "broken"] += 1
+
+    with ThreadPoolExecutor(inflight) as pool:
+        list(pool.map(one_client, [queries[i::inflight] for i in range(inflight)]))
+    return dict(outcomes)
+
+
 def run_model(model: Model, cfg: Config, servers: Servers, ctx: Any) -> ModelResult:
     started = time.monotonic()
     server = servers.start(model.server, cfg.timeout)
@@ -495,6 +532,7 @@ def run_model(model: Model, cfg: Config, servers: Servers, ctx: Any) -> ModelRes
                 stream.join(10)
                 if stream.is_alive():
                     stream.kill()
+        edge = edge_requests(server.port, model.path, cfg.timeout, cfg.edge, model.inflight)
         log = server.log()
     finally:
         servers.stop(server)
@@ -517,6 +555,7 @@ def run_model(model: Model, cfg: Config, servers: Servers, ctx: Any) -> ModelRes
         ended_ms=distribution_ms(from_log(ENDED_LINE, log)),
         interrupt_lines=log.count("shmwheel: interrupting "),
         not_ended_lines=log.count("after it was interrupted: it is in a C call"),
+        edge=edge,
         busy=cpu.busy / cpu.capacity if cpu.capacity else math.nan,
         stolen=cpu.steal / cpu.capacity if cpu.capacity else math.nan,
         seconds=time.monotonic() - started,
@@ -524,7 +563,7 @@ def run_model(model: Model, cfg: Config, servers: Servers, ctx: Any) -> ModelRes
     )
 
 
-# -- 3: what a request pays ----------------------------------------------------------------
+# -- 4: what a request pays ----------------------------------------------------------------
 
 # The calling thread's CPU time: what a request costs the worker, without
 # the time this thread spends descheduled, which on a shared machine is most
@@ -710,6 +749,20 @@ def report(cfg: Config, machine: dict[str, Any], models: list[ModelResult], cost
                 f"| {fmt_ms(m.ended_ms, ('p50', 'p99'))} | {m.siblings} | {fmt_counts(m.siblings_not_200)} "
                 f"| {fmt_ms(m.sibling_ms)} | {len(m.sibling_pids)} | {m.busy:.0%} / {m.stolen:.0%} |"
             )
+    if models:
+        lines += [
+            "",
+            f"Requests whose work lasts about their timeout, T ± {EDGE_MS:g} ms (after the siblings' stream): "
+            "how they ended",
+            "",
+            "| model | requests | 200, whole | 504 | 200 cut short (headers, then the connection closed) | other |",
+            "|:---|---:|---:|---:|---:|:---|",
+        ]
+        for m in models:
+            e = dict(m.edge)
+            whole, gone, cut = e.pop("200", 0), e.pop("504", 0), e.pop("200 cut short", 0)
+            other = ", ".join(f"{n}× {k}" for k, n in sorted(e.items())) or "0"
+            lines.append(f"| {m.model} | {sum(m.edge.values())} | {whole} | {gone} | {cut} | {other} |")
     if costs:
         lines += [
             "",
@@ -751,8 +804,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--inflight", type=int, metavar="N", help="stuck requests in flight at once, for the models that run several"
     )
     parser.add_argument("--logs", metavar="DIR", help="keep the servers' logs in DIR (default: removed with the rest)")
-    parser.add_argument("--no-servers", action="store_true", help="only what a request pays (section 3)")
-    parser.add_argument("--no-cost", action="store_true", help="only the servers (sections 1 and 2)")
+    parser.add_argument("--no-servers", action="store_true", help="only what a request pays (section 4)")
+    parser.add_argument("--no-cost", action="store_true", help="only the servers (sections 1 to 3)")
     args = parser.parse_args(argv)
     if args.models:
         unknown = set(args.models.split(",")) - set(names)
