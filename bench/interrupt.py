@@ -64,7 +64,7 @@ What it measures:
 Exit status 1 if a stuck request did not get its 504 or a sibling did not
 get its 200.  Every server runs in a process group of its own; the servers,
 their drivers and their wheels are removed however the benchmark ends
-(Ctrl-C, SIGTERM, an error), and so is the wheel of section 3.
+(Ctrl-C, SIGTERM, an error), and so is the wheel of section 4.
 
 Usage::
 
@@ -190,7 +190,7 @@ class Config:
     timeout: float  # T, s
     edge: int  # requests that end about at their deadline, per model
     rounds: int  # interleaved rounds of section 4
-    loops: int  # requests per case and round in section 3
+    loops: int  # requests per case and round in section 4
 
 
 FULL = Config("full", samples=200, timeout=0.2, edge=100, rounds=31, loops=5_000)
@@ -532,8 +532,9 @@ def run_model(model: Model, cfg: Config, servers: Servers, ctx: Any) -> ModelRes
                 stream.join(10)
                 if stream.is_alive():
                     stream.kill()
+        time.sleep(0.3)  # the driver's last lines about the stuck requests
+        log = server.log()  # theirs only: the edge requests' lines would mix with them
         edge = edge_requests(server.port, model.path, cfg.timeout, cfg.edge, model.inflight)
-        log = server.log()
     finally:
         servers.stop(server)
     late = [ns for status, ns in got if status == 504]
