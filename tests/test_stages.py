@@ -357,9 +357,42 @@ def test_wsgi_interrupt_answers_504_and_leaves_the_other_requests_alone(driven) 
     # The framework's 500 for RequestTimeout is replaced; a RequestTimeout out of the app is answered.
     assert answers["/spin"] == answers["/raise"] == answers["/late"] == timeout
     assert answers["/extend"] == answers["/exempt"] == answers["/"] == ("200 OK", b"ok")
-    log = driven.log.read_text()
+    # The driver hears of each interrupted request's end through the wheel, a moment after the client.
+    give_up = time.monotonic() + WAIT
+    while len(re.findall(r"ended 0\.\d{3} s after it was interrupted", log := driven.log.read_text())) < 3:
+        assert time.monotonic() < give_up, log
+        time.sleep(0.05)
     assert "/extend" not in log and "/exempt" not in log, log
     assert len(re.findall(r"ended 0\.\d{3} s after it was interrupted", log)) == 3, log
+
+
+def test_an_interrupt_never_lands_in_the_servers_code_that_writes_the_response(driven) -> None:
+    """The application has answered; the server spins in Python writing the
+    response past the timeout: the interrupt waits for the application's
+    next chunk rather than cutting the server short (without the gate the
+    server's loop gets RequestTimeout)."""
+    name = driven("--interrupt-grace", "2")
+
+    def chunks() -> Iterator[bytes]:
+        yield b"one"
+        yield b"two"
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterator[bytes]:
+        start_response("200 OK", [])
+        return chunks()
+
+    middleware = TimeoutMiddleware(app, name, 0.3, interrupt=True)
+    statuses: list[str] = []
+    body = middleware({"REQUEST_METHOD": "GET", "PATH_INFO": "/"}, lambda s, h, e=None: statuses.append(s))
+    parts = iter(body)
+    assert next(parts) == b"one"
+    spin(1.0)  # the server writing "one": Python, where an interrupt would land
+    rest = list(parts)  # the next chunk: the application's again, where the interrupt comes
+    body.close()  # type: ignore[attr-defined]
+    assert statuses == ["200 OK", "504 Gateway Timeout"]  # (a real server would close the connection here)
+    assert rest == [b"504 Gateway Timeout: the request took too long\n"]
+    log = driven.log.read_text()
+    assert "asking it to end the request" in log
 
 
 def test_asgi_interrupt_cancels_an_awaiting_task_and_ends_one_that_blocks_the_loop(driven) -> None:

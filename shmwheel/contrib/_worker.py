@@ -151,6 +151,14 @@ class RequestTimer:
         self._routes = compile_routes(routes, round(self.timeout * 1e9))
         self._warn_ns = 0 if self.warn_after is None else round(self.warn_after * 1e9)
         self._interrupted: set[int] = set()  # handles of the requests interrupted
+        #: Handles of the requests whose code is the application's right now,
+        #: kept by the adapters that answer an interrupted request (``gated``):
+        #: a request only ever sees its interrupt there, never in the
+        #: server's code that writes its response, which would cut the
+        #: response short.  One that is not there when its timeout comes is
+        #: interrupted when it next enters the application, if it does.
+        self.in_app: set[int] = set()
+        self.gated = False
         self._lock = threading.Lock()
         self._pid = 0
         self._wheel: Wheel | None = None
@@ -191,6 +199,7 @@ class RequestTimer:
                 self._old = []
                 self._active = {}
                 self._interrupted = set()
+                self.in_app = set()
                 self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
                 self._get_ident = real("_thread", "get_ident")
                 self._start = start_time(pid) or 0
@@ -396,7 +405,12 @@ class RequestTimer:
         if not active.interrupt or handle in self._interrupted:
             return
         self._interrupted.add(handle)
-        how = interrupt(active.thread, active.task, lambda: handle in self._active)
+        if not self.gated:
+            how = interrupt(active.thread, active.task, lambda: handle in self._active)
+        elif handle in self.in_app:
+            how = interrupt(active.thread, active.task, lambda: handle in self.in_app)
+        else:
+            how = "its response is being written: it is ended if it goes back into the application"
         server_logger().warning("shmwheel: interrupting %s: %s", record.describe(), how)
 
     def answer(self, payload: bytes) -> None:

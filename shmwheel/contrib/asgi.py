@@ -213,6 +213,13 @@ class TimeoutMiddleware:
                 finished = True
                 timer.finish(handle)
 
+        # With interrupt, the request is in timer.in_app while the
+        # application's code runs, not while the server sends what it
+        # gave: an interrupt then would cut its response short.
+        gated = timer.interrupt and handle is not None
+        in_app = timer.in_app
+        mark = -1 if handle is None else handle
+
         async def send_timed(message: Message) -> None:
             nonlocal started, replaced
             if replaced:
@@ -224,11 +231,22 @@ class TimeoutMiddleware:
                     finish()
                     return
                 started = True
-            await send(message)
+            if not gated:
+                await send(message)
+            else:
+                in_app.discard(mark)
+                await send(message)
+                if not finished:
+                    in_app.add(mark)
+                if timer.interrupted(handle) and not _completes(message):
+                    raise RequestTimeout()  # it came while the server sent: the application's code ends here
             if _completes(message):
                 finish()
 
         try:
+            if gated:
+                timer.gated = True
+                in_app.add(mark)
             await self.app({**scope, TIMED: handle}, receive, send_timed)
         except BaseException as exc:
             # replaced: the 504 has gone out in place of the framework's
@@ -245,6 +263,8 @@ class TimeoutMiddleware:
             replaced = True
             await _send_504(send)
         finally:
+            if gated:
+                in_app.discard(mark)
             finish()
 
 

@@ -118,7 +118,10 @@ def _call_interruptible(
     """The application's answer, or 504 once the timer has interrupted the
     request: whatever the application says after its interrupt (a framework
     that answers RequestTimeout with a 500, as Flask and Django do) is
-    replaced, and a RequestTimeout that comes out of it is answered."""
+    replaced, and a RequestTimeout that comes out of it is answered.  The
+    request is in ``timer.in_app`` while the application's code runs, and
+    only there is it interrupted."""
+    timer.gated = True
     replaced = [False]
 
     def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
@@ -127,20 +130,31 @@ def _call_interruptible(
             return start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS), exc_info)
         return start_response(status, headers, exc_info)
 
+    in_app = timer.in_app
     try:
+        in_app.add(handle)
+        if timer.interrupted(handle):  # while the server had it, before the application
+            raise RequestTimeout()
         body = app(environ, start)
+        in_app.discard(handle)  # in the try: an interrupt that lands here is answered too
     except RequestTimeout:
+        in_app.discard(handle)
         if not timer.interrupted(handle):
             raise
         start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS), sys.exc_info())
         return [RESPONSE_BODY]
+    except BaseException:
+        in_app.discard(handle)
+        raise
     return _InterruptibleBody(body, start_response, timer, handle, replaced)
 
 
 class _InterruptibleBody:
     """An interruptible request's body: the 504's once its answer was
-    replaced; a RequestTimeout in the middle of it answered 504 if nothing
-    has been sent yet, else raised, and the server closes the connection."""
+    replaced; a RequestTimeout while the application makes a chunk (in
+    ``timer.in_app``), or an interrupt that came while the server wrote the
+    last one, answered 504 if nothing has been sent yet, else raised, and
+    the server closes the connection."""
 
     def __init__(
         self,
@@ -157,19 +171,33 @@ class _InterruptibleBody:
         self._replaced = replaced
 
     def __iter__(self) -> Iterator[bytes]:
-        try:
-            for chunk in self._body:
-                if self._replaced[0]:
-                    break
-                yield chunk
-        except RequestTimeout:
-            if not self._timer.interrupted(self._handle):
+        timer, handle, in_app = self._timer, self._handle, self._timer.in_app
+        chunks = iter(self._body)
+        while not self._replaced[0]:
+            try:
+                in_app.add(handle)
+                if timer.interrupted(handle):
+                    raise RequestTimeout()
+                chunk = next(chunks)
+                in_app.discard(handle)
+            except StopIteration:
+                in_app.discard(handle)
+                return
+            except RequestTimeout:
+                in_app.discard(handle)
+                if not timer.interrupted(handle):
+                    raise
+                # Raises again if the headers have gone out: the connection is closed.
+                self._start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS), sys.exc_info())
+                self._replaced[0] = True
+                break
+            except BaseException:
+                in_app.discard(handle)
                 raise
-            # Raises again if the headers have gone out: the connection is closed.
-            self._start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS), sys.exc_info())
-            self._replaced[0] = True
-        if self._replaced[0]:
-            yield RESPONSE_BODY
+            if self._replaced[0]:
+                break
+            yield chunk
+        yield RESPONSE_BODY
 
     def close(self) -> None:
         close = getattr(self._body, "close", None)
