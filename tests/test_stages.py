@@ -366,6 +366,33 @@ def test_wsgi_interrupt_answers_504_and_leaves_the_other_requests_alone(driven) 
     assert len(re.findall(r"ended 0\.\d{3} s after it was interrupted", log)) == 3, log
 
 
+def test_x_request_start_counts_the_time_the_request_queued(driven) -> None:
+    """A request the proxy took 0.8 s ago, with a 1 s timeout, times out
+    after 0.2 s of its own; the same without the header runs its 0.5 s."""
+    name = driven("--interrupt-grace", "2")
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        spin(0.5)
+        start_response("200 OK", [])
+        return [b"ok"]
+
+    middleware = TimeoutMiddleware(app, name, 1.0, interrupt=True, x_request_start=True)
+
+    def call_queued(queued: float | None) -> str:
+        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/q"}
+        if queued is not None:
+            environ["HTTP_X_REQUEST_START"] = f"t={time.time() - queued:.3f}"  # nginx's $msec
+        statuses: list[str] = []
+        body = middleware(environ, lambda s, h, e=None: statuses.append(s))
+        b"".join(body)
+        body.close()  # type: ignore[attr-defined]
+        return statuses[-1]
+
+    assert call_queued(0.8) == "504 Gateway Timeout"
+    assert call_queued(None) == "200 OK"
+    assert re.search(r"request timed out: GET /q \(.*\), running for 1\.\d{3} s", driven.log.read_text())
+
+
 def test_an_interrupt_never_lands_in_the_servers_code_that_writes_the_response(driven) -> None:
     """The application has answered; the server spins in Python writing the
     response past the timeout: the interrupt waits for the application's
