@@ -183,6 +183,28 @@ def booted(server: Server) -> int:
     return len(re.findall(r"Booting worker with pid: \d+", server.log()))
 
 
+# -- Gunicorn sync: one worker, the request in its main thread -------------------
+
+
+def test_sync_worker_cpu_loop_is_answered_504_and_the_worker_serves_on(tmp_path: Path) -> None:
+    """The sync worker runs its one request in its main thread: RequestTimeout
+    there, a 504, and the request queued behind it is served by the same
+    worker, which Gunicorn did not replace."""
+    port = free_port()
+    cmd = gunicorn(tmp_path, port, "sync", "--workers", "1", "--access-logfile", "-", install=STAGES)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        sibling_carries_on(
+            server,
+            "sync-spin",
+            stuck=f"/spin?s={STUCK}",
+            sibling="/sleep?s=0.1",
+            delay=0.1,
+            how="RequestTimeout raised in thread 0x[0-9a-f]{16}",
+            access=GUNICORN_ACCESS,
+        )
+        assert booted(server) == 1
+
+
 # -- Gunicorn gthread: one worker, four threads -----------------------------------
 
 
