@@ -525,3 +525,28 @@ def test_gunicorn_install_checks_the_stages_in_the_config() -> None:
         gunicorn.install({}, 5.0, routes={"upload": 60})
     with pytest.raises(TypeError, match="x_request_start must be True or False"):
         gunicorn.install({}, 5.0, x_request_start="yes")  # type: ignore[arg-type]
+
+
+def test_gunicorn_says_at_boot_that_eventlet_requests_cannot_be_interrupted() -> None:
+    """interrupt=True under the eventlet worker would do nothing: the master says so."""
+    from types import SimpleNamespace
+
+    from shmwheel.contrib import gunicorn
+
+    class EventletWorker:  # named as Gunicorn's, which needs eventlet to import
+        pass
+
+    EventletWorker.__module__ = "gunicorn.workers.geventlet"
+    EventletWorker.__qualname__ = "EventletWorker"
+    said: list[str] = []
+    log = SimpleNamespace(warning=lambda msg, *a: said.append(msg % a), info=lambda *a: None)
+    for interrupt in (False, True):
+        server = SimpleNamespace(
+            log=log, worker_class=EventletWorker, cfg=SimpleNamespace(timeout=30, worker_class_str="eventlet")
+        )
+        settings = gunicorn._Settings(
+            name=None, timeout=5.0, actions=TimeoutActions(), traceback_signal=signal.SIGURG, capacity=10,
+            kill_signal_given=False, stages={"interrupt": interrupt}, x_request_start=False,
+        )  # fmt: skip
+        gunicorn._check_setup(server, settings, gunicorn.HOOKS)
+    assert len(said) == 1 and said[0].startswith("shmwheel: interrupt=True cannot end a request of the eventlet")

@@ -175,6 +175,12 @@ class TimeoutMiddleware:
         )  # fmt: skip
 
     def _resolve(self) -> RequestTimer:
+        if self.interrupt and "hypercorn.trio.run" in sys.modules:
+            server_logger().warning(
+                "shmwheel: interrupt=True cannot end a request of Hypercorn's trio worker (a trio task cannot be "
+                "cancelled from outside trio): its timed-out requests are logged, and with kill=True killed; use "
+                "the asyncio worker to have them ended"
+            )
         name = self.name or os.environ.get(WHEEL_ENV)
         if name:
             try:

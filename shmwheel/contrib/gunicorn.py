@@ -342,6 +342,12 @@ def _check_setup(server: Any, settings: _Settings, how: str) -> None:
             "shmwheel: kill_signal SIGABRT ends a Uvicorn worker with a core dump (it sets SIGABRT back to its "
             "default action): leave kill_signal out, and SIGTERM is sent"
         )
+    if settings.stages["interrupt"] and "gunicorn.workers.geventlet.EventletWorker" in _ancestry(worker_class):
+        server.log.warning(
+            "shmwheel: interrupt=True cannot end a request of the eventlet worker (only gevent's greenlets can be "
+            "interrupted from another thread): its timed-out requests are logged, and with kill=True killed; use "
+            "the gevent worker to have them ended"
+        )
     heartbeat = float(cfg.timeout)
     kind = str(cfg.worker_class_str)
     if (kind == "sync" or kind.endswith("SyncWorker")) and 0 < heartbeat <= settings.timeout:
