@@ -21,6 +21,7 @@ class Timer:
         size: int,
         max_method: int,
         max_request_id: int,
+        task_flag: int,
         greenlet_flag: int,
         active: dict[int, Any],
         interrupted: set[int],
@@ -30,5 +31,5 @@ class Timer:
         getcurrent: Any,
         interrupt: bool,
     ) -> None: ...
-    def start(self, now_ns: int, method: str, path: str, request_id: str | None) -> int | None: ...
+    def start(self, now_ns: int, method: str, path: str, request_id: str | None, task: object) -> int | None: ...
     def finish(self, handle: int) -> Any: ...

@@ -17,7 +17,17 @@ from conftest import mutex_span
 import shmwheel
 from shmwheel._binding import ffi, lib
 from shmwheel._fast import Timer
-from shmwheel.contrib._record import DEFAULT_TRACEBACK_SIGNAL, GREENLET, HEAD, KIND_REQUEST, MAGIC, MAX_METHOD, MAX_REQUEST_ID, decode_request
+from shmwheel.contrib._record import (
+    DEFAULT_TRACEBACK_SIGNAL,
+    GREENLET,
+    HEAD,
+    KIND_REQUEST,
+    MAGIC,
+    MAX_METHOD,
+    MAX_REQUEST_ID,
+    TASK,
+    decode_request,
+)
 from shmwheel.contrib._stacks import Active
 from shmwheel.contrib._worker import RequestTimer, current_handle
 
@@ -53,12 +63,12 @@ def _timer(wheel: shmwheel.Wheel, **kw: object) -> RequestTimer:
 def test_fast_start_packs_the_record_its_own_path_packs(make_wheel, method: str, path: str, request_id) -> None:
     """The C record is byte-identical to the Python one, and so is the table's entry."""
     wheel = make_wheel(payload_size=256)
-    for kw in ({}, {"warn_after": 10.0}, {"warn_after": 10.0, "interrupt": True}):
+    for kw, task in (({}, None), ({"warn_after": 10.0}, None), ({"warn_after": 10.0, "interrupt": True}, object())):
         timer = _timer(wheel, **kw)
         assert timer._fast is not None
         now = time.monotonic_ns()
-        fast = timer._fast.start(now, method, path, request_id)
-        slow = timer._start_slow(now, method, path, request_id, None, None)
+        fast = timer._fast.start(now, method, path, request_id, task)
+        slow = timer._start_slow(now, method, path, request_id, task, None)
         assert slow is not None
         if fast is None:  # what the C path gives back: only records to cut or replace characters in
             assert len(method) > 32 or not method.isascii() or len(timer._active[slow].payload) == 256
@@ -99,7 +109,7 @@ def test_fast_start_in_a_greenlet_names_it(make_wheel) -> None:
 
     def serve() -> None:
         now = time.monotonic_ns()
-        fast = timer._fast.start(now, "GET", "/g", "r")
+        fast = timer._fast.start(now, "GET", "/g", "r", None)
         slow = timer._start_slow(now, "GET", "/g", "r", None, None)
         got.append((timer._active[fast], timer._active[slow]))
         timer.finish(fast)
@@ -189,7 +199,7 @@ def test_a_closed_wheel_makes_the_fast_path_give_up(make_wheel, caplog) -> None:
     timer._look_at = 2**62  # not the once-a-second look, which a wheel closed under it fails (fstat)
     timer._wheel.close()  # type: ignore[union-attr]
     assert core.closed
-    assert fast.start(time.monotonic_ns(), "GET", "/x", "r") is None
+    assert fast.start(time.monotonic_ns(), "GET", "/x", "r", None) is None
     assert timer.start("GET", "/x", "r") is None  # its own path says why
     assert "closed" in caplog.text
 
@@ -205,8 +215,8 @@ def test_the_core_outlives_its_wheel_object_safely(make_wheel) -> None:
     head = HEAD.pack(KIND_REQUEST, 0, 0, 0, os.getpid(), 0, 0, 0, 0, 0, 0, MAGIC, 30_000)
     var: contextvars.ContextVar[object] = contextvars.ContextVar("request")
     timer = Timer(core, head, 30.0, 30 * 10**9, 30 * 10**9, wheel.payload_size, MAX_METHOD, MAX_REQUEST_ID,
-                  GREENLET, active, set(), var, None, Active, None, False)  # fmt: skip
-    h = timer.start(time.monotonic_ns(), "GET", "/x", None)
+                  TASK, GREENLET, active, set(), var, None, Active, None, False)  # fmt: skip
+    h = timer.start(time.monotonic_ns(), "GET", "/x", None, None)
     assert h is not None and set(active) == {h} and var.get() == (None, h)
     assert len(wheel) == 1
     assert timer.finish(h) is True and not active and len(wheel) == 0

@@ -145,6 +145,7 @@ typedef struct {
     Py_ssize_t  size;           /* the wheel's payload size */
     Py_ssize_t  max_method;     /* _record.MAX_METHOD */
     Py_ssize_t  max_request_id; /* _record.MAX_REQUEST_ID */
+    uint8_t     task_flag;      /* _record.TASK */
     uint8_t     greenlet_flag;  /* _record.GREENLET */
     PyObject   *active;         /* dict: the RequestTimer's requests in progress */
     PyObject   *interrupted;    /* set: their handles, once interrupted */
@@ -193,17 +194,17 @@ static void Timer_dealloc(TimerObject *self)
 static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"core", "head", "delay", "due_ns", "timeout_ns", "size", "max_method",
-                            "max_request_id", "greenlet_flag", "active", "interrupted", "var", "owner",
+                            "max_request_id", "task_flag", "greenlet_flag", "active", "interrupted", "var", "owner",
                             "active_type", "getcurrent", "interrupt", NULL};
     PyObject *core, *head, *active, *interrupted, *var, *owner, *active_type, *getcurrent, *interrupt;
     double delay;
     long long due, timeout;
     Py_ssize_t size, max_method, max_request_id;
-    unsigned char greenlet_flag;
+    unsigned char task_flag, greenlet_flag;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SdLLnnnbO!O!OOO!OO:Timer", names,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SdLLnnnbbO!O!OOO!OO:Timer", names,
                                      &CoreType, &core, &head, &delay, &due, &timeout, &size, &max_method,
-                                     &max_request_id, &greenlet_flag, &PyDict_Type, &active,
+                                     &max_request_id, &task_flag, &greenlet_flag, &PyDict_Type, &active,
                                      &PySet_Type, &interrupted, &var, &owner, &PyType_Type, &active_type,
                                      &getcurrent, &interrupt))
         return -1;
@@ -234,6 +235,7 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     self->size = size;
     self->max_method = max_method;
     self->max_request_id = max_request_id;
+    self->task_flag = task_flag;
     self->greenlet_flag = greenlet_flag;
     self->active = Py_NewRef(active);
     self->interrupted = Py_NewRef(interrupted);
@@ -286,7 +288,7 @@ static Py_ssize_t request_id_of(const TimerObject *self, PyObject *rid, const ch
     return n;
 }
 
-/* start(now_ns, method, path, request_id): the request's handle, its timer
+/* start(now_ns, method, path, request_id, task): the request's handle, its timer
  * added and the request filed; or None, having changed nothing, for the
  * caller's own path to take it (a record to cut or a method to replace
  * characters of, the segment's lock held by another, the wheel closed,
@@ -304,8 +306,8 @@ static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_
     uint8_t flags;
     shmw_t *w = self->core->w;
 
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "start(now_ns, method, path, request_id)");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "start(now_ns, method, path, request_id, task)");
         return NULL;
     }
     if (!w)
@@ -338,7 +340,11 @@ static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_
     }
 
     flags = (uint8_t)PyBytes_AS_STRING(self->head)[OFF_FLAGS];
-    if (self->getcurrent != Py_None) {
+    if (args[4] != Py_None) {
+        /* The asyncio or trio task that runs the request. */
+        task = args[4];
+        flags |= self->task_flag;
+    } else if (self->getcurrent != Py_None) {
         /* A greenlet that is not its thread's own serves the request. */
         PyObject *parent;
         if (!(current = PyObject_CallNoArgs(self->getcurrent)))
@@ -460,7 +466,7 @@ static PyObject *Timer_finish(TimerObject *self, PyObject *const *args, Py_ssize
 
 static PyMethodDef Timer_methods[] = {
     {"start", (PyCFunction)(void (*)(void))Timer_start, METH_FASTCALL,
-     "start(now_ns, method, path, request_id): the handle, or None for the caller's own path."},
+     "start(now_ns, method, path, request_id, task): the handle, or None for the caller's own path."},
     {"finish", (PyCFunction)(void (*)(void))Timer_finish, METH_FASTCALL,
      "finish(handle): None if not in the table, True if cancelled, else the Active taken out."},
     {NULL, NULL, 0, NULL},

@@ -241,7 +241,7 @@ class RequestTimer:
 
         return Timer(
             core, head, self._delay, self._warn_ns if warn else self._timeout_ns, self._timeout_ns, self._size,
-            MAX_METHOD, MAX_REQUEST_ID, GREENLET, self._active, self._interrupted, _current, self, Active,
+            MAX_METHOD, MAX_REQUEST_ID, TASK, GREENLET, self._active, self._interrupted, _current, self, Active,
             self._getcurrent, self.interrupt,
         )  # fmt: skip
 
@@ -305,8 +305,8 @@ class RequestTimer:
         if now >= self._look_at:
             self._look(now)
         fast = self._fast
-        if fast is not None and task is None and request_start is None and self._pid == _pid:
-            fast_handle: int | None = fast.start(now, method, path, request_id)
+        if fast is not None and request_start is None and self._pid == _pid:
+            fast_handle: int | None = fast.start(now, method, path, request_id, task)
             if fast_handle is not None:
                 return fast_handle
         return self._start_slow(now, method, path, request_id, task, request_start)
@@ -315,7 +315,7 @@ class RequestTimer:
         self, now: int, method: str, path: str, request_id: str | None, task: Any, request_start: str | None
     ) -> int | None:
         """start() for what its C path gives back: a record to cut, routes,
-        a task, X-Request-Start, a wheel to attach, the lock held by another
+        X-Request-Start, a wheel to attach, the lock held by another
         process (here the add releases the GIL while it waits), an error."""
         wheel = self._wheel
         if wheel is None or self._pid != _pid:
