@@ -20,7 +20,9 @@ ratio to the setitimer pair measured in the same child.
 
 Usage::
 
-    python bench/worker_path.py [--rounds N] LABEL=ROOT [LABEL=ROOT ...]
+    python bench/worker_path.py [--rounds N] LABEL=ROOT[:nofast] [LABEL=ROOT[:nofast] ...]
+
+``:nofast`` runs ROOT's build with its cffi path alone (no shmwheel._fast).
 
 Every wheel is unlinked, also on error; names ``shmwheel-wpath-<pid>``.
 """
@@ -43,12 +45,16 @@ THREADS = 4
 THREAD_SECONDS = 1.0
 
 
-def _child(root: str) -> None:
+def _child(root: str, fast: bool) -> None:
     sys.path.insert(0, root)
     import gc
     import signal
 
     import shmwheel
+    import shmwheel._wheel
+
+    if not fast:  # the build's cffi path alone, as without shmwheel._fast
+        shmwheel._wheel._fast_ext = None  # type: ignore[attr-defined]
     from shmwheel.contrib._worker import RequestTimer
     from shmwheel.contrib.wsgi import TimeoutMiddleware
 
@@ -148,17 +154,20 @@ def _child(root: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child")
+    ap.add_argument("--no-fast", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("builds", nargs="*", help="LABEL=ROOT")
+    ap.add_argument("builds", nargs="*", help="LABEL=ROOT, or LABEL=ROOT:nofast for its cffi path alone")
     args = ap.parse_args()
     if args.child:
-        _child(args.child)
+        _child(args.child, not args.no_fast)
         return
     builds = [b.split("=", 1) for b in args.builds]
     results: dict[str, list[dict[str, float]]] = {label: [] for label, _ in builds}
     for r in range(args.rounds):
         for label, root in builds:
-            cp = subprocess.run([sys.executable, __file__, "--child", os.path.abspath(root)],
+            root, _, mode = root.partition(":")
+            cp = subprocess.run([sys.executable, __file__, "--child", os.path.abspath(root)]
+                                + (["--no-fast"] if mode == "nofast" else []),
                                 capture_output=True, text=True, check=True, cwd="/")
             results[label].append(json.loads(cp.stdout))
             print(f"round {r} {label}: {cp.stdout.strip()}", file=sys.stderr)
@@ -170,6 +179,13 @@ def main() -> None:
         wr = statistics.median(row["wsgi_net"] / row["setitimer"] for row in rows)
         scale = statistics.median(row["t4_rps"] / row["t1_rps"] for row in rows)
         print(f"{label:<8}" + "".join(f"{med[k]:>11.3g}" for k in keys) + f"{tr:>11.2f}{wr:>11.2f}{scale:>8.2f}")
+    # The threads' figures swing between rounds with what else the machine runs: their spread.
+    print("4 threads, per build: requests/s and context switches a request (vol+invol), median [min, max]")
+    for label, rows in results.items():
+        rps = sorted(row["t4_rps"] for row in rows)
+        cs = sorted(row["t4_vcsw"] + row["t4_ivcsw"] for row in rows)
+        print(f"{label:<8}{statistics.median(rps):>11.3g} [{rps[0]:.3g}, {rps[-1]:.3g}]"
+              f"{statistics.median(cs):>11.3g} [{cs[0]:.3g}, {cs[-1]:.3g}]")
 
 
 if __name__ == "__main__":
