@@ -1,10 +1,22 @@
 # Everything else is in pyproject.toml; this file exists because
-# cffi_modules is a setuptools keyword with no pyproject.toml spelling.
-from setuptools import setup
+# cffi_modules is a setuptools keyword with no pyproject.toml spelling,
+# and ext_modules has none either.
+from setuptools import Extension, setup
 
 setup(
     cffi_modules=[
         "csrc/build_shmwheel.py:ffibuilder",  # the core the package ships
         "csrc/build_shmwheel.py:testing_ffibuilder",  # the same, with the test hooks, for the suite
-    ]
+    ],
+    ext_modules=[
+        # The worker's request timer on a path that keeps the GIL.  It links
+        # none of the core: it calls the cffi module's, by the addresses that
+        # module gives it (shmwheel/_wheel.py, Wheel.fast_core).
+        Extension(
+            "shmwheel._fast",
+            sources=["csrc/python/fast.c"],
+            include_dirs=["csrc"],
+            extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden"],
+        ),
+    ],
 )

@@ -52,10 +52,15 @@
 #define SHMW_ENOTATTACHED -19 /* this process has no producer id of its own: not attached, or forked since */
 #define SHMW_ENOTDRIVER -20  /* the registration is not the one the caller named (another driver took over) */
 #define SHMW_ESTALE     -21  /* the producer id no longer holds the process the caller named */
+#define SHMW_EBUSY      -22  /* another holds the lock, and the caller asked not to wait for it
+                              * (SHMW_TRYLOCK, shmw_try_cancel): nothing was done */
 
 /* Flags of an add, and of a fire record. */
 #define SHMW_REDELIVERED    1   /* fire: sent again after a driver died */
 #define SHMW_CANCEL_ON_EXIT 2   /* add: cancelled when its producer exits */
+#define SHMW_TRYLOCK      256   /* add: SHMW_EBUSY after a short spin if another holds the lock,
+                                 * rather than wait for it (a caller that keeps Python's GIL
+                                 * through the call must not block); never stored */
 
 /* Driver states. */
 #define SHMW_DRIVER_NONE     0
@@ -166,6 +171,9 @@ int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t 
 int     shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
                       const char *payloads, const uint32_t *lens, int64_t *handles);
 int     shmw_cancel(shmw_t *w, int64_t handle);
+/* shmw_cancel that returns SHMW_EBUSY, having done nothing, after a short
+ * spin if another holds the lock (see SHMW_TRYLOCK). */
+int     shmw_try_cancel(shmw_t *w, int64_t handle);
 int     shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n);
 int     shmw_reset(shmw_t *w, int64_t handle, double delay_s);
 int     shmw_reset_at(shmw_t *w, int64_t handle, double deadline_s);

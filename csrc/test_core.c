@@ -17,11 +17,14 @@
  * return codes do not matter, only that nothing reads or writes out of
  * bounds, overflows or loops; then shmw_repair, after which the checker
  * must find the segment sound unless the scribble hit the parameters,
- * which no repair rewrites.  Exit status 0 on success; a sanitizer
+ * which no repair rewrites.  Part three holds the lock from another thread
+ * and checks that the try forms (SHMW_TRYLOCK, shmw_try_cancel) give up
+ * with SHMW_EBUSY having changed nothing, and work once it is free.  Exit status 0 on success; a sanitizer
  * report and a non-zero status otherwise.
  */
 #include "core/core.h"    /* white-box: the scribbles spare the header's mutex */
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -210,10 +213,76 @@ static void scribble_run(void)
     }
 }
 
+/* Part three: a holder in another thread, as another process would be. */
+struct holder {
+    pthread_mutex_t *m;
+    pthread_mutex_t gate;       /* locked while the holder is to keep the lock */
+    volatile int holding;
+};
+
+static void *hold(void *arg)
+{
+    struct holder *h = arg;
+
+    pthread_mutex_lock(h->m);
+    __atomic_store_n(&h->holding, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_lock(&h->gate);       /* until the main thread lets go */
+    pthread_mutex_unlock(&h->gate);
+    pthread_mutex_unlock(h->m);
+    return NULL;
+}
+
+static void trylock_checks(shmw_t *w)
+{
+    struct holder h = { .holding = 0 };
+    pthread_t t;
+    int64_t kept, got;
+    int rc;
+
+    EXPECT(shmw_producer_attach(w, getpid(), 1, 0) >= 0, "attach failed");
+    kept = shmw_add(w, 30.0, "k", 1, SHMW_TRYLOCK);
+    EXPECT(kept >= 0, "a try-add on a free lock failed: %lld", (long long)kept);
+    EXPECT(shmw_add(w, 30.0, "x", 1, SHMW_TRYLOCK | 4) == SHMW_EINVAL, "an unknown add flag was taken");
+    h.m = &w->hdr->mutex;
+    pthread_mutex_init(&h.gate, NULL);
+    pthread_mutex_lock(&h.gate);
+    if (pthread_create(&t, NULL, hold, &h))
+        abort();
+    while (!__atomic_load_n(&h.holding, __ATOMIC_SEQ_CST))
+        usleep(100);
+    got = shmw_add(w, 30.0, "y", 1, SHMW_TRYLOCK | SHMW_CANCEL_ON_EXIT);
+    rc = shmw_try_cancel(w, kept);
+    pthread_mutex_unlock(&h.gate);
+    pthread_join(t, NULL);
+    pthread_mutex_destroy(&h.gate);
+    EXPECT(got == SHMW_EBUSY, "a try-add on a held lock returned %lld, not SHMW_EBUSY", (long long)got);
+    EXPECT(rc == SHMW_EBUSY, "a try-cancel on a held lock returned %d, not SHMW_EBUSY", rc);
+    EXPECT(shmw_pending(w) == 1, "a try that gave up changed the wheel: %d pending", shmw_pending(w));
+    EXPECT(shmw_try_cancel(w, kept) == 1, "a try-cancel on a free lock did not cancel");
+    EXPECT(shmw_try_cancel(w, kept) == 0, "a try-cancel cancelled a timer twice");
+    EXPECT(shmw_try_cancel(w, -1) == SHMW_EHANDLE, "a try-cancel took a negative handle");
+    EXPECT(shmw_try_cancel(NULL, kept) == SHMW_ECLOSED, "a try-cancel took a closed handle");
+    EXPECT(shmw_add(NULL, 1.0, "", 0, SHMW_TRYLOCK) == SHMW_ECLOSED, "a try-add took a closed handle");
+    EXPECT(shmw_pending(w) == 0, "%d pending after the last cancel", shmw_pending(w));
+}
+
+static void trylock_run(void)
+{
+    struct shmw_params p = { 64, 8, 4, 1000000 };
+    uint64_t size;
+    shmw_t *w;
+    char *base = make(&p, &size, &w, shmw_now_ns());
+
+    trylock_checks(w);
+    shmw_close(w);
+    free(base);
+}
+
 int main(void)
 {
     model_run();
     scribble_run();
+    trylock_run();
     if (failures) {
         fprintf(stderr, "test_core: %d failures\n", failures);
         return 1;

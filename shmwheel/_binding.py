@@ -51,6 +51,9 @@ _MESSAGES: dict[int, tuple[type[Exception], str]] = {
         "dies of SIGBUS where the rest was",
     ),
     lib.SHMW_ELOCK: (LockTimeoutError, "the lock of segment {name!r} was not released in {lock_timeout} s{holder}"),
+    # Only the fast path (shmwheel._fast) asks not to wait, and it waits
+    # through the normal call instead; should the code come up, it says so.
+    lib.SHMW_EBUSY: (LockTimeoutError, "the lock of segment {name!r} was held, and the call was not to wait"),
     lib.SHMW_ENOMEM: (MemoryError, "out of memory"),
     lib.SHMW_ECLOSED: (ValueError, "operation on a closed Wheel"),
     lib.SHMW_EDRIVER: (DriverRunningError, "a driver is registered on segment {name!r}"),

@@ -20,6 +20,7 @@ import os
 import stat
 import struct
 import time
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any, NoReturn
 
@@ -83,6 +84,17 @@ _pending = lib.shmw_pending
 _CANCEL_ON_EXIT = lib.SHMW_CANCEL_ON_EXIT
 _ENOTATTACHED = lib.SHMW_ENOTATTACHED
 _REAP_CHUNK = 65536  # entries a reap looks at per lock hold
+
+_fast_ext: types.ModuleType | None
+try:  # the worker's path that keeps the GIL (csrc/python/fast.c); a build without it takes the cffi one
+    from . import _fast as _fast_ext
+except ImportError:  # pragma: no cover - built beside the cffi module by setup.py
+    _fast_ext = None
+# The fast path calls the core of this very cffi module, by address: it links no copy of its own.
+_FAST_ENTRIES = (
+    int(ffi.cast("uintptr_t", ffi.addressof(lib, "shmw_add"))),
+    int(ffi.cast("uintptr_t", ffi.addressof(lib, "shmw_try_cancel"))),
+)
 #: Seconds a Wheel waits before it asks again for a producer id the
 #: table had none of: the ask is one lock hold, but an add that needs the
 #: id should not make it every time while the table is full.
@@ -119,12 +131,14 @@ class Wheel:
         "_producer_retry_at",
         "_lock_timeout",
         "_fd",
+        "_fast",
     )
 
     _name: str
     _mm: mmap.mmap
     _buf: Any  # cffi char[] over the mapping
     _w: Any  # cffi shmw_t *, NULL once closed
+    _fast: Any  # a _fast.Core over _w, once fast_core() has made it
     _capacity: int
     _payload_size: int
     _tick: float
@@ -177,6 +191,7 @@ class Wheel:
         self._record = record_struct(lib.shmw_record_size(self._w))
         self._producer = -1
         self._producer_retry_at = -math.inf
+        self._fast = None
         _open_here[name] += 1
         if producer:
             self._attach_producer()
@@ -204,6 +219,8 @@ class Wheel:
             # the id is the parent's, and release refuses: pid differs.)
             me = os.getpid()
             lib.shmw_producer_release(w, self._producer, me, start_time(me) or 0)
+        if self._fast is not None:
+            self._fast.close()  # before the struct is freed: its later calls give up
         self._w = ffi.NULL
         ffi.release(w)
         ffi.release(self._buf)
@@ -641,6 +658,17 @@ class Wheel:
         once closed), the first argument of a ``lib.shmw_*`` call.  The
         methods on the add/cancel path read the slot behind it directly."""
         return self._w
+
+    def fast_core(self) -> Any:
+        """For the package: this mapping as :mod:`shmwheel._fast` calls it
+        (a ``_fast.Core``), or None without that module or once closed.
+        Its adds are cancel-on-exit ones, so this process's producer id is
+        kept for them as :meth:`add`'s are.  It keeps the struct and the
+        mapping alive while it lives, and :meth:`close` closes it first."""
+        if self._fast is None and _fast_ext is not None and self._w != ffi.NULL:
+            _owners_here.add(self._name)
+            self._fast = _fast_ext.Core(int(ffi.cast("uintptr_t", self._w)), *_FAST_ENTRIES, (self._w, self._buf))
+        return self._fast
 
     @property
     def fire_record(self) -> struct.Struct:

@@ -49,6 +49,8 @@
 #define SHMW_MAGAZINE       32U               /* free entries a magazine takes or gives back at a time */
 #define SHMW_LOCK_WORK      4096U             /* entries moved or fired per lock hold */
 #define SHMW_LOCK_SPINS     200U              /* looks at a busy lock before sleeping on it */
+#define SHMW_TRY_SPINS      32U               /* looks at a busy lock before a try gives up (SHMW_EBUSY):
+                                               * about one producer's hold, and the caller keeps the GIL */
 #define SHMW_MAX_SLEEP_NS   100000000LL       /* the driver's clock wakes at least this often */
 
 /* Header flags. */
@@ -331,12 +333,15 @@ static inline int64_t ticks_to_ns(const shmw_t *w, uint64_t t)
 void shmw__pid_init(void);                      /* once a process, before the pid is read; no lock */
 
 /* lock.c: take the lock (repairing after a holder that died); shmw__lock
- * also refuses a segment flagged damaged. */
-int  shmw__lock_raw(shmw_t *w);
-int  shmw__lock(shmw_t *w);
+ * also refuses a segment flagged damaged.  With wait 0 (the _try forms),
+ * SHMW_EBUSY after SHMW_TRY_SPINS looks at a lock another holds. */
+int  shmw__lock_raw(shmw_t *w, int wait);
+int  shmw__lock_mode(shmw_t *w, int wait);
+static inline int shmw__lock(shmw_t *w) { return shmw__lock_mode(w, 1); }
 void shmw__unlock(shmw_t *w);
 /* A public call's lock: SHMW_ECLOSED for a closed handle, else shmw__lock. */
 static inline int shmw__enter(shmw_t *w) { return w ? shmw__lock(w) : SHMW_ECLOSED; }
+static inline int shmw__try_enter(shmw_t *w) { return w ? shmw__lock_mode(w, 0) : SHMW_ECLOSED; }
 int  shmw__wake_for(shmw_t *w, uint64_t expires);
 void shmw__futex_wake_all(uint32_t *word);                  /* no lock */
 void shmw__futex_wait_until(uint32_t *word, uint32_t seen, int64_t deadline_ns);   /* no lock */

@@ -47,7 +47,7 @@ static inline int mutex_may_be_free(pthread_mutex_t *m)
 #endif
 }
 
-int shmw__lock_raw(shmw_t *w)
+int shmw__lock_raw(shmw_t *w, int wait)
 {
     /* Uncontended, trylock is the whole cost.  Contended, spin briefly
      * first: a producer's hold is a few dozen nanoseconds, and sleeping on
@@ -58,16 +58,20 @@ int shmw__lock_raw(shmw_t *w)
      * then wait, at most the lock timeout: no holder keeps the lock that
      * long, so a lock not taken by then is jammed - its word scribbled to
      * name a thread that never existed, say - and waiting on would hang
-     * every process. */
+     * every process.  A caller that must not block (it keeps Python's GIL,
+     * and every thread of its process would wait with it) spins for about
+     * one producer's hold and gives up. */
     pthread_mutex_t *m = &w->hdr->mutex;
     int rc = pthread_mutex_trylock(m);
-    uint32_t spins;
+    uint32_t spins, max_spins = wait ? SHMW_LOCK_SPINS : SHMW_TRY_SPINS;
 
-    for (spins = 0; rc == EBUSY && spins < SHMW_LOCK_SPINS; spins++) {
+    for (spins = 0; rc == EBUSY && spins < max_spins; spins++) {
         cpu_relax();
         if (mutex_may_be_free(m))
             rc = pthread_mutex_trylock(m);
     }
+    if (rc == EBUSY && !wait)
+        return SHMW_EBUSY;
     if (rc == EBUSY) {
         int64_t until = shmw_now_ns() + w->lock_timeout_ns;
         struct timespec ts = { until / 1000000000LL, until % 1000000000LL };
@@ -88,9 +92,9 @@ int shmw__lock_raw(shmw_t *w)
     return rc ? SHMW_ELOCK : SHMW_OK;
 }
 
-int shmw__lock(shmw_t *w)
+int shmw__lock_mode(shmw_t *w, int wait)
 {
-    int rc = shmw__lock_raw(w);
+    int rc = shmw__lock_raw(w, wait);
 
     if (rc)
         return rc;

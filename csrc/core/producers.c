@@ -54,7 +54,7 @@ int shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t *pidns, u
         return SHMW_ECLOSED;
     if (max < SHMW_MAX_PRODUCERS)
         return SHMW_EINVAL;
-    if ((rc = shmw__lock_raw(w)))     /* a look, which a damaged segment allows */
+    if ((rc = shmw__lock_raw(w, 1)))     /* a look, which a damaged segment allows */
         return rc;
     for (k = 0; k < SHMW_MAX_PRODUCERS; k++) {
         pids[k] = w->hdr->producers[k].pid;

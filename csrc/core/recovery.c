@@ -171,7 +171,7 @@ int shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len)
         return SHMW_EINVAL;
     if (reason && reason_len)
         reason[0] = '\0';
-    if ((rc = shmw__lock_raw(w)))
+    if ((rc = shmw__lock_raw(w, 1)))
         return rc;
     /* The clock is read again under the lock: the driver's clock may have
      * moved the wheel past the caller's now meanwhile, which is no fault. */

@@ -265,7 +265,7 @@ int shmw_mark_removed(shmw_t *w)
 
     if (!w)
         return SHMW_ECLOSED;
-    if ((rc = shmw__lock_raw(w)))
+    if ((rc = shmw__lock_raw(w, 1)))
         return rc;
     STORE(w->hdr->removed, 1);
     shmw__unlock(w);

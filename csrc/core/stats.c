@@ -43,7 +43,7 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
         return SHMW_ECLOSED;
     h = w->hdr;
     memset(out, 0, sizeof(*out));
-    if ((rc = shmw__lock_raw(w)))     /* a damaged segment can still be looked at, and opened to repair */
+    if ((rc = shmw__lock_raw(w, 1)))     /* a damaged segment can still be looked at, and opened to repair */
         return rc;
     out->capacity = w->capacity;
     out->pending = shmw__pending_locked(w);

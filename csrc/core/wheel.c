@@ -241,13 +241,13 @@ static int64_t add_checked(shmw_t *w, double seconds, int absolute, const char *
         return SHMW_ECLOSED;
     if (len > w->payload_size)
         return SHMW_EPAYLOAD;
-    if (flags & ~(uint32_t)SHMW_CANCEL_ON_EXIT)
+    if (flags & ~(uint32_t)(SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK))
         return SHMW_EINVAL;
     /* Cancel-on-exit needs this process's own producer id; after a fork
      * the id is the parent's, so the caller must attach again. */
     if ((flags & SHMW_CANCEL_ON_EXIT) && my_producer(w) == SHMW_NO_PRODUCER)
         return SHMW_ENOTATTACHED;
-    if ((rc = shmw__lock(w)))
+    if ((rc = shmw__lock_mode(w, !(flags & SHMW_TRYLOCK))))
         return rc;
     /* Read under the lock: an add that takes it after the mark fails, so
      * no timer goes into a segment after its remover looked. */
@@ -318,17 +318,27 @@ static int cancel_locked(shmw_t *w, int64_t handle)
     return (rc = shmw__cancel_entry(w, i)) ? rc : 1;
 }
 
-int shmw_cancel(shmw_t *w, int64_t handle)
+static int cancel_one(shmw_t *w, int64_t handle, int wait)
 {
     int rc;
 
     if (handle < 0)
         return SHMW_EHANDLE;
-    if ((rc = shmw__enter(w)))
+    if ((rc = wait ? shmw__enter(w) : shmw__try_enter(w)))
         return rc;
     rc = cancel_locked(w, handle);
     shmw__unlock(w);
     return rc;
+}
+
+int shmw_cancel(shmw_t *w, int64_t handle)
+{
+    return cancel_one(w, handle, 1);
+}
+
+int shmw_try_cancel(shmw_t *w, int64_t handle)
+{
+    return cancel_one(w, handle, 0);
 }
 
 int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)

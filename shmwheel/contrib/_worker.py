@@ -40,6 +40,7 @@ from ._record import (
     KIND_REQUEST,
     MAGIC,
     MAX_METHOD,
+    MAX_REQUEST_ID,
     PAYLOAD_SIZE,
     REQUEST_ID,
     TASK,
@@ -162,6 +163,9 @@ class RequestTimer:
         self._lock = threading.Lock()
         self._pid = 0
         self._wheel: Wheel | None = None
+        # start() and finish() in C, on the wheel's lock tried with the GIL
+        # kept (shmwheel._fast): made with each attach, dropped with its wheel.
+        self._fast: Any = None
         self._start = 0
         self._size = PAYLOAD_SIZE
         self._retry_at = 0.0
@@ -196,6 +200,7 @@ class RequestTimer:
             if self._pid != pid:  # first use in this process: forked, or new
                 self._pid = pid
                 self._wheel = None
+                self._fast = None
                 self._old = []
                 self._active = {}
                 self._interrupted = set()
@@ -217,7 +222,28 @@ class RequestTimer:
                     return None
                 self._size = wheel.payload_size
                 self._wheel = wheel
+                self._fast = self._make_fast(wheel)
             return self._wheel
+
+    def _make_fast(self, wheel: Wheel) -> Any:
+        """The C start() and finish() for ``wheel`` in this process (under
+        self._lock), or None where start() takes its own way for every
+        request: routes (a timeout per request), or a build without it."""
+        core = None if self._routes is not None else wheel.fast_core()
+        if core is None:
+            return None
+        warn = 0 < self._warn_ns < self._timeout_ns
+        head = _pack(
+            KIND_REQUEST, 0, 0, self._flags | (WARN if warn else 0), self._pid, self._start, 0, 0, 0,
+            self._stack_signal, self._dump_signal, MAGIC, self._timeout_ms,
+        )  # fmt: skip
+        from .._fast import Timer  # there: the wheel made a Core of it
+
+        return Timer(
+            core, head, self._delay, self._warn_ns if warn else self._timeout_ns, self._timeout_ns, self._size,
+            MAX_METHOD, MAX_REQUEST_ID, TASK, GREENLET, self._active, self._interrupted, _current, self, Active,
+            self._getcurrent, self.interrupt,
+        )  # fmt: skip
 
     def _listen(self) -> None:
         """Set up the stack signals in this process (under self._lock)."""
@@ -278,6 +304,19 @@ class RequestTimer:
         now = _monotonic_ns()
         if now >= self._look_at:
             self._look(now)
+        fast = self._fast
+        if fast is not None and request_start is None and self._pid == _pid:
+            fast_handle: int | None = fast.start(now, method, path, request_id, task)
+            if fast_handle is not None:
+                return fast_handle
+        return self._start_slow(now, method, path, request_id, task, request_start)
+
+    def _start_slow(
+        self, now: int, method: str, path: str, request_id: str | None, task: Any, request_start: str | None
+    ) -> int | None:
+        """start() for what its C path gives back: a record to cut, routes,
+        X-Request-Start, a wheel to attach, the lock held by another
+        process (here the add releases the GIL while it waits), an error."""
         wheel = self._wheel
         if wheel is None or self._pid != _pid:
             wheel = self._ready()
@@ -436,11 +475,17 @@ class RequestTimer:
         the old wheel."""
         if handle is None or self._pid != _pid:
             return
-        active = self._active.pop(handle, None)
-        if active is None:  # exempted by no_timeout(), or finished already
-            return
-        if self._interrupted:
-            self._interrupted.discard(handle)
+        fast = self._fast
+        if fast is not None:  # True: cancelled; else as below, the lock held by another, say
+            active = fast.finish(handle)
+            if active is None or active is True:
+                return
+        else:
+            active = self._active.pop(handle, None)
+            if active is None:  # exempted by no_timeout(), or finished already
+                return
+            if self._interrupted:
+                self._interrupted.discard(handle)
         wheel = self._wheel
         try:
             if wheel is not None and wheel.cancel(active.handle):
@@ -511,6 +556,7 @@ class RequestTimer:
             if self._wheel is not wheel:
                 return  # another thread saw it first
             self._wheel = None
+            self._fast = None
             self._retry_at = 0.0
             # A new list, not the old one changed: a finish() in another
             # thread may be walking that.  The oldest is let go, not closed,

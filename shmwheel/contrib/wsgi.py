@@ -208,6 +208,8 @@ class _InterruptibleBody:
 def _path(environ: Environ) -> str:
     """The request's path as the client sent it (PEP 3333 carries it as latin-1)."""
     raw = environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")
+    if raw.isascii():  # the same either way, without two copies a request
+        return str(raw)
     try:
         return str(raw.encode("latin-1").decode("utf-8"))
     except UnicodeError:

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""The worker's path: what a request's timer costs a worker, next to a
+``signal.setitimer`` pair, for one or more builds of the package.
+
+Per request, in ns (wall clock, loop included):
+
+- ``setitimer``: ``setitimer(ITIMER_REAL, 30)`` then ``setitimer(ITIMER_REAL, 0)``;
+- ``timer``: ``RequestTimer.start(method, path, request_id)`` then ``finish()``;
+- ``wsgi``: a call of ``TimeoutMiddleware`` and ``close()`` of its body, net
+  of the same call of the bare application;
+- ``threads``: requests a second with 4 threads doing start+finish at once
+  in one process, and the voluntary and involuntary context switches a
+  request (getrusage), next to 1 thread in the same process.
+
+Each build runs in a child process of its own (``--child ROOT``: the
+package is imported from ROOT), the builds in turn, ``--rounds`` times;
+within a child the cases run round-robin.  The report gives each figure's
+median over the rounds and, the figure that survives a noisy machine, its
+ratio to the setitimer pair measured in the same child.
+
+Usage::
+
+    python bench/worker_path.py [--rounds N] LABEL=ROOT[:nofast] [LABEL=ROOT[:nofast] ...]
+
+``:nofast`` runs ROOT's build with its cffi path alone (no shmwheel._fast).
+
+Every wheel is unlinked, also on error; names ``shmwheel-wpath-<pid>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+N_PAIRS = 20_000
+REPEAT = 7
+THREADS = 4
+THREAD_SECONDS = 1.0
+
+
+def _child(root: str, fast: bool) -> None:
+    sys.path.insert(0, root)
+    import gc
+    import signal
+
+    import shmwheel
+    import shmwheel._wheel
+
+    if not fast:  # the build's cffi path alone, as without shmwheel._fast
+        shmwheel._wheel._fast_ext = None  # type: ignore[attr-defined]
+    from shmwheel.contrib._worker import RequestTimer
+    from shmwheel.contrib.wsgi import TimeoutMiddleware
+
+    import shmwheel._shmwheel as core
+
+    for module in (shmwheel, core):  # the build asked for, not the editable install's
+        assert module.__file__ is not None and module.__file__.startswith(root), module.__file__
+    name = f"shmwheel-wpath-{os.getpid()}"
+    wheel = shmwheel.create(name, capacity=65536, payload_size=256)
+    try:
+        timer = RequestTimer(name, 30.0)
+        assert timer.prepare()
+        start, finish = timer.start, timer.finish
+        setitimer, real = signal.setitimer, signal.ITIMER_REAL
+        n = range(N_PAIRS)
+
+        def body(environ: object, start_response: object) -> list[bytes]:
+            return [b"ok"]
+
+        mw = TimeoutMiddleware(body, name, 30.0)
+        assert mw.timer.prepare()
+        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/api/v1/items/12345", "HTTP_X_REQUEST_ID": "req-abc-123"}
+
+        def sr(status: str, headers: object) -> None:
+            pass
+
+        def case_setitimer() -> int:
+            t = time.perf_counter_ns()
+            for _ in n:
+                setitimer(real, 30.0)
+                setitimer(real, 0)
+            return time.perf_counter_ns() - t
+
+        def case_timer() -> int:
+            t = time.perf_counter_ns()
+            for _ in n:
+                finish(start("GET", "/api/v1/items/12345", "req-abc-123"))
+            return time.perf_counter_ns() - t
+
+        def case_bare() -> int:
+            t = time.perf_counter_ns()
+            for _ in n:
+                body(environ, sr)
+            return time.perf_counter_ns() - t
+
+        def case_wsgi() -> int:
+            t = time.perf_counter_ns()
+            for _ in n:
+                mw(environ, sr).close()
+            return time.perf_counter_ns() - t
+
+        cases = {"setitimer": case_setitimer, "timer": case_timer, "bare": case_bare, "wsgi": case_wsgi}
+        best: dict[str, list[float]] = {k: [] for k in cases}
+        for f in cases.values():
+            f()  # warm up
+        gc.disable()
+        for _ in range(REPEAT):
+            for k, f in cases.items():
+                best[k].append(f() / N_PAIRS)
+        gc.enable()
+        out = {k: min(v) for k, v in best.items()}
+        out["wsgi_net"] = out.pop("wsgi") - out["bare"]
+
+        def hammer(stop: threading.Event, counts: list[int], k: int) -> None:
+            c = 0
+            while not stop.is_set():
+                for _ in range(100):
+                    finish(start("GET", "/api/v1/items/12345", "req-abc-123"))
+                c += 100
+            counts[k] = c
+
+        for nthreads in (1, THREADS):
+            counts = [0] * nthreads
+            stop = threading.Event()
+            ts = [threading.Thread(target=hammer, args=(stop, counts, k)) for k in range(nthreads)]
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            t0 = time.perf_counter()
+            for th in ts:
+                th.start()
+            time.sleep(THREAD_SECONDS)
+            stop.set()
+            for th in ts:
+                th.join()
+            dt = time.perf_counter() - t0
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            total = sum(counts)
+            out[f"t{nthreads}_rps"] = total / dt
+            out[f"t{nthreads}_vcsw"] = (r1.ru_nvcsw - r0.ru_nvcsw) / total
+            out[f"t{nthreads}_ivcsw"] = (r1.ru_nivcsw - r0.ru_nivcsw) / total
+        mw.timer  # keep alive
+        print(json.dumps(out))
+    finally:
+        wheel.close()
+        shmwheel.unlink(name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child")
+    ap.add_argument("--no-fast", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("builds", nargs="*", help="LABEL=ROOT, or LABEL=ROOT:nofast for its cffi path alone")
+    args = ap.parse_args()
+    if args.child:
+        _child(args.child, not args.no_fast)
+        return
+    builds = [b.split("=", 1) for b in args.builds]
+    results: dict[str, list[dict[str, float]]] = {label: [] for label, _ in builds}
+    for r in range(args.rounds):
+        for label, root in builds:
+            root, _, mode = root.partition(":")
+            cp = subprocess.run([sys.executable, __file__, "--child", os.path.abspath(root)]
+                                + (["--no-fast"] if mode == "nofast" else []),
+                                capture_output=True, text=True, check=True, cwd="/")
+            results[label].append(json.loads(cp.stdout))
+            print(f"round {r} {label}: {cp.stdout.strip()}", file=sys.stderr)
+    keys = ["setitimer", "timer", "wsgi_net", "t1_rps", "t4_rps", "t4_vcsw", "t4_ivcsw", "t1_vcsw", "t1_ivcsw"]
+    print(f"{'build':<8}" + "".join(f"{k:>11}" for k in keys) + f"{'timer/sit':>11}{'wsgi/sit':>11}{'t4/t1':>8}")
+    for label, rows in results.items():
+        med = {k: statistics.median(row[k] for row in rows) for k in keys}
+        tr = statistics.median(row["timer"] / row["setitimer"] for row in rows)
+        wr = statistics.median(row["wsgi_net"] / row["setitimer"] for row in rows)
+        scale = statistics.median(row["t4_rps"] / row["t1_rps"] for row in rows)
+        print(f"{label:<8}" + "".join(f"{med[k]:>11.3g}" for k in keys) + f"{tr:>11.2f}{wr:>11.2f}{scale:>8.2f}")
+    # The threads' figures swing between rounds with what else the machine runs: their spread.
+    print("4 threads, per build: requests/s and context switches a request (vol+invol), median [min, max]")
+    for label, rows in results.items():
+        rps = sorted(row["t4_rps"] for row in rows)
+        cs = sorted(row["t4_vcsw"] + row["t4_ivcsw"] for row in rows)
+        print(f"{label:<8}{statistics.median(rps):>11.3g} [{rps[0]:.3g}, {rps[-1]:.3g}]"
+              f"{statistics.median(cs):>11.3g} [{cs[0]:.3g}, {cs[-1]:.3g}]")
+
+
+if __name__ == "__main__":
+    main()
