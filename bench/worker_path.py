@@ -55,10 +55,10 @@ def _child(root: str, fast: bool) -> None:
 
     if not fast:  # the build's cffi path alone, as without shmwheel._fast
         shmwheel._wheel._fast_ext = None  # type: ignore[attr-defined]
+    import shmwheel._shmwheel as core
+
     from shmwheel.contrib._worker import RequestTimer
     from shmwheel.contrib.wsgi import TimeoutMiddleware
-
-    import shmwheel._shmwheel as core
 
     for module in (shmwheel, core):  # the build asked for, not the editable install's
         assert module.__file__ is not None and module.__file__.startswith(root), module.__file__
@@ -144,7 +144,7 @@ def _child(root: str, fast: bool) -> None:
             out[f"t{nthreads}_rps"] = total / dt
             out[f"t{nthreads}_vcsw"] = (r1.ru_nvcsw - r0.ru_nvcsw) / total
             out[f"t{nthreads}_ivcsw"] = (r1.ru_nivcsw - r0.ru_nivcsw) / total
-        mw.timer  # keep alive
+        assert mw.timer is not None  # kept alive to here
         print(json.dumps(out))
     finally:
         wheel.close()
