@@ -166,9 +166,14 @@ def main() -> None:
     for r in range(args.rounds):
         for label, root in builds:
             root, _, mode = root.partition(":")
-            cp = subprocess.run([sys.executable, __file__, "--child", os.path.abspath(root)]
-                                + (["--no-fast"] if mode == "nofast" else []),
-                                capture_output=True, text=True, check=True, cwd="/")
+            cp = subprocess.run(
+                [sys.executable, __file__, "--child", os.path.abspath(root)]
+                + (["--no-fast"] if mode == "nofast" else []),
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd="/",
+            )
             results[label].append(json.loads(cp.stdout))
             print(f"round {r} {label}: {cp.stdout.strip()}", file=sys.stderr)
     keys = ["setitimer", "timer", "wsgi_net", "t1_rps", "t4_rps", "t4_vcsw", "t4_ivcsw", "t1_vcsw", "t1_ivcsw"]
@@ -184,8 +189,10 @@ def main() -> None:
     for label, rows in results.items():
         rps = sorted(row["t4_rps"] for row in rows)
         cs = sorted(row["t4_vcsw"] + row["t4_ivcsw"] for row in rows)
-        print(f"{label:<8}{statistics.median(rps):>11.3g} [{rps[0]:.3g}, {rps[-1]:.3g}]"
-              f"{statistics.median(cs):>11.3g} [{cs[0]:.3g}, {cs[-1]:.3g}]")
+        print(
+            f"{label:<8}{statistics.median(rps):>11.3g} [{rps[0]:.3g}, {rps[-1]:.3g}]"
+            f"{statistics.median(cs):>11.3g} [{cs[0]:.3g}, {cs[-1]:.3g}]"
+        )
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def test_fast_start_in_a_greenlet_names_it(make_wheel) -> None:
 
     g = greenlet.greenlet(serve)
     g.switch()
-    (a, b), = got
+    ((a, b),) = got
     assert a.payload == b.payload and a.task is g is b.task
     record = decode_request(a.payload)
     assert record is not None and record.task == id(g) and record.task_kind == "greenlet"
@@ -257,5 +257,3 @@ def test_the_fast_path_needs_its_wheel_attached_as_a_producer(make_wheel) -> Non
     assert h is not None
     assert [p.pid for p in wheel.producers()]
     timer.finish(h)
-
-
