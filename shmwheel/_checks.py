@@ -23,6 +23,7 @@ __all__ = [
     "PAYLOAD_SIZES",
     "TICKS",
     "WHEEL_SIZES",
+    "check_flag",
     "check_handle",
     "check_int",
     "check_lock_timeout",
@@ -95,6 +96,14 @@ def check_seconds(value: object, what: str, *, positive: bool = False) -> float:
     if positive and not 0 < seconds < math.inf:  # NaN is not
         raise ValueError(f"{what} must be a positive number of seconds, not {seconds}")
     return seconds
+
+
+def check_flag(value: object, what: str) -> bool:
+    """An on/off setting: True or False, and nothing merely truthy (a "no"
+    string, a 0 that was meant as a number)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, not {value!r}")
+    return value
 
 
 def check_signal(value: object, what: str) -> signal.Signals:

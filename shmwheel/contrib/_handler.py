@@ -65,7 +65,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._checks import check_seconds, check_signal
+from .._checks import check_flag, check_seconds, check_signal
 from .._errors import ShmwheelError, one_line
 from .._process import alive, signal_disposition, uids
 from .._records import Fire
@@ -192,8 +192,7 @@ class TimeoutActions:
 
     def __post_init__(self) -> None:
         for flag in ("log", "tracebacks", "kill"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag} must be True or False, not {getattr(self, flag)!r}")
+            check_flag(getattr(self, flag), flag)
         object.__setattr__(self, "kill_signal", check_signal(self.kill_signal, "kill_signal"))
         object.__setattr__(self, "kill_after", check_seconds(self.kill_after, "kill_after", positive=True))
         grace = check_seconds(self.interrupt_grace, "interrupt_grace", positive=True)

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .._checks import check_seconds
+from .._checks import check_flag, check_seconds
 from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, one_line
 from .._process import start_time
 from .._segment import segment_name
@@ -146,9 +146,8 @@ class RequestTimer:
         self.traceback_signal = traceback_signal
         self.interrupt = interrupt
         self.on_timeout = on_timeout
-        if not isinstance(stacks, bool):
-            raise TypeError(f"stacks must be True or False, not {stacks!r}")
-        self.stacks = stacks  #: whether the worker writes a late request's stack to the server's log
+        #: Whether the worker writes a late request's stack to the server's log.
+        self.stacks = check_flag(stacks, "stacks")
         self._routes = compile_routes(routes, round(self.timeout * 1e9))
         self._warn_ns = 0 if self.warn_after is None else round(self.warn_after * 1e9)
         self._interrupted: set[int] = set()  # handles of the requests interrupted
@@ -316,7 +315,8 @@ class RequestTimer:
     ) -> int | None:
         """start() for what its C path gives back: a record to cut, routes,
         X-Request-Start, a wheel to attach, the lock held by another
-        process (here the add releases the GIL while it waits), an error."""
+        process (here the add releases the GIL while it waits), an error;
+        and for every request of a build without the C path."""
         wheel = self._wheel
         if wheel is None or self._pid != _pid:
             wheel = self._ready()
@@ -343,39 +343,23 @@ class RequestTimer:
         due = started + (self._warn_ns if warn else timeout_ns)
         if delay is None:
             delay = max(due - now, 0) / 1e9
-        # The record, packed here rather than by encode_request(): the same
-        # bytes, for a third of the cost.  A method, id or path too long for
-        # its field or the payload takes encode_request()'s way, which cuts it.
         if request_id is not None and not REQUEST_ID.fullmatch(request_id):
             request_id = None  # the record's own id, from the worker's pid and the start, stands in
-        m = method.encode("ascii", "replace")
-        r = b"" if request_id is None else request_id.encode("ascii")
-        p = path.encode("utf-8", "surrogateescape")
         thread = self._get_ident()
-        flags = self._flags | (WARN if warn else 0)
+        kind = ""
         if task is not None:
-            flags |= TASK
+            kind = "task"
         elif self._getcurrent is not None:
             current = self._getcurrent()
             if current.parent is not None:  # not the thread's own: a greenlet that serves the request
-                task = current
-                flags |= GREENLET
+                task, kind = current, "greenlet"
         try:
-            if len(m) <= MAX_METHOD and HEAD.size + len(m) + len(r) + len(p) <= self._size:
-                payload = b"".join((
-                    _pack(KIND_REQUEST, len(m), len(r), flags, self._pid, self._start, started, thread,
-                          0 if task is None else id(task), self._stack_signal, self._dump_signal, MAGIC,
-                          self._timeout_ms if timeout_ns == self._timeout_ns else -(-timeout_ns // 1_000_000)),
-                    m, r, p,
-                ))  # fmt: skip
-            else:
-                payload = encode_request(
-                    KIND_REQUEST, self._pid, self._start, started, method, request_id or "", path, self._size,
-                    thread=thread, task=0 if task is None else id(task),
-                    task_kind="task" if flags & TASK else "greenlet" if flags & GREENLET else "",
-                    stack_signal=self._stack_signal, dump_signal=self._dump_signal,
-                    timeout_ms=-(-timeout_ns // 1_000_000), warn=warn, interrupt=self.interrupt,
-                )  # fmt: skip
+            payload = encode_request(
+                KIND_REQUEST, self._pid, self._start, started, method, request_id or "", path, self._size,
+                thread=thread, task=0 if task is None else id(task), task_kind=kind,
+                stack_signal=self._stack_signal, dump_signal=self._dump_signal,
+                timeout_ms=-(-timeout_ns // 1_000_000), warn=warn, interrupt=self.interrupt,
+            )  # fmt: skip
             handle: int | None = wheel.add(delay, payload, cancel_on_exit=True)
         except SegmentRemovedError:  # removed or replaced: the name may hold another wheel now
             handle = self._add_again(wheel, delay, payload)
@@ -394,7 +378,6 @@ class RequestTimer:
         """Once a second, from start(): that the wheel's name still names
         this wheel, that its driver runs, and that this is the process that
         the pid kept names."""
-        global _pid
         self._look_at = now + LOOK_INTERVAL_NS
         if _pid != os.getpid():  # forked without Python's fork hooks
             _after_fork()
@@ -486,12 +469,6 @@ class RequestTimer:
                 return
             if self._interrupted:
                 self._interrupted.discard(handle)
-        wheel = self._wheel
-        try:
-            if wheel is not None and wheel.cancel(active.handle):
-                return
-        except ShmwheelError:
-            pass  # the others are tried, and say
         if self._cancel(active.handle) is not False:
             return
         # Not cancelled: its timer has fired, and the driver is acting on a
@@ -632,8 +609,7 @@ def queued_ns(header: str, now_ns: int) -> int:
 
 def check_stages(timeout: float, warn_after: float | None, interrupt: object, on_timeout: object) -> float | None:
     """The stages' arguments, checked together; returns warn_after."""
-    if not isinstance(interrupt, bool):
-        raise TypeError(f"interrupt must be True or False, not {interrupt!r}")
+    check_flag(interrupt, "interrupt")
     if on_timeout is not None and not callable(on_timeout):
         raise TypeError(f"on_timeout must be a function of (request, stack), not {type(on_timeout).__name__}")
     if warn_after is None:

@@ -41,7 +41,7 @@ from asyncio import CancelledError, current_task
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .._checks import CAPACITIES, check_int, check_seconds
+from .._checks import CAPACITIES, check_flag, check_int, check_seconds
 from .._segment import segment_name
 from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RequestTimeout
@@ -122,8 +122,7 @@ class TimeoutMiddleware:
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI application, not {type(app).__name__}")
-        if not isinstance(websocket, bool):
-            raise TypeError(f"websocket must be True or False, not {websocket!r}")
+        check_flag(websocket, "websocket")
         if name is not None:
             segment_name(name)
         self.app = app
@@ -143,9 +142,7 @@ class TimeoutMiddleware:
         self.routes = routes
         compile_routes(routes, 0)  # a bad route fails here, not in a worker
         self.on_timeout = on_timeout
-        if not isinstance(x_request_start, bool):
-            raise TypeError(f"x_request_start must be True or False, not {x_request_start!r}")
-        self.x_request_start = x_request_start
+        self.x_request_start = check_flag(x_request_start, "x_request_start")
         # The signal is the driver's word to a late request's worker: needed
         # by the stages even without the stacks.
         asks = tracebacks or interrupt or warn_after is not None or on_timeout is not None

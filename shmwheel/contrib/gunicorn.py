@@ -52,7 +52,7 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import check_seconds, check_signal
+from .._checks import check_flag, check_seconds, check_signal
 from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
 from ._logs import LogTarget
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
@@ -143,8 +143,7 @@ def install(
     Uvicorn's."""
     if not isinstance(config, MutableMapping):
         raise TypeError(f"install() takes the config's namespace, globals(), not {type(config).__name__}")
-    if not isinstance(x_request_start, bool):
-        raise TypeError(f"x_request_start must be True or False, not {x_request_start!r}")
+    check_flag(x_request_start, "x_request_start")
     asks = tracebacks or interrupt or warn_after is not None or on_timeout is not None
     settings = _Settings(
         name=name,

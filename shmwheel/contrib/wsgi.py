@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from .._checks import check_flag
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RESPONSE_STATUS, RequestTimeout
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
 from ._routes import Routes
@@ -66,8 +67,7 @@ class TimeoutMiddleware:
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be a WSGI application, not {type(app).__name__}")
-        if not isinstance(x_request_start, bool):
-            raise TypeError(f"x_request_start must be True or False, not {x_request_start!r}")
+        check_flag(x_request_start, "x_request_start")
         self.app = app
         self.timer = RequestTimer(
             name, timeout, traceback_signal=traceback_signal, warn_after=warn_after, interrupt=interrupt,
