@@ -8,6 +8,13 @@ Per request, in ns (wall clock, loop included):
 - ``timer``: ``RequestTimer.start(method, path, request_id)`` then ``finish()``;
 - ``wsgi``: a call of ``TimeoutMiddleware`` and ``close()`` of its body, net
   of the same call of the bare application;
+- ``gunicorn``: the ``pre_request`` and ``post_request`` hooks of
+  ``install()`` for a real ``gunicorn.http.Request`` (parsed once), net of
+  Gunicorn's default hooks, which they take the place of (``gunicorn_gross``:
+  not netted);
+- ``asgi``: a request through the ASGI ``TimeoutMiddleware`` (its
+  ``http.response.start`` and ``http.response.body``) in a running asyncio
+  loop, net of the bare application;
 - ``threads``: requests a second with 4 threads doing start+finish at once
   in one process, and the voluntary and involuntary context switches a
   request (getrusage), next to 1 thread in the same process.
@@ -38,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 N_PAIRS = 20_000
 REPEAT = 7
@@ -57,7 +65,9 @@ def _child(root: str, fast: bool) -> None:
         shmwheel._wheel._fast_ext = None  # type: ignore[attr-defined]
     import shmwheel._shmwheel as core
 
+    from shmwheel.contrib import gunicorn as contrib_gunicorn
     from shmwheel.contrib._worker import RequestTimer
+    from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware
     from shmwheel.contrib.wsgi import TimeoutMiddleware
 
     for module in (shmwheel, core):  # the build asked for, not the editable install's
@@ -106,7 +116,86 @@ def _child(root: str, fast: bool) -> None:
                 mw(environ, sr).close()
             return time.perf_counter_ns() - t
 
-        cases = {"setitimer": case_setitimer, "timer": case_timer, "bare": case_bare, "wsgi": case_wsgi}
+        # Gunicorn: install()'s hooks, as a worker calls them, beside the defaults they replace.
+        import asyncio
+        import logging
+
+        from gunicorn.config import Config
+        from gunicorn.glogging import Logger
+        from gunicorn.http.parser import RequestParser
+
+        cfg = Config()
+        raw = b"GET /api/v1/items/12345 HTTP/1.1\r\nHost: localhost\r\nX-Request-Id: req-abc-123\r\n\r\n"
+        req = next(iter(RequestParser(cfg, [raw], ("127.0.0.1", 1))))
+
+        class Worker:
+            log = Logger(cfg)
+
+        worker = Worker()
+        logging.getLogger("gunicorn.error").setLevel(logging.INFO)  # as served: no debug lines
+        hooks: dict[str, object] = {}
+        contrib_gunicorn.install(hooks, 30.0, name=name)
+        contrib_gunicorn._state.timer = contrib_gunicorn._timer(name, contrib_gunicorn._state.settings)
+        assert contrib_gunicorn._state.timer.prepare()
+        pre, post = hooks["pre_request"], hooks["post_request"]
+        default_pre, default_post = cfg.pre_request, cfg.post_request
+
+        def case_gunicorn() -> int:
+            t = time.perf_counter_ns()
+            for _ in n:
+                pre(worker, req)
+                post(worker, req, environ, None)
+            return time.perf_counter_ns() - t
+
+        def case_gunicorn_bare() -> int:
+            t = time.perf_counter_ns()
+            for _ in n:
+                default_pre(worker, req)
+                default_post(worker, req, environ, None)
+            return time.perf_counter_ns() - t
+
+        # ASGI: a request of two sends through the middleware, in a running loop.
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+            "path": "/api/v1/items/12345", "raw_path": b"/api/v1/items/12345", "query_string": b"",
+            "root_path": "", "headers": [(b"host", b"localhost"), (b"x-request-id", b"req-abc-123")],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
+        }  # fmt: skip
+        start_message = {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        body_message = {"type": "http.response.body", "body": b"ok"}
+
+        async def asgi_app(scope: object, receive: object, send: Any) -> None:
+            await send(start_message)
+            await send(body_message)
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: object) -> None:
+            pass
+
+        amw = AsgiMiddleware(asgi_app, name=name, timeout=30.0)
+        loop = asyncio.new_event_loop()
+
+        async def asgi_loop(app: Any) -> int:
+            t = time.perf_counter_ns()
+            for _ in n:
+                await app(scope, receive, send)
+            return time.perf_counter_ns() - t
+
+        assert amw.timer.prepare()
+
+        def case_asgi() -> int:
+            return loop.run_until_complete(asgi_loop(amw))
+
+        def case_asgi_bare() -> int:
+            return loop.run_until_complete(asgi_loop(asgi_app))
+
+        cases = {
+            "setitimer": case_setitimer, "timer": case_timer, "bare": case_bare, "wsgi": case_wsgi,
+            "gunicorn_gross": case_gunicorn, "gunicorn_bare": case_gunicorn_bare, "asgi": case_asgi,
+            "asgi_bare": case_asgi_bare,
+        }  # fmt: skip
         best: dict[str, list[float]] = {k: [] for k in cases}
         for f in cases.values():
             f()  # warm up
@@ -117,6 +206,9 @@ def _child(root: str, fast: bool) -> None:
         gc.enable()
         out = {k: min(v) for k, v in best.items()}
         out["wsgi_net"] = out.pop("wsgi") - out["bare"]
+        out["gunicorn"] = out["gunicorn_gross"] - out.pop("gunicorn_bare")
+        out["asgi"] -= out.pop("asgi_bare")
+        loop.close()
 
         def hammer(stop: threading.Event, counts: list[int], k: int) -> None:
             c = 0
@@ -176,14 +268,22 @@ def main() -> None:
             )
             results[label].append(json.loads(cp.stdout))
             print(f"round {r} {label}: {cp.stdout.strip()}", file=sys.stderr)
-    keys = ["setitimer", "timer", "wsgi_net", "t1_rps", "t4_rps", "t4_vcsw", "t4_ivcsw", "t1_vcsw", "t1_ivcsw"]
-    print(f"{'build':<8}" + "".join(f"{k:>11}" for k in keys) + f"{'timer/sit':>11}{'wsgi/sit':>11}{'t4/t1':>8}")
+    paths = ["setitimer", "timer", "wsgi_net", "gunicorn", "gunicorn_gross", "asgi"]
+    print("per request, ns (median of the rounds), and / its ratio to the setitimer pair of the same child")
+    print(f"{'build':<8}" + "".join(f"{k:>16}" for k in paths))
+    for label, rows in results.items():
+        cells = []
+        for k in paths:
+            ns = statistics.median(row[k] for row in rows)
+            ratio = statistics.median(row[k] / row["setitimer"] for row in rows)
+            cells.append(f"{ns:>9.0f} / {ratio:4.2f}")
+        print(f"{label:<8}" + "".join(f"{c:>16}" for c in cells))
+    keys = ["t1_rps", "t4_rps", "t4_vcsw", "t4_ivcsw", "t1_vcsw", "t1_ivcsw"]
+    print(f"{'build':<8}" + "".join(f"{k:>11}" for k in keys) + f"{'t4/t1':>8}")
     for label, rows in results.items():
         med = {k: statistics.median(row[k] for row in rows) for k in keys}
-        tr = statistics.median(row["timer"] / row["setitimer"] for row in rows)
-        wr = statistics.median(row["wsgi_net"] / row["setitimer"] for row in rows)
         scale = statistics.median(row["t4_rps"] / row["t1_rps"] for row in rows)
-        print(f"{label:<8}" + "".join(f"{med[k]:>11.3g}" for k in keys) + f"{tr:>11.2f}{wr:>11.2f}{scale:>8.2f}")
+        print(f"{label:<8}" + "".join(f"{med[k]:>11.3g}" for k in keys) + f"{scale:>8.2f}")
     # The threads' figures swing between rounds with what else the machine runs: their spread.
     print("4 threads, per build: requests/s and context switches a request (vol+invol), median [min, max]")
     for label, rows in results.items():
