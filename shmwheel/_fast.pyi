@@ -1,4 +1,5 @@
 # The worker's request timer on a path that keeps the GIL (csrc/python/fast.c).
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -30,6 +31,26 @@ class Timer:
         active_type: type[tuple[Any, ...]],
         getcurrent: Any,
         interrupt: bool,
+        warn_ns: int,
+        warn_flag: int,
+        look_ns: int,
     ) -> None: ...
-    def start(self, now_ns: int, method: str, path: str, request_id: str | None, task: object) -> int | None: ...
-    def finish(self, handle: int) -> Any: ...
+    look_at: int
+    def start(
+        self,
+        now_ns: int,
+        method: str,
+        path: str,
+        request_id: str | None,
+        task: object,
+        timeout_ns: int | None = None,
+        started_ns: int | None = None,
+        /,
+    ) -> int | None: ...
+    def finish(self, handle: int, /) -> Any: ...
+    def wsgi(self, app: Callable[..., Any], environ: dict[str, Any], start_response: Callable[..., Any], /) -> Any: ...
+
+class Body:
+    def __init__(self, body: Iterable[bytes], timer: object, handle: int | None) -> None: ...
+    def __iter__(self) -> Iterator[bytes]: ...
+    def close(self) -> None: ...

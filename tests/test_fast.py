@@ -15,8 +15,10 @@ import pytest
 from conftest import mutex_span
 
 import shmwheel
+from shmwheel import _fast
 from shmwheel._binding import ffi, lib
 from shmwheel._fast import Timer
+from shmwheel.contrib import wsgi
 from shmwheel.contrib._record import (
     DEFAULT_TRACEBACK_SIGNAL,
     GREENLET,
@@ -26,10 +28,12 @@ from shmwheel.contrib._record import (
     MAX_METHOD,
     MAX_REQUEST_ID,
     TASK,
+    WARN,
     decode_request,
 )
 from shmwheel.contrib._stacks import Active
 from shmwheel.contrib._worker import RequestTimer, current_handle
+from shmwheel.contrib.wsgi import TimeoutMiddleware
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -59,16 +63,28 @@ def _timer(wheel: shmwheel.Wheel, **kw: object) -> RequestTimer:
     return timer
 
 
+# A request's own timeout (a route's) and start (X-Request-Start), in ns from
+# now; None: the timer's.  With warn_after=10 s, the 5 s timeout has no warn
+# stage, and a start 12 s ago is past it.
+TIMES = [(None, 0), (5 * 10**9, 0), (60 * 10**9, 0), (None, -2 * 10**9), (60 * 10**9, -12 * 10**9), (1, -(10**9))]
+
+
+@pytest.mark.parametrize(("timeout", "since"), TIMES)
 @pytest.mark.parametrize(("method", "path", "request_id"), CASES)
-def test_fast_start_packs_the_record_its_own_path_packs(make_wheel, method: str, path: str, request_id) -> None:
+def test_fast_start_packs_the_record_its_own_path_packs(
+    make_wheel, method: str, path: str, request_id, timeout: int | None, since: int
+) -> None:
     """The C record is byte-identical to the Python one, and so is the table's entry."""
     wheel = make_wheel(payload_size=256)
     for kw, task in (({}, None), ({"warn_after": 10.0}, None), ({"warn_after": 10.0, "interrupt": True}, object())):
         timer = _timer(wheel, **kw)
         assert timer._fast is not None
         now = time.monotonic_ns()
-        fast = timer._fast.start(now, method, path, request_id, task)
-        slow = timer._start_slow(now, method, path, request_id, task, None)
+        own = (timeout, now + since) if timeout is not None or since else ()
+        fast = timer._fast.start(now, method, path, request_id, task, *own)
+        slow = timer._start_slow(
+            now, method, path, request_id, task, timer._timeout_ns if timeout is None else timeout, now + since
+        )
         assert slow is not None
         if fast is None:  # what the C path gives back: only records to cut or replace characters in
             assert len(method) > 32 or not method.isascii() or len(timer._active[slow].payload) == 256
@@ -110,7 +126,7 @@ def test_fast_start_in_a_greenlet_names_it(make_wheel) -> None:
     def serve() -> None:
         now = time.monotonic_ns()
         fast = timer._fast.start(now, "GET", "/g", "r", None)
-        slow = timer._start_slow(now, "GET", "/g", "r", None, None)
+        slow = timer._start_slow(now, "GET", "/g", "r", None, timer._timeout_ns, now)
         got.append((timer._active[fast], timer._active[slow]))
         timer.finish(fast)
         timer.finish(slow)
@@ -215,7 +231,7 @@ def test_the_core_outlives_its_wheel_object_safely(make_wheel) -> None:
     head = HEAD.pack(KIND_REQUEST, 0, 0, 0, os.getpid(), 0, 0, 0, 0, 0, 0, MAGIC, 30_000)
     var: contextvars.ContextVar[object] = contextvars.ContextVar("request")
     timer = Timer(core, head, 30.0, 30 * 10**9, 30 * 10**9, wheel.payload_size, MAX_METHOD, MAX_REQUEST_ID,
-                  TASK, GREENLET, active, set(), var, None, Active, None, False)  # fmt: skip
+                  TASK, GREENLET, active, set(), var, None, Active, None, False, 0, WARN, 10**9)  # fmt: skip
     h = timer.start(time.monotonic_ns(), "GET", "/x", None, None)
     assert h is not None and set(active) == {h} and var.get() == (None, h)
     assert len(wheel) == 1
@@ -257,3 +273,116 @@ def test_the_fast_path_needs_its_wheel_attached_as_a_producer(make_wheel) -> Non
     assert h is not None
     assert [p.pid for p in wheel.producers()]
     timer.finish(h)
+
+
+# -- the WSGI middleware's call in C (Timer.wsgi) and its Body -------------------------------------
+
+ENVIRONS = [
+    {"REQUEST_METHOD": "GET", "SCRIPT_NAME": "/app", "PATH_INFO": "/items/1", "HTTP_X_REQUEST_ID": "r-1"},
+    {"REQUEST_METHOD": "DELETE", "PATH_INFO": "/x", "HTTP_X_REQUEST_ID": "no spaces please"},
+    {},  # no method, no path: "-" and ""
+    {"REQUEST_METHOD": "GET", "PATH_INFO": "/caf\xc3\xa9"},  # PEP 3333's latin-1: the middleware's own path
+    {"REQUEST_METHOD": "POST", "PATH_INFO": "/" + "p" * 300},  # cut to fit: its own path too
+]
+
+
+@pytest.mark.parametrize("environ", ENVIRONS)
+def test_the_middlewares_call_in_c_files_what_its_own_path_files(make_wheel, environ: dict[str, str]) -> None:
+    wheel = make_wheel(payload_size=256)
+    handles: list[int] = []
+
+    def app(env: dict[str, object], start_response: object) -> list[bytes]:
+        handles.append(env["shmwheel.timer"])  # type: ignore[arg-type]
+        return [b"ok"]
+
+    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+    assert mw.timer.prepare() and mw._plain
+    own_path: list[str] = []
+    start = mw.timer.start
+    mw.timer.start = lambda *a, **k: own_path.append(a[1]) or start(*a, **k)  # type: ignore[method-assign]
+    in_c = mw(dict(environ), lambda *a: None)
+    taken = bool(own_path)
+    mw._plain = False  # every request the middleware's own way
+    mine = mw(dict(environ), lambda *a: None)
+    assert own_path, "the control did not take the middleware's own path"
+    assert taken == (environ in ENVIRONS[3:]), "the C call took a request it gives back, or gave back a plain one"
+    assert type(in_c) is type(mine) is _fast.Body
+    a, b = (mw.timer._active[h] for h in handles)
+    assert a.payload[:16] + a.payload[24:] == b.payload[:16] + b.payload[24:]  # all but the start
+    assert a._replace(payload=b"", deadline_ns=0, handle=0, timeout_ns=0) == b._replace(
+        payload=b"", deadline_ns=0, handle=0, timeout_ns=0
+    )
+    assert list(in_c) == [b"ok"] and len(wheel) == 2
+    in_c.close()  # type: ignore[attr-defined]
+    mine.close()  # type: ignore[attr-defined]
+    assert len(wheel) == 0 and not mw.timer._active
+
+
+@pytest.mark.parametrize("body_type", [_fast.Body, wsgi._ClosingBody], ids=["c", "python"])
+def test_a_body_closes_the_applications_then_ends_the_timer_whatever_happens(make_wheel, body_type) -> None:
+    wheel = make_wheel()
+    timer = _timer(wheel)
+    order: list[str] = []
+
+    class Closing(list):  # type: ignore[type-arg]
+        def __init__(self, fail: bool) -> None:
+            super().__init__([b"a", b"b"])
+            self.fail = fail
+
+        def close(self) -> None:
+            order.append(f"close, {len(wheel)} pending")
+            if self.fail:
+                raise OSError("the client went away")
+
+    handle = timer.start("GET", "/x")
+    body = body_type(Closing(False), timer, handle)
+    assert list(body) == [b"a", b"b"]
+    body.close()
+    assert order == ["close, 1 pending"] and len(wheel) == 0 and wheel.stats().cancelled == 1
+    body.close()  # again: the body is closed again, the timer ended once
+    assert len(order) == 2 and wheel.stats().cancelled == 1
+
+    handle = timer.start("GET", "/x")
+    body = body_type(Closing(True), timer, handle)
+    with pytest.raises(OSError, match="went away"):
+        body.close()
+    assert len(wheel) == 0 and not timer._active  # ended all the same
+
+    body = body_type(iter([b"c"]), timer, None)  # a request without a timer: no close() to call either
+    assert list(body) == [b"c"]
+    body.close()
+
+
+def test_a_body_ends_a_timer_in_the_wheel_it_started_in_after_a_replacement(name: str) -> None:
+    old = shmwheel.create(name, capacity=16, payload_size=256)
+    mw = TimeoutMiddleware(lambda e, s: [b"x"], name, 30.0, traceback_signal=None)
+    try:
+        body = mw({"PATH_INFO": "/before"}, lambda *a: None)
+        assert type(body) is _fast.Body and len(old) == 1
+        shmwheel.unlink(name)
+        new = shmwheel.create(name, capacity=16, payload_size=256)
+        try:
+            later = mw({"PATH_INFO": "/after"}, lambda *a: None)
+            assert len(new) == 1 and mw.timer._fast is not None
+            body.close()  # type: ignore[attr-defined]
+            later.close()  # type: ignore[attr-defined]
+            assert (len(old), len(new)) == (0, 0), "a request's timer was left behind"
+        finally:
+            new.close()
+            shmwheel.unlink(name)
+    finally:
+        old.close()
+
+
+def test_a_timer_made_before_a_fork_leaves_the_child_to_its_own_path(make_wheel) -> None:
+    wheel = make_wheel()
+    timer = _timer(wheel)
+    fast = timer._fast
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        ok = fast.start(time.monotonic_ns(), "GET", "/x", None, None) is None
+        ok = ok and fast.wsgi(lambda e, s: [b""], {}, lambda *a: None) is NotImplemented
+        os._exit(0 if ok and len(wheel) == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the parent's Timer served a request in the child"
+    assert fast.start(time.monotonic_ns(), "GET", "/x", None, None) is not None  # still the parent's

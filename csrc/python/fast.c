@@ -21,18 +21,30 @@
  *          close() (from Wheel.close) makes every later call give up.
  * Timer    one RequestTimer's constants in one process: start() packs the
  *          request record (shmwheel/contrib/_record.py, byte for byte:
- *          tests/test_contrib.py compares), adds it, and files the request
+ *          tests/test_fast.py compares), adds it, and files the request
  *          in the RequestTimer's table and context; finish() takes it out
- *          and cancels its timer.
+ *          and cancels its timer; wsgi() is the WSGI middleware's call,
+ *          from the environ to the Body, start() included.
+ * Body     a WSGI response body whose close() ends its request's timer
+ *          through the RequestTimer's Timer of the moment, or its finish().
+ *
+ * A Timer only serves the process that made it (the pid is kept here, set
+ * again in a forked child by pthread_atfork, so that no request asks the
+ * kernel), and once a second it gives the RequestTimer its look at the
+ * wheel (RequestTimer._look) before it goes on.
  *
  * Nothing runs under the segment's lock but the core's own code: the record
  * is built, and every Python object made, before the add or after it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "shmwheel.h"
 
@@ -49,11 +61,29 @@ typedef int (*try_cancel_fn)(shmw_t *w, int64_t handle);
 #define OFF_STARTED   16    /* q  request start, monotonic ns */
 #define OFF_THREAD    24    /* Q  the OS thread */
 #define OFF_TASK      32    /* Q  the greenlet, id(), or 0 */
+#define OFF_TIMEOUT   44    /* I  the timeout, ms */
 
 /* The Active tuple's fields (_stacks.py): payload, due_ns, thread, task,
  * handle, timeout_ns, interrupt. */
 #define ACTIVE_FIELDS 7
 #define ACTIVE_HANDLE 4
+
+/* This process's pid: asked once, and again in a forked child. */
+static pid_t current_pid;
+
+static void after_fork_child(void)
+{
+    current_pid = getpid();
+}
+
+/* time.monotonic_ns(): CLOCK_MONOTONIC, read through the vDSO. */
+static inline int64_t monotonic_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 /* ---- Core ----------------------------------------------------------------- */
 
@@ -139,14 +169,19 @@ typedef struct {
     PyObject_HEAD
     CoreObject *core;
     PyObject   *head;           /* bytes: the record's head with this timer's constants */
-    double      delay_s;        /* to the first stage */
-    int64_t     due_ns;         /* the first stage, after the start */
-    int64_t     timeout_ns;     /* the timeout, after the start */
+    double      delay_s;        /* to the first stage, for the default timeout */
+    int64_t     due_ns;         /* the first stage, after the start, for the default timeout */
+    int64_t     timeout_ns;     /* the default timeout */
+    int64_t     warn_ns;        /* warn_after, or 0 */
+    int64_t     look_ns;        /* how often the RequestTimer looks at its wheel */
+    int64_t     look_at;        /* monotonic ns: its next look */
+    pid_t       pid;            /* the process this Timer serves */
     Py_ssize_t  size;           /* the wheel's payload size */
     Py_ssize_t  max_method;     /* _record.MAX_METHOD */
     Py_ssize_t  max_request_id; /* _record.MAX_REQUEST_ID */
     uint8_t     task_flag;      /* _record.TASK */
     uint8_t     greenlet_flag;  /* _record.GREENLET */
+    uint8_t     warn_flag;      /* _record.WARN */
     PyObject   *active;         /* dict: the RequestTimer's requests in progress */
     PyObject   *interrupted;    /* set: their handles, once interrupted */
     PyObject   *var;            /* ContextVar: the request in progress here */
@@ -155,6 +190,12 @@ typedef struct {
     PyObject   *getcurrent;     /* greenlet.getcurrent, or None */
     PyObject   *interrupt;      /* the Active's interrupt field */
 } TimerObject;
+
+static PyTypeObject TimerType;
+
+/* Interned names, made once by the module. */
+static PyObject *str_look, *str_fast, *str_finish, *str_finished, *str_close, *str_empty, *str_dash;
+static PyObject *str_request_method, *str_script_name, *str_path_info, *str_request_id, *str_environ_key;
 
 static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
 {
@@ -195,18 +236,18 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"core", "head", "delay", "due_ns", "timeout_ns", "size", "max_method",
                             "max_request_id", "task_flag", "greenlet_flag", "active", "interrupted", "var", "owner",
-                            "active_type", "getcurrent", "interrupt", NULL};
+                            "active_type", "getcurrent", "interrupt", "warn_ns", "warn_flag", "look_ns", NULL};
     PyObject *core, *head, *active, *interrupted, *var, *owner, *active_type, *getcurrent, *interrupt;
     double delay;
-    long long due, timeout;
+    long long due, timeout, warn, look;
     Py_ssize_t size, max_method, max_request_id;
-    unsigned char task_flag, greenlet_flag;
+    unsigned char task_flag, greenlet_flag, warn_flag;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SdLLnnnbbO!O!OOO!OO:Timer", names,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SdLLnnnbbO!O!OOO!OOLbL:Timer", names,
                                      &CoreType, &core, &head, &delay, &due, &timeout, &size, &max_method,
                                      &max_request_id, &task_flag, &greenlet_flag, &PyDict_Type, &active,
                                      &PySet_Type, &interrupted, &var, &owner, &PyType_Type, &active_type,
-                                     &getcurrent, &interrupt))
+                                     &getcurrent, &interrupt, &warn, &warn_flag, &look))
         return -1;
     if (PyBytes_GET_SIZE(head) != HEAD_SIZE) {
         PyErr_Format(PyExc_ValueError, "head must be %d bytes", HEAD_SIZE);
@@ -222,8 +263,9 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     if (size < HEAD_SIZE || size > (Py_ssize_t)SHMW_MAX_PAYLOAD || max_method < 0 || max_method > 255
-        || max_request_id < 0 || max_request_id > 255 || !(delay >= 0.0)) {
-        PyErr_SetString(PyExc_ValueError, "a Timer's sizes or delay are out of range");
+        || max_request_id < 0 || max_request_id > 255 || !(delay >= 0.0) || timeout <= 0 || due <= 0
+        || warn < 0 || look <= 0) {
+        PyErr_SetString(PyExc_ValueError, "a Timer's sizes, times or delay are out of range");
         return -1;
     }
     Timer_clear(self);
@@ -232,11 +274,16 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     self->delay_s = delay;
     self->due_ns = due;
     self->timeout_ns = timeout;
+    self->warn_ns = warn;
+    self->look_ns = look;
+    self->look_at = monotonic_ns() + look;  /* the RequestTimer has just attached: it looks from now */
+    self->pid = current_pid;
     self->size = size;
     self->max_method = max_method;
     self->max_request_id = max_request_id;
     self->task_flag = task_flag;
     self->greenlet_flag = greenlet_flag;
+    self->warn_flag = warn_flag;
     self->active = Py_NewRef(active);
     self->interrupted = Py_NewRef(interrupted);
     self->var = Py_NewRef(var);
@@ -252,6 +299,14 @@ static inline void put_u64le(char *p, uint64_t v)
     int k;
 
     for (k = 0; k < 8; k++)
+        p[k] = (char)(v >> (8 * k));
+}
+
+static inline void put_u32le(char *p, uint32_t v)
+{
+    int k;
+
+    for (k = 0; k < 4; k++)
         p[k] = (char)(v >> (8 * k));
 }
 
@@ -288,69 +343,89 @@ static Py_ssize_t request_id_of(const TimerObject *self, PyObject *rid, const ch
     return n;
 }
 
-/* start(now_ns, method, path, request_id, task): the request's handle, its timer
- * added and the request filed; or None, having changed nothing, for the
- * caller's own path to take it (a record to cut or a method to replace
- * characters of, the segment's lock held by another, the wheel closed,
- * removed, full or not attached: anything but the plain case). */
-static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Whether this Timer serves a request now: 1, yes; 0, no, the caller's own
+ * path does (another process's Timer, a closed wheel, or the RequestTimer's
+ * look once a second, which it has had: it may have replaced the wheel);
+ * -1, the look failed. */
+static int ready(TimerObject *self, int64_t now)
 {
-    PyObject *method, *path, *encoded = NULL, *payload, *task = Py_None, *current = NULL;
-    PyObject *active = NULL, *key = NULL, *context = NULL, *token;
-    const char *rid, *pdata;
-    Py_ssize_t mlen, rlen, plen, n;
-    long long now;
-    uint64_t thread;
-    int64_t handle;
+    PyObject *at, *r;
+
+    if (!self->core->w || self->pid != current_pid)
+        return 0;
+    if (now < self->look_at)
+        return 1;
+    self->look_at = now + self->look_ns;
+    if (!(at = PyLong_FromLongLong(now)))
+        return -1;
+    r = PyObject_CallMethodOneArg(self->owner, str_look, at);
+    Py_DECREF(at);
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+/* The request's timer added and the request filed: the record packed from
+ * the Timer's head and the request's method, id and path (two pieces, the
+ * second may be empty), started at ``started`` and due ``timeout`` ns after
+ * it.  Returns the handle; None, having changed nothing, for the caller's
+ * own path to take the request (a record to cut, a method to replace
+ * characters of, the segment's lock held by another, the wheel closed,
+ * removed or full: anything but the plain case); NULL with an exception. */
+static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, int64_t timeout, PyObject *method,
+                               const char *p1, Py_ssize_t l1, const char *p2, Py_ssize_t l2, PyObject *request_id,
+                               PyObject *task)
+{
+    PyObject *payload, *current = NULL, *active = NULL, *key = NULL, *context = NULL, *token;
+    const char *rid;
+    Py_ssize_t mlen, rlen, n;
+    uint64_t thread, timeout_ms = 0;
+    int64_t handle, due;
+    double delay;
     char *buf;
     uint8_t flags;
     shmw_t *w = self->core->w;
 
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "start(now_ns, method, path, request_id, task)");
-        return NULL;
-    }
-    if (!w)
-        Py_RETURN_NONE;
-    now = PyLong_AsLongLong(args[0]);
-    if (now == -1 && PyErr_Occurred())
-        return NULL;
-    method = args[1];
-    path = args[2];
-    if (!PyUnicode_CheckExact(method) || !PyUnicode_IS_ASCII(method) || !PyUnicode_CheckExact(path))
+    if (!w || !PyUnicode_CheckExact(method) || !PyUnicode_IS_ASCII(method))
         Py_RETURN_NONE;
     mlen = PyUnicode_GET_LENGTH(method);
-    if (mlen > self->max_method || (rlen = request_id_of(self, args[3], &rid)) < 0)
+    if (mlen > self->max_method || (rlen = request_id_of(self, request_id, &rid)) < 0)
         Py_RETURN_NONE;
-    if (PyUnicode_IS_ASCII(path)) {
-        pdata = (const char *)PyUnicode_1BYTE_DATA(path);
-        plen = PyUnicode_GET_LENGTH(path);
-    } else {
-        if (!(encoded = PyUnicode_AsEncodedString(path, "utf-8", "surrogateescape"))) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        pdata = PyBytes_AS_STRING(encoded);
-        plen = PyBytes_GET_SIZE(encoded);
-    }
-    n = HEAD_SIZE + mlen + rlen + plen;
-    if (n > self->size) {
-        Py_XDECREF(encoded);
+    n = HEAD_SIZE + mlen + rlen + l1 + l2;
+    if (n > self->size)
         Py_RETURN_NONE;         /* cut to fit, by encode_request */
-    }
 
     flags = (uint8_t)PyBytes_AS_STRING(self->head)[OFF_FLAGS];
-    if (args[4] != Py_None) {
+    if (timeout == self->timeout_ns && started == now) {
+        delay = self->delay_s;
+        due = now + self->due_ns;
+    } else {
+        /* A timeout of its own (a route), or a start before now (the
+         * proxy's X-Request-Start): its stages from its start. */
+        int warn = self->warn_ns > 0 && self->warn_ns < timeout;
+
+        if (timeout <= 0 || started > now)
+            Py_RETURN_NONE;
+        timeout_ms = (uint64_t)(timeout / 1000000) + (timeout % 1000000 != 0);
+        if (timeout_ms > UINT32_MAX)
+            Py_RETURN_NONE;
+        due = started + (warn ? self->warn_ns : timeout);
+        delay = due > now ? (double)(due - now) / 1e9 : 0.0;
+        flags = (uint8_t)((flags & ~self->warn_flag) | (warn ? self->warn_flag : 0));
+    }
+    if (task != Py_None) {
         /* The asyncio or trio task that runs the request. */
-        task = args[4];
         flags |= self->task_flag;
     } else if (self->getcurrent != Py_None) {
         /* A greenlet that is not its thread's own serves the request. */
         PyObject *parent;
+
         if (!(current = PyObject_CallNoArgs(self->getcurrent)))
-            goto fail;
-        if (!(parent = PyObject_GetAttrString(current, "parent")))
-            goto fail;
+            return NULL;
+        if (!(parent = PyObject_GetAttrString(current, "parent"))) {
+            Py_DECREF(current);
+            return NULL;
+        }
         if (parent != Py_None) {
             task = current;
             flags |= self->greenlet_flag;
@@ -359,23 +434,28 @@ static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_
     }
     thread = (uint64_t)PyThread_get_thread_ident();
 
-    if (!(payload = PyBytes_FromStringAndSize(NULL, n)))
-        goto fail;
+    if (!(payload = PyBytes_FromStringAndSize(NULL, n))) {
+        Py_XDECREF(current);
+        return NULL;
+    }
     buf = PyBytes_AS_STRING(payload);
     memcpy(buf, PyBytes_AS_STRING(self->head), HEAD_SIZE);
     buf[OFF_MLEN] = (char)mlen;
     buf[OFF_RLEN] = (char)rlen;
     buf[OFF_FLAGS] = (char)flags;
-    put_u64le(buf + OFF_STARTED, (uint64_t)now);
+    put_u64le(buf + OFF_STARTED, (uint64_t)started);
     put_u64le(buf + OFF_THREAD, thread);
     put_u64le(buf + OFF_TASK, task == Py_None ? 0 : (uint64_t)(uintptr_t)task);
+    if (timeout_ms)
+        put_u32le(buf + OFF_TIMEOUT, (uint32_t)timeout_ms);
     memcpy(buf + HEAD_SIZE, PyUnicode_1BYTE_DATA(method), (size_t)mlen);
     memcpy(buf + HEAD_SIZE + mlen, rid, (size_t)rlen);
-    memcpy(buf + HEAD_SIZE + mlen + rlen, pdata, (size_t)plen);
-    Py_CLEAR(encoded);
+    memcpy(buf + HEAD_SIZE + mlen + rlen, p1, (size_t)l1);
+    if (l2)
+        memcpy(buf + HEAD_SIZE + mlen + rlen + l1, p2, (size_t)l2);
 
     /* The one call under the segment's lock: a try, which the GIL allows. */
-    handle = self->core->add(w, self->delay_s, buf, (uint32_t)n, SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK);
+    handle = self->core->add(w, delay, buf, (uint32_t)n, SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK);
     if (handle < 0) {
         Py_DECREF(payload);
         Py_XDECREF(current);
@@ -390,11 +470,11 @@ static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_
         goto undo;
     PyTuple_SET_ITEM(active, 0, payload);       /* the tuple takes these references */
     payload = NULL;
-    PyTuple_SET_ITEM(active, 1, PyLong_FromLongLong(now + self->due_ns));
+    PyTuple_SET_ITEM(active, 1, PyLong_FromLongLong(due));
     PyTuple_SET_ITEM(active, 2, PyLong_FromUnsignedLongLong(thread));
     PyTuple_SET_ITEM(active, 3, Py_NewRef(task));
     PyTuple_SET_ITEM(active, ACTIVE_HANDLE, Py_NewRef(key));
-    PyTuple_SET_ITEM(active, 5, PyLong_FromLongLong(now + self->timeout_ns));
+    PyTuple_SET_ITEM(active, 5, PyLong_FromLongLong(started + timeout));
     PyTuple_SET_ITEM(active, 6, Py_NewRef(self->interrupt));
     if (!PyTuple_GET_ITEM(active, 1) || !PyTuple_GET_ITEM(active, 2) || !PyTuple_GET_ITEM(active, 5))
         goto undo;
@@ -418,27 +498,76 @@ undo:
     Py_XDECREF(active);
     Py_XDECREF(key);
     Py_XDECREF(context);
-fail:
-    Py_XDECREF(encoded);
     Py_XDECREF(current);
     return NULL;
 }
 
-/* finish(handle): None if the table has no such request; True once its
- * timer is cancelled; else its Active, taken out of the table, for the
- * caller's own path to cancel (the lock held by another, a timer in a wheel
- * replaced since, one that has fired). */
-static PyObject *Timer_finish(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* An int argument in ns, or None for ``otherwise``. */
+static int ns_arg(PyObject *o, int64_t otherwise, int64_t *out)
 {
-    PyObject *key, *active;
+    long long v;
+
+    if (o == Py_None) {
+        *out = otherwise;
+        return 0;
+    }
+    v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* start(now_ns, method, path, request_id, task[, timeout_ns[, started_ns]]):
+ * the request's handle; or None, having changed nothing, for the caller's
+ * own path (see start_request).  timeout_ns (None: the Timer's) and
+ * started_ns (None: now) are a request's own: a route's, a proxy's start. */
+static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *path, *encoded = NULL, *key;
+    const char *pdata;
+    Py_ssize_t plen;
+    int64_t now, timeout, started;
+    int r;
+
+    if (nargs < 5 || nargs > 7) {
+        PyErr_SetString(PyExc_TypeError, "start(now_ns, method, path, request_id, task[, timeout_ns[, started_ns]])");
+        return NULL;
+    }
+    if (ns_arg(args[0], 0, &now) < 0 || ns_arg(nargs > 5 ? args[5] : Py_None, self->timeout_ns, &timeout) < 0
+        || ns_arg(nargs > 6 ? args[6] : Py_None, now, &started) < 0)
+        return NULL;
+    if ((r = ready(self, now)) <= 0)
+        return r < 0 ? NULL : Py_NewRef(Py_None);
+    path = args[2];
+    if (!PyUnicode_CheckExact(path))
+        Py_RETURN_NONE;
+    if (PyUnicode_IS_ASCII(path)) {
+        pdata = (const char *)PyUnicode_1BYTE_DATA(path);
+        plen = PyUnicode_GET_LENGTH(path);
+    } else {
+        if (!(encoded = PyUnicode_AsEncodedString(path, "utf-8", "surrogateescape"))) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        pdata = PyBytes_AS_STRING(encoded);
+        plen = PyBytes_GET_SIZE(encoded);
+    }
+    key = start_request(self, now, started, timeout, args[1], pdata, plen, "", 0, args[3], args[4]);
+    Py_XDECREF(encoded);
+    return key;
+}
+
+/* The request of ``key`` taken out of the table and its timer cancelled:
+ * None if the table has no such request; True once its timer is cancelled;
+ * else its Active, for the caller's own path to cancel (the lock held by
+ * another, a timer in a wheel replaced since, one that has fired). */
+static PyObject *finish_request(TimerObject *self, PyObject *key)
+{
+    PyObject *active;
     long long handle;
     shmw_t *w = self->core->w;
 
-    if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "finish(handle)");
-        return NULL;
-    }
-    key = args[0];
     if (!(active = PyDict_GetItemWithError(self->active, key))) {
         if (PyErr_Occurred())
             return NULL;
@@ -464,12 +593,172 @@ static PyObject *Timer_finish(TimerObject *self, PyObject *const *args, Py_ssize
     return active;
 }
 
+/* finish(handle): as finish_request. */
+static PyObject *Timer_finish(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "finish(handle)");
+        return NULL;
+    }
+    return finish_request(self, args[0]);
+}
+
+/* RequestTimer.finish(key) without its frame: through the RequestTimer's
+ * Timer of the moment (a wheel attached again since the start has a new
+ * one), the rest of the way in RequestTimer._finished; or finish() itself
+ * where no Timer of this process serves.  0, or -1 with an exception. */
+static int end_request(PyObject *owner, PyObject *key)
+{
+    PyObject *fast, *r;
+
+    if (key == Py_None)
+        return 0;
+    if (!(fast = PyObject_GetAttr(owner, str_fast)))
+        return -1;
+    if (Py_IS_TYPE(fast, &TimerType) && ((TimerObject *)fast)->pid == current_pid) {
+        r = finish_request((TimerObject *)fast, key);
+        Py_DECREF(fast);
+        if (!r)
+            return -1;
+        if (r == Py_None || r == Py_True) {
+            Py_DECREF(r);
+            return 0;
+        }
+        fast = r;               /* the Active, for the rest of the way */
+        r = PyObject_CallMethodOneArg(owner, str_finished, fast);
+    } else {
+        r = PyObject_CallMethodOneArg(owner, str_finish, key);
+    }
+    Py_DECREF(fast);
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The exception set now gets (t, v, tb), which was being raised when it
+ * came, as its __context__: what a ``finally`` that raises does. */
+static void chain(PyObject *t, PyObject *v, PyObject *tb)
+{
+    PyObject *t2, *v2, *tb2;
+
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (tb)
+        PyException_SetTraceback(v, tb);
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 != v)
+        PyException_SetContext(v2, Py_NewRef(v));
+    PyErr_Restore(t2, v2, tb2);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+}
+
+static PyObject *Body_make(PyObject *body, PyObject *owner, PyObject *key);
+
+/* An environ's str, borrowed: its value, ``otherwise`` if it has none;
+ * NULL without an exception if it is not an ASCII str. */
+static PyObject *environ_ascii(PyObject *environ, PyObject *name, PyObject *otherwise)
+{
+    PyObject *v = PyDict_GetItemWithError(environ, name);
+
+    if (!v)
+        return PyErr_Occurred() ? NULL : otherwise;
+    return PyUnicode_CheckExact(v) && PyUnicode_IS_ASCII(v) ? v : NULL;
+}
+
+/* wsgi(app, environ, start_response): TimeoutMiddleware's call, start to
+ * body: the request's timer started from the environ, its handle put in it
+ * as ``shmwheel.timer``, the application called, and its body given back
+ * in a Body; the timer finished if the application raises.
+ * NotImplemented, having called nothing, where the middleware's own path
+ * takes the request: what start() gives back None for, an environ that is
+ * not a dict or has a field that is not an ASCII str. */
+static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *environ, *method, *script, *path, *rid, *key, *body, *result, *call[2];
+    int64_t now;
+    int r;
+
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "wsgi(app, environ, start_response)");
+        return NULL;
+    }
+    environ = args[1];
+    if (!PyDict_CheckExact(environ))
+        Py_RETURN_NOTIMPLEMENTED;
+    now = monotonic_ns();
+    if ((r = ready(self, now)) <= 0)
+        return r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    if (!(method = PyDict_GetItemWithError(environ, str_request_method))) {
+        if (PyErr_Occurred())
+            return NULL;
+        method = str_dash;
+    }
+    script = environ_ascii(environ, str_script_name, str_empty);
+    path = script ? environ_ascii(environ, str_path_info, str_empty) : NULL;
+    if (!path) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    if (!(rid = PyDict_GetItemWithError(environ, str_request_id))) {
+        if (PyErr_Occurred())
+            return NULL;
+        rid = Py_None;
+    }
+    key = start_request(self, now, now, self->timeout_ns, method, (const char *)PyUnicode_1BYTE_DATA(script),
+                        PyUnicode_GET_LENGTH(script), (const char *)PyUnicode_1BYTE_DATA(path),
+                        PyUnicode_GET_LENGTH(path), rid, Py_None);
+    if (!key)
+        return NULL;
+    if (key == Py_None) {
+        Py_DECREF(key);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    if (PyDict_SetItem(environ, str_environ_key, key) < 0)
+        goto failed;
+    call[0] = environ;
+    call[1] = args[2];
+    if (!(body = PyObject_Vectorcall(args[0], call, 2, NULL)))
+        goto failed;
+    result = Body_make(body, self->owner, key);
+    Py_DECREF(body);
+    if (!result)
+        goto failed;
+    Py_DECREF(key);
+    return result;
+
+failed: {
+        PyObject *t, *v, *tb;
+
+        PyErr_Fetch(&t, &v, &tb);
+        if (end_request(self->owner, key) < 0)
+            chain(t, v, tb);
+        else
+            PyErr_Restore(t, v, tb);
+        Py_DECREF(key);
+        return NULL;
+    }
+}
+
 static PyMethodDef Timer_methods[] = {
     {"start", (PyCFunction)(void (*)(void))Timer_start, METH_FASTCALL,
-     "start(now_ns, method, path, request_id, task): the handle, or None for the caller's own path."},
+     "start(now_ns, method, path, request_id, task[, timeout_ns[, started_ns]]): the handle, or None for the "
+     "caller's own path."},
     {"finish", (PyCFunction)(void (*)(void))Timer_finish, METH_FASTCALL,
      "finish(handle): None if not in the table, True if cancelled, else the Active taken out."},
+    {"wsgi", (PyCFunction)(void (*)(void))Timer_wsgi, METH_FASTCALL,
+     "wsgi(app, environ, start_response): the application's body in a Body, or NotImplemented for the "
+     "middleware's own path."},
     {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Timer_members[] = {
+    {"look_at", T_LONGLONG, offsetof(TimerObject, look_at), 0,
+     "time.monotonic_ns() of the RequestTimer's next look at its wheel, which the next start() after it has."},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject TimerType = {
@@ -484,16 +773,177 @@ static PyTypeObject TimerType = {
     .tp_clear = (inquiry)Timer_clear,
     .tp_dealloc = (destructor)Timer_dealloc,
     .tp_methods = Timer_methods,
+    .tp_members = Timer_members,
+};
+
+/* ---- Body ----------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *body;             /* the application's */
+    PyObject *owner;            /* the RequestTimer */
+    PyObject *key;              /* the request's handle; NULL once closed, None if it had no timer */
+} BodyObject;
+
+static PyTypeObject BodyType;
+
+static PyObject *Body_make(PyObject *body, PyObject *owner, PyObject *key)
+{
+    BodyObject *self = PyObject_GC_New(BodyObject, &BodyType);
+
+    if (!self)
+        return NULL;
+    self->body = Py_NewRef(body);
+    self->owner = Py_NewRef(owner);
+    self->key = Py_NewRef(key);
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+static PyObject *Body_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
+{
+    PyObject *body, *owner, *key;
+    static char *names[] = {"body", "timer", "handle", NULL};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:Body", names, &body, &owner, &key))
+        return NULL;
+    if (key != Py_None && !PyLong_CheckExact(key)) {
+        PyErr_SetString(PyExc_TypeError, "handle must be an int or None");
+        return NULL;
+    }
+    return Body_make(body, owner, key);
+}
+
+static int Body_traverse(BodyObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->body);
+    Py_VISIT(self->owner);
+    Py_VISIT(self->key);
+    return 0;
+}
+
+static int Body_clear(BodyObject *self)
+{
+    Py_CLEAR(self->body);
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->key);
+    return 0;
+}
+
+static void Body_dealloc(BodyObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Body_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Body_iter(BodyObject *self)
+{
+    if (!self->body) {
+        PyErr_SetString(PyExc_ValueError, "the body has been cleared");
+        return NULL;
+    }
+    return PyObject_GetIter(self->body);
+}
+
+/* close(): the application's body's close(), if it has one, then the
+ * request's timer finished, whatever the first did (PEP 3333: the server
+ * calls close() once it is done with the body, however that went).  Once:
+ * a second call closes the body again, if the server does, and ends
+ * nothing. */
+static PyObject *Body_close(BodyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *key = self->key, *body = self->body, *close = NULL, *r, *t = NULL, *v = NULL, *tb = NULL;
+    int failed = 0;
+
+    self->key = NULL;
+    /* A list or a tuple, what most applications give, has no close(): not
+     * looked up, which would make and drop an AttributeError. */
+    if (body && !PyList_CheckExact(body) && !PyTuple_CheckExact(body)) {
+        Py_INCREF(body);
+        close = PyObject_GetAttr(body, str_close);
+        Py_DECREF(body);
+        if (!close) {
+            if (PyErr_ExceptionMatches(PyExc_AttributeError))
+                PyErr_Clear();
+            else
+                failed = 1;
+        }
+    }
+    if (close) {
+        r = PyObject_CallNoArgs(close);
+        Py_DECREF(close);
+        if (r)
+            Py_DECREF(r);
+        else
+            failed = 1;
+    }
+    if (key) {
+        if (failed)
+            PyErr_Fetch(&t, &v, &tb);
+        if (end_request(self->owner, key) < 0) {
+            if (failed)
+                chain(t, v, tb);
+            failed = 1;
+        } else if (failed) {
+            PyErr_Restore(t, v, tb);
+        }
+        Py_DECREF(key);
+    }
+    if (failed)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Body_methods[] = {
+    {"close", (PyCFunction)Body_close, METH_NOARGS, "Close the application's body, then end the request's timer."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject BodyType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmwheel._fast.Body",
+    .tp_basicsize = sizeof(BodyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Body(body, timer, handle): a WSGI body whose close() ends the request's timer.",
+    .tp_new = Body_new,
+    .tp_traverse = (traverseproc)Body_traverse,
+    .tp_clear = (inquiry)Body_clear,
+    .tp_dealloc = (destructor)Body_dealloc,
+    .tp_iter = (getiterfunc)Body_iter,
+    .tp_methods = Body_methods,
 };
 
 /* ---- the module ----------------------------------------------------------- */
 
 static int fast_exec(PyObject *m)
 {
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&TimerType) < 0)
+    static int once;
+    struct { PyObject **name; const char *text; } names[] = {
+        {&str_look, "_look"}, {&str_fast, "_fast"}, {&str_finish, "finish"}, {&str_finished, "_finished"},
+        {&str_close, "close"}, {&str_empty, ""}, {&str_dash, "-"}, {&str_request_method, "REQUEST_METHOD"},
+        {&str_script_name, "SCRIPT_NAME"}, {&str_path_info, "PATH_INFO"}, {&str_request_id, "HTTP_X_REQUEST_ID"},
+        {&str_environ_key, "shmwheel.timer"},
+    };
+    size_t k;
+
+    if (!once) {
+        /* Process-wide, whichever interpreter imports the module first. */
+        for (k = 0; k < sizeof names / sizeof names[0]; k++)
+            if (!(*names[k].name = PyUnicode_InternFromString(names[k].text)))
+                return -1;
+        current_pid = getpid();
+        if (pthread_atfork(NULL, NULL, after_fork_child) != 0) {
+            PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+            return -1;
+        }
+        once = 1;
+    }
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0
         || PyModule_AddObjectRef(m, "Timer", (PyObject *)&TimerType) < 0
+        || PyModule_AddObjectRef(m, "Body", (PyObject *)&BodyType) < 0
         || PyModule_AddIntConstant(m, "HEAD_SIZE", HEAD_SIZE) < 0)
         return -1;
     return 0;

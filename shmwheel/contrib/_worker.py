@@ -76,8 +76,9 @@ _request_timers: weakref.WeakSet[RequestTimer] = weakref.WeakSet()
 
 
 # This process's pid, kept here rather than asked for per request (a system
-# call): set again in a forked child, and checked once a second besides
-# (LOOK_INTERVAL_NS), should something fork without Python's fork hooks.
+# call): set again in a forked child, and checked whenever a RequestTimer
+# attaches and once a second besides (LOOK_INTERVAL_NS), since something may
+# fork without Python's fork hooks (uWSGI does, unless told otherwise).
 _pid = os.getpid()
 
 
@@ -195,6 +196,9 @@ class RequestTimer:
         wheel = self._wheel  # once: another thread may drop it meanwhile
         if self._pid == pid and wheel is not None:
             return wheel
+        if pid != os.getpid():  # forked without Python's fork hooks: uWSGI calls none unless told to
+            _after_fork()
+            pid = _pid
         with self._lock:
             if self._pid != pid:  # first use in this process: forked, or new
                 self._pid = pid
@@ -227,8 +231,8 @@ class RequestTimer:
     def _make_fast(self, wheel: Wheel) -> Any:
         """The C start() and finish() for ``wheel`` in this process (under
         self._lock), or None where start() takes its own way for every
-        request: routes (a timeout per request), or a build without it."""
-        core = None if self._routes is not None else wheel.fast_core()
+        request: a build without it."""
+        core = wheel.fast_core()
         if core is None:
             return None
         warn = 0 < self._warn_ns < self._timeout_ns
@@ -241,7 +245,7 @@ class RequestTimer:
         return Timer(
             core, head, self._delay, self._warn_ns if warn else self._timeout_ns, self._timeout_ns, self._size,
             MAX_METHOD, MAX_REQUEST_ID, TASK, GREENLET, self._active, self._interrupted, _current, self, Active,
-            self._getcurrent, self.interrupt,
+            self._getcurrent, self.interrupt, self._warn_ns, WARN, LOOK_INTERVAL_NS,
         )  # fmt: skip
 
     def _listen(self) -> None:
@@ -301,29 +305,29 @@ class RequestTimer:
         (see :func:`queued_ns`).  The handle stays the request's for
         :meth:`finish` even if :func:`extend` gives it another timer."""
         now = _monotonic_ns()
-        if now >= self._look_at:
-            self._look(now)
         fast = self._fast
-        if fast is not None and request_start is None and self._pid == _pid:
-            fast_handle: int | None = fast.start(now, method, path, request_id, task)
-            if fast_handle is not None:
-                return fast_handle
-        return self._start_slow(now, method, path, request_id, task, request_start)
+        if fast is None:
+            if now >= self._look_at:
+                self._look(now)
+        elif request_start is None and self._routes is None:
+            handle: int | None = fast.start(now, method, path, request_id, task)  # it looks once a second itself
+            if handle is not None:
+                return handle
+            return self._start_slow(now, method, path, request_id, task, self._timeout_ns, now)
+        times = self._times(now, method, path, request_start)
+        if times is None:
+            return None  # exempt by its route
+        timeout_ns, started = times
+        if fast is not None:
+            handle = fast.start(now, method, path, request_id, task, timeout_ns, started)
+            if handle is not None:
+                return handle
+        return self._start_slow(now, method, path, request_id, task, timeout_ns, started)
 
-    def _start_slow(
-        self, now: int, method: str, path: str, request_id: str | None, task: Any, request_start: str | None
-    ) -> int | None:
-        """start() for what its C path gives back: a record to cut, routes,
-        X-Request-Start, a wheel to attach, the lock held by another
-        process (here the add releases the GIL while it waits), an error;
-        and for every request of a build without the C path."""
-        wheel = self._wheel
-        if wheel is None or self._pid != _pid:
-            wheel = self._ready()
-            if wheel is None:
-                return None
+    def _times(self, now: int, method: str, path: str, request_start: str | None) -> tuple[int, int] | None:
+        """The request's timeout by its route, and its start by the proxy's
+        X-Request-Start, in ns; None if its route has no timeout."""
         timeout_ns = self._timeout_ns
-        delay: float | None = self._delay  # to the first stage, in seconds, for the default timeout
         if self._routes is not None:
             try:
                 route_ns = self._routes(method, path)
@@ -331,17 +335,29 @@ class RequestTimer:
                 self._warn(f"routes({method!r}, {path!r}) failed, so the default timeout applies: {one_line(exc)}")
             else:
                 if route_ns is None:
-                    return None  # exempt
-                if route_ns != timeout_ns:
-                    timeout_ns = route_ns
-                    delay = None
-        started = now
+                    return None
+                timeout_ns = route_ns
         if request_start is not None and (queued := queued_ns(request_start, time.time_ns())):
-            started -= queued
-            delay = None
+            return timeout_ns, now - queued
+        return timeout_ns, now
+
+    def _start_slow(
+        self, now: int, method: str, path: str, request_id: str | None, task: Any, timeout_ns: int, started: int
+    ) -> int | None:
+        """start() for what its C path gives back: a record to cut, a wheel
+        to attach, the lock held by another process (here the add releases
+        the GIL while it waits), an error; and for every request of a build
+        without the C path."""
+        wheel = self._wheel
+        if wheel is None or self._pid != _pid:
+            wheel = self._ready()
+            if wheel is None:
+                return None
         warn = 0 < self._warn_ns < timeout_ns
         due = started + (self._warn_ns if warn else timeout_ns)
-        if delay is None:
+        if timeout_ns == self._timeout_ns and started == now:
+            delay = self._delay  # to the first stage, in seconds, for the default timeout
+        else:
             delay = max(due - now, 0) / 1e9
         if request_id is not None and not REQUEST_ID.fullmatch(request_id):
             request_id = None  # the record's own id, from the worker's pid and the start, stands in
@@ -469,6 +485,11 @@ class RequestTimer:
                 return
             if self._interrupted:
                 self._interrupted.discard(handle)
+        self._finished(active)
+
+    def _finished(self, active: Active) -> None:
+        """The rest of finish() for a request taken out of the table whose
+        timer the C path did not cancel (also from shmwheel._fast.Body)."""
         if self._cancel(active.handle) is not False:
             return
         # Not cancelled: its timer has fired, and the driver is acting on a

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._checks import check_flag
+from .._wheel import _fast_ext
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RESPONSE_STATUS, RequestTimeout
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
 from ._routes import Routes
@@ -74,10 +75,18 @@ class TimeoutMiddleware:
             routes=routes, on_timeout=on_timeout, stacks=stacks,
         )  # fmt: skip
         self.x_request_start = x_request_start
+        # Whether every request takes the whole call in C when it can
+        # (shmwheel._fast's Timer.wsgi): not with what needs Python per request.
+        self._plain = not (interrupt or routes is not None or x_request_start)
         timed_apps.add(self)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         timer = self.timer
+        fast = timer._fast
+        if fast is not None and self._plain:
+            body: Iterable[bytes] = fast.wsgi(self.app, environ, start_response)
+            if body is not NotImplemented:
+                return body
         handle = timer.start(
             environ.get("REQUEST_METHOD", "-"),
             _path(environ),
@@ -93,7 +102,7 @@ class TimeoutMiddleware:
         except BaseException:
             timer.finish(handle)
             raise
-        return _ClosingBody(body, timer, handle)
+        return _closing_body(body, timer, handle)
 
 
 class InterruptibleApp:
@@ -217,7 +226,8 @@ def _path(environ: Environ) -> str:
 
 
 class _ClosingBody:
-    """The application's response body, with the timer cancelled on close().
+    """The application's response body, with the timer cancelled on close()
+    (shmwheel._fast's Body where that is built).
 
     The server calls close() once it has sent the body or given up on it
     (PEP 3333), whatever happened; the body's own close() runs first.
@@ -241,3 +251,10 @@ class _ClosingBody:
         finally:
             handle, self._handle = self._handle, None
             self._timer.finish(handle)
+
+
+#: The body the middleware gives back: shmwheel._fast's Body, the same in C
+#: (its close() ends the timer without a Python frame), where it is built.
+_closing_body: Callable[[Iterable[bytes], RequestTimer, int | None], Iterable[bytes]] = (
+    _ClosingBody if _fast_ext is None else _fast_ext.Body
+)
