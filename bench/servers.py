@@ -40,7 +40,9 @@ its wheel are gone.
 Reported per run: requests/s, latency p50 / p99 (wrk's, over every
 request), the server's CPU time per request (``utime + stime`` from
 ``/proc/<pid>/stat`` of every process in the server's process group:
-master and workers), the shmwheel driver's apart (found as the wheel's
+master and workers), their context switches per request (every thread's,
+voluntary or not, from ``/proc/<pid>/task/*/status``: a GIL handed between
+a worker's threads shows there), the shmwheel driver's apart (found as the wheel's
 ``driver_pid``: under Gunicorn and Uvicorn a process in a session of its
 own, under uWSGI the mule, taken out of the group's sum; its threads'
 ``schedstat``, in ns, since it uses less than a clock tick of ``stat`` in a
@@ -348,6 +350,22 @@ def run_ns(pid: int) -> int | None:
     return total
 
 
+def switches(pid: int) -> int | None:
+    """Context switches, voluntary and not, of every thread of a process
+    (/proc/<pid>/task/*/status): a GIL handed between a worker's threads
+    shows here; None once it is gone."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                for line in (task / "status").read_text().splitlines():
+                    if "ctxt_switches:" in line:
+                        total += int(line.split()[1])
+    except OSError:
+        return None
+    return total
+
+
 def alive(pid: int) -> bool:
     try:
         fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
@@ -484,6 +502,7 @@ class Run:
     max_ms: float = float("nan")
     errors: dict[str, int] = field(default_factory=dict)  # socket errors by kind, non-2xx
     server_cpu_us: float = float("nan")  # per request: master and workers
+    switches: float = float("nan")  # context switches per request: master and workers, every thread
     driver_cpu_us: float = float("nan")  # per request: the shmwheel driver
     driver_core_pct: float = float("nan")  # the driver's CPU time as a share of one CPU
     steal_pct: float = float("nan")  # of the machine's CPU time, during the run
@@ -541,14 +560,18 @@ def measure(server: Server, rnd: int, duration: int, warmup: int, connections: i
     if warmup > 0:
         wrk(server.port, warmup, connections, script)
     driver = server.driver
-    before = {pid: cpu_ticks(pid) for pid in group_members(server.proc.pid) if pid != driver}
+    members = [pid for pid in group_members(server.proc.pid) if pid != driver]
+    before = {pid: cpu_ticks(pid) for pid in members}
+    switches_before = {pid: switches(pid) for pid in members}
     driver_before = run_ns(driver) if driver else None
     steal_before, all_before = machine_cpu()
     started = time.monotonic()
     summary = wrk(server.port, duration, connections, script)
     wall = time.monotonic() - started
     steal_after, all_after = machine_cpu()
-    after = {pid: cpu_ticks(pid) for pid in group_members(server.proc.pid) if pid != driver}
+    members = [pid for pid in group_members(server.proc.pid) if pid != driver]
+    after = {pid: cpu_ticks(pid) for pid in members}
+    switches_after = {pid: switches(pid) for pid in members}
     driver_after = run_ns(driver) if driver else None
 
     server_ticks = sum((a or 0) - (before.get(pid) or 0) for pid, a in after.items())
@@ -560,6 +583,8 @@ def measure(server: Server, rnd: int, duration: int, warmup: int, connections: i
     run.steal_pct = 100 * (steal_after - steal_before) / max(all_after - all_before, 1e-9)
     if run.requests:
         run.server_cpu_us = server_ticks / CLOCK_TICKS / run.requests * 1e6
+        switched = sum((a or 0) - (switches_before.get(pid) or 0) for pid, a in switches_after.items())
+        run.switches = switched / run.requests
     if driver and driver_before is not None and driver_after is not None:
         driver_s = (driver_after - driver_before) / 1e9
         run.driver_cpu_us = driver_s / max(run.requests, 1) * 1e6
@@ -619,9 +644,10 @@ def split_text(runs: list[Run]) -> str:
 
 def summary_table(runs: list[Run], variants: list[Variant]) -> str:
     lines = [
-        "| server | timeout | requests/s | latency p50 / p99 ms | server CPU µs/request | driver CPU µs/request "
-        "| driver, % of a core | requests/s ÷ off | CPU/request ÷ off | busiest worker's share | errors |",
-        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | timeout | requests/s | latency p50 / p99 ms | server CPU µs/request | context switches/request "
+        "| driver CPU µs/request | driver, % of a core | requests/s ÷ off | CPU/request ÷ off "
+        "| busiest worker's share | errors |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in variants:
         mine = [r for r in runs if r.variant == v.key]
@@ -631,7 +657,7 @@ def summary_table(runs: list[Run], variants: list[Variant]) -> str:
         lines.append(
             f"| {server_label(v.server)} | {v.label} | {fmt(med([r.requests_per_s for r in good]))} "
             f"| {fmt(med([r.p50_ms for r in good]), 2)} / {fmt(med([r.p99_ms for r in good]), 2)} "
-            f"| {fmt(med([r.server_cpu_us for r in good]))} "
+            f"| {fmt(med([r.server_cpu_us for r in good]))} | {fmt(med([r.switches for r in good]), 2)} "
             f"| {fmt(med([r.driver_cpu_us for r in good]), 2) if v.shmwheel else ''} "
             f"| {fmt(med([r.driver_core_pct for r in good]), 2, ' %') if v.shmwheel else ''} "
             f"| {'1' if v.timer == 'off' else spread(rps)} | {'1' if v.timer == 'off' else spread(cpu)} "
@@ -642,9 +668,9 @@ def summary_table(runs: list[Run], variants: list[Variant]) -> str:
 
 def rounds_table(runs: list[Run]) -> str:
     lines = [
-        "| round | variant | requests/s | p50 / p99 ms | server µs/req | driver µs/req | driver % core "
-        "| requests by worker | steal | errors |",
-        "|---:|:---|---:|---:|---:|---:|---:|:---|---:|:---|",
+        "| round | variant | requests/s | p50 / p99 ms | server µs/req | switches/req | driver µs/req "
+        "| driver % core | requests by worker | steal | errors |",
+        "|---:|:---|---:|---:|---:|---:|---:|---:|:---|---:|:---|",
     ]
     for r in runs:
         split = " / ".join(str(n) for n in sorted(r.per_worker.values(), reverse=True))
@@ -653,7 +679,8 @@ def rounds_table(runs: list[Run]) -> str:
         errors = ", ".join(f"{k} {n}" for k, n in r.errors.items() if n) or r.failure or "0"
         lines.append(
             f"| {r.round} | {r.variant} | {fmt(r.requests_per_s)} | {fmt(r.p50_ms, 2)} / {fmt(r.p99_ms, 2)} "
-            f"| {fmt(r.server_cpu_us)} | {fmt(r.driver_cpu_us, 2)} | {fmt(r.driver_core_pct, 2)} | {split} "
+            f"| {fmt(r.server_cpu_us)} | {fmt(r.switches, 2)} | {fmt(r.driver_cpu_us, 2)} "
+            f"| {fmt(r.driver_core_pct, 2)} | {split} "
             f"| {fmt(r.steal_pct, 1, ' %')} | {errors} |"
         )
     return "\n".join(lines)

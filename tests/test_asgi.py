@@ -47,7 +47,8 @@ def http(path: str = "/", headers: list[tuple[bytes, bytes]] | None = None) -> d
     return {"type": "http", "method": "GET", "path": path, "headers": headers or [], "query_string": b""}
 
 
-def test_a_request_is_timed_until_its_response_is_complete(make_wheel) -> None:
+@pytest.mark.parametrize("path", ["/cafe", "/café"], ids=["in-c", "own-path"])
+def test_a_request_is_timed_until_its_response_is_complete(make_wheel, path: str) -> None:
     """Not until the app returns: what it does after the last body (a background task) is not timed."""
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
     pending: list[int] = []
@@ -63,7 +64,8 @@ def test_a_request_is_timed_until_its_response_is_complete(make_wheel) -> None:
         pending.append(len(wheel))  # a background task, after the response
 
     mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
-    sent = run(mw, http("/café", [(b"x-request-id", b"abc-1")]))
+    assert mw.timer.prepare()  # the timer of this process, as at lifespan: the requests may take the C way
+    sent = run(mw, http(path, [(b"x-request-id", b"abc-1")]))
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
     assert pending == [1, 1, 0] and isinstance(handles[0], int)
     assert wheel.stats().cancelled == 1
@@ -72,10 +74,12 @@ def test_a_request_is_timed_until_its_response_is_complete(make_wheel) -> None:
     async def stuck(scope: Any, receive: Any, send: Any) -> None:
         [fire] = wheel.poll(time.monotonic() + 3600)
         record = decode_request(fire.payload)
-        assert record is not None and (record.method, record.path, record.request_id) == ("GET", "/café", "abc-1")
-        assert record.pid == os.getpid()
+        assert record is not None and (record.method, record.path, record.request_id) == ("GET", path, "abc-1")
+        assert record.pid == os.getpid() and record.task_kind == "task"
 
-    run(TimeoutMiddleware(stuck, 30.0, name=wheel.name, tracebacks=False), http("/café", [(b"x-request-id", b"abc-1")]))
+    stuck_mw = TimeoutMiddleware(stuck, 30.0, name=wheel.name, tracebacks=False)
+    assert stuck_mw.timer.prepare()
+    run(stuck_mw, http(path, [(b"x-request-id", b"abc-1")]))
     assert len(wheel) == 0 and wheel.stats().cancelled == 1  # it fired: nothing to cancel
 
 
@@ -285,3 +289,161 @@ def test_workers_start_one_driver_which_outlives_signals_and_removes_the_wheel_a
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(shmwheel.SegmentNotFoundError):
             shmwheel.unlink(name)
+
+
+def test_the_c_way_files_what_the_middlewares_own_way_files(make_wheel) -> None:
+    """The same record, task and table entry, and the same scope for the application."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    got: list[tuple[Any, Any, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        timer = mw.timer
+        active = timer._active[scope[TIMED]]
+        got.append((active._replace(payload=b"", deadline_ns=0, handle=0, timeout_ns=0), active.payload, scope))
+        assert active.task is asyncio.current_task()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare()
+    headers = [(b"host", b"x"), (b"x-request-id", b"r-7"), (b"x-request-id", b"second")]
+    calls: list[object] = []
+    own = mw._call
+    mw._call = lambda *a: calls.append(a) or own(*a)  # type: ignore[method-assign]
+    run(mw, http("/a/b", headers))
+    assert calls == [], "the request did not take the C way"
+    mw._plain = False
+    run(mw, http("/a/b", headers))
+    assert len(calls) == 1
+    (a, pa, sa), (b, pb, sb) = got
+    assert a._replace(task=None) == b._replace(task=None) and a.task is not None and b.task is not None
+    assert pa[:16] + pa[24:32] + pa[40:] == pb[:16] + pb[24:32] + pb[40:]  # all but the start and the task's id
+    assert {k: v for k, v in sa.items() if k != TIMED} == {k: v for k, v in sb.items() if k != TIMED}
+    assert len(wheel) == 0 and wheel.stats().cancelled == 2
+
+
+def test_a_cancelled_last_send_reaches_the_server_and_ends_the_timer(make_wheel) -> None:
+    """A task cancelled while the server sends the last body: the server's
+    send sees the cancellation (Then.throw), and the timer ends."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"x"})
+
+    async def main() -> None:
+        mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+        assert mw.timer.prepare()
+        stuck = asyncio.Event()
+
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                stuck.set()
+                try:
+                    await asyncio.sleep(3600)  # a client that reads nothing
+                except asyncio.CancelledError:
+                    seen.append("cancelled in the server's send")
+                    raise
+
+        task = asyncio.ensure_future(mw(http("/x"), receive, send))
+        await stuck.wait()
+        assert len(wheel) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    asyncio.run(main())
+    assert seen == ["cancelled in the server's send"]
+    assert len(wheel) == 0 and wheel.stats().cancelled == 1
+
+
+def test_a_loop_run_inside_another_in_one_thread_gets_its_own_tasks_named(make_wheel) -> None:
+    """The C way keeps the loop it last found running; a loop run inside
+    another's task (the _set_running_loop(None) idiom of sync helpers) is
+    told apart, and the request's own task is recorded, not the outer one."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    seen: list[bool] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(mw.timer._active[scope[TIMED]].task is asyncio.current_task())
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        pass
+
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare()
+
+    async def outer() -> None:
+        await mw(http("/outer"), receive, send)
+        running = asyncio.events._get_running_loop()
+        asyncio.events._set_running_loop(None)
+        try:
+            inner = asyncio.new_event_loop()
+            try:
+                inner.run_until_complete(mw(http("/inner"), receive, send))
+            finally:
+                inner.close()
+        finally:
+            asyncio.events._set_running_loop(running)
+        await mw(http("/outer-again"), receive, send)
+
+    asyncio.run(outer())
+    assert seen == [True, True, True]
+    assert len(wheel) == 0 and wheel.stats().cancelled == 3
+
+
+def test_a_cancellation_reaches_the_app_through_a_send_whose_awaitable_has_no_throw(make_wheel) -> None:
+    """A server's send may give back any awaitable: one whose iterator has
+    no throw() gets the cancellation raised at the await, as a coroutine
+    awaiting it would."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    got: list[str] = []
+
+    class Waiting:
+        def __iter__(self) -> Waiting:
+            return self
+
+        def __next__(self) -> None:
+            return None  # a bare yield: the loop runs the task again at once
+
+    class Pending:
+        def __await__(self) -> Waiting:
+            return Waiting()
+
+    def send(message: Message) -> Any:
+        return Pending() if message["type"] == "http.response.body" else asyncio.sleep(0)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            await send({"type": "http.response.body", "body": b"x"})
+        except BaseException as exc:
+            got.append(type(exc).__name__)
+            raise
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def main() -> None:
+        mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+        assert mw.timer.prepare()
+        task = asyncio.ensure_future(mw(http("/x"), receive, send))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(wheel) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert got == ["CancelledError"]
+    assert len(wheel) == 0 and wheel.stats().cancelled == 1

@@ -24,14 +24,22 @@
  *          tests/test_fast.py compares), adds it, and files the request
  *          in the RequestTimer's table and context; finish() takes it out
  *          and cancels its timer; wsgi() is the WSGI middleware's call,
- *          from the environ to the Body, start() included.
+ *          from the environ to the Body, and asgi() the ASGI middleware's
+ *          start, from the scope to a Send.
  * Body     a WSGI response body whose close() ends its request's timer
  *          through the RequestTimer's Timer of the moment, or its finish().
+ * Send     an ASGI request's send: messages go straight to the server's;
+ *          the one that completes the response is awaited through a Then,
+ *          which ends the request's timer once the server has sent it.
  *
- * A Timer only serves the process that made it (the pid is kept here, set
- * again in a forked child by pthread_atfork, so that no request asks the
- * kernel), and once a second it gives the RequestTimer its look at the
- * wheel (RequestTimer._look) before it goes on.
+ * No request asks the kernel for anything but the core's lock: a Timer
+ * only serves the process that made it (the pid is kept here, set again in
+ * a forked child by pthread_atfork); the clock is the vDSO's; an asyncio
+ * task is found without asyncio.current_task(), whose get_running_loop()
+ * calls getpid() on CPython 3.11, but for a thread's first request under
+ * a loop.  At a request's start, on its first and then once a second, a
+ * Timer gives the RequestTimer its look at the wheel (RequestTimer._look),
+ * and goes on unless the look replaced it.
  *
  * Nothing runs under the segment's lock but the core's own code: the record
  * is built, and every Python object made, before the add or after it.
@@ -189,6 +197,10 @@ typedef struct {
     PyTypeObject *active_type;  /* Active, a tuple subclass */
     PyObject   *getcurrent;     /* greenlet.getcurrent, or None */
     PyObject   *interrupt;      /* the Active's interrupt field */
+    PyObject   *current_tasks;  /* asyncio's {loop: task running}, or None */
+    PyObject   *current_task;   /* asyncio.current_task */
+    PyObject   *loop;           /* the loop last found running, or NULL */
+    PyObject   *holder;         /* asyncio's running-loop holder it was found under, or NULL */
 } TimerObject;
 
 static PyTypeObject TimerType;
@@ -196,6 +208,10 @@ static PyTypeObject TimerType;
 /* Interned names, made once by the module. */
 static PyObject *str_look, *str_fast, *str_finish, *str_finished, *str_close, *str_empty, *str_dash;
 static PyObject *str_request_method, *str_script_name, *str_path_info, *str_request_id, *str_environ_key;
+static PyObject *str_method, *str_path, *str_headers, *str_running_loop;
+static PyObject *str_type, *str_start_type, *str_more_body, *str_body_type, *str_zerocopy_type, *str_pathsend_type;
+static PyObject *str_ws_close;
+static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);
 
 static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
 {
@@ -208,6 +224,10 @@ static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
     Py_VISIT(self->active_type);
     Py_VISIT(self->getcurrent);
     Py_VISIT(self->interrupt);
+    Py_VISIT(self->current_tasks);
+    Py_VISIT(self->current_task);
+    Py_VISIT(self->loop);
+    Py_VISIT(self->holder);
     return 0;
 }
 
@@ -222,6 +242,10 @@ static int Timer_clear(TimerObject *self)
     Py_CLEAR(self->active_type);
     Py_CLEAR(self->getcurrent);
     Py_CLEAR(self->interrupt);
+    Py_CLEAR(self->current_tasks);
+    Py_CLEAR(self->current_task);
+    Py_CLEAR(self->loop);
+    Py_CLEAR(self->holder);
     return 0;
 }
 
@@ -236,18 +260,21 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"core", "head", "delay", "due_ns", "timeout_ns", "size", "max_method",
                             "max_request_id", "task_flag", "greenlet_flag", "active", "interrupted", "var", "owner",
-                            "active_type", "getcurrent", "interrupt", "warn_ns", "warn_flag", "look_ns", NULL};
+                            "active_type", "getcurrent", "interrupt", "warn_ns", "warn_flag", "look_ns",
+                            "current_tasks", "current_task", NULL};
     PyObject *core, *head, *active, *interrupted, *var, *owner, *active_type, *getcurrent, *interrupt;
+    PyObject *current_tasks = Py_None, *current_task = Py_None;
     double delay;
     long long due, timeout, warn, look;
     Py_ssize_t size, max_method, max_request_id;
     unsigned char task_flag, greenlet_flag, warn_flag;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SdLLnnnbbO!O!OOO!OOLbL:Timer", names,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SdLLnnnbbO!O!OOO!OOLbL|OO:Timer", names,
                                      &CoreType, &core, &head, &delay, &due, &timeout, &size, &max_method,
                                      &max_request_id, &task_flag, &greenlet_flag, &PyDict_Type, &active,
                                      &PySet_Type, &interrupted, &var, &owner, &PyType_Type, &active_type,
-                                     &getcurrent, &interrupt, &warn, &warn_flag, &look))
+                                     &getcurrent, &interrupt, &warn, &warn_flag, &look, &current_tasks,
+                                     &current_task))
         return -1;
     if (PyBytes_GET_SIZE(head) != HEAD_SIZE) {
         PyErr_Format(PyExc_ValueError, "head must be %d bytes", HEAD_SIZE);
@@ -276,7 +303,7 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     self->timeout_ns = timeout;
     self->warn_ns = warn;
     self->look_ns = look;
-    self->look_at = monotonic_ns() + look;  /* the RequestTimer has just attached: it looks from now */
+    self->look_at = 0;  /* the first request has the look: an AutoDriver that waits for it starts there */
     self->pid = current_pid;
     self->size = size;
     self->max_method = max_method;
@@ -291,6 +318,8 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     self->active_type = (PyTypeObject *)Py_NewRef(active_type);
     self->getcurrent = Py_NewRef(getcurrent);
     self->interrupt = Py_NewRef(interrupt);
+    self->current_tasks = PyDict_Check(current_tasks) ? Py_NewRef(current_tasks) : Py_NewRef(Py_None);
+    self->current_task = Py_NewRef(current_task);
     return 0;
 }
 
@@ -344,18 +373,24 @@ static Py_ssize_t request_id_of(const TimerObject *self, PyObject *rid, const ch
 }
 
 /* Whether this Timer serves a request now: 1, yes; 0, no, the caller's own
- * path does (another process's Timer, a closed wheel, or the RequestTimer's
- * look once a second, which it has had: it may have replaced the wheel);
- * -1, the look failed. */
+ * path does (a closed wheel, a Timer made in another process, or one that
+ * the RequestTimer's look has just replaced); -1, the look failed.  The
+ * look comes at the first request and then once a second. */
 static int ready(TimerObject *self, int64_t now)
 {
     PyObject *at, *r;
+    int mine = self->pid == current_pid;
 
-    if (!self->core->w || self->pid != current_pid)
+    if (!self->core->w)
         return 0;
-    if (now < self->look_at)
-        return 1;
-    self->look_at = now + self->look_ns;
+    if (mine) {
+        if (now < self->look_at)
+            return 1;
+        self->look_at = now + self->look_ns;
+    }
+    /* Not mine: a Timer made before a fork, which the look notices where
+     * Python's fork hooks did not run (uWSGI's), and the caller's own path
+     * attaches this process. */
     if (!(at = PyLong_FromLongLong(now)))
         return -1;
     r = PyObject_CallMethodOneArg(self->owner, str_look, at);
@@ -363,8 +398,15 @@ static int ready(TimerObject *self, int64_t now)
     if (!r)
         return -1;
     Py_DECREF(r);
-    return 0;
+    if (!mine)
+        return 0;
+    /* Still the RequestTimer's Timer: the wheel it looked at is this one. */
+    if (!(r = PyObject_GetAttr(self->owner, str_fast)))
+        return -1;
+    Py_DECREF(r);
+    return r == (PyObject *)self;
 }
+
 /* The request's timer added and the request filed: the record packed from
  * the Timer's head and the request's method, id and path (two pieces, the
  * second may be empty), started at ``started`` and due ``timeout`` ns after
@@ -493,7 +535,21 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     return key;
 
 undo:
-    (void)self->core->try_cancel(w, handle);
+    if (self->core->try_cancel(w, handle) != 1) {
+        /* The lock held elsewhere: cancelled the waiting way (the GIL let
+         * go), so that no timer outlives an unfiled request. */
+        PyObject *t, *v, *tb, *h, *r = NULL;
+
+        PyErr_Fetch(&t, &v, &tb);
+        if ((h = PyLong_FromLongLong(handle))) {
+            r = PyObject_CallMethod(self->owner, "_cancel", "O", h);
+            Py_DECREF(h);
+        }
+        if (!r)
+            PyErr_WriteUnraisable(self->owner);
+        Py_XDECREF(r);
+        PyErr_Restore(t, v, tb);
+    }
     Py_XDECREF(payload);
     Py_XDECREF(active);
     Py_XDECREF(key);
@@ -743,12 +799,159 @@ failed: {
     }
 }
 
+
+/* The asyncio task that runs this code: asyncio.current_task() without
+ * its get_running_loop(), which on CPython 3.11 asks the kernel for the
+ * pid every call.  asyncio keeps the running loop of a thread in a holder
+ * in the thread's state dict, a new holder each time a loop starts or
+ * stops running there; the holder and loop last found are kept, and while
+ * that very holder is the thread's, that loop still runs in it.  New
+ * reference; None outside asyncio; NULL with an exception. */
+static PyObject *asyncio_task(TimerObject *self)
+{
+    PyObject *ts_dict = PyThreadState_GetDict(), *holder = NULL, *task;
+
+    if (ts_dict) {
+        if (!(holder = PyDict_GetItemWithError(ts_dict, str_running_loop)) && PyErr_Occurred())
+            return NULL;
+        if (holder && holder == self->holder && self->current_tasks != Py_None) {
+            if ((task = PyDict_GetItemWithError(self->current_tasks, self->loop)))
+                return Py_NewRef(task);
+            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        }
+    }
+    Py_XINCREF(holder);         /* kept across the call below, which may set another */
+    if (self->current_task == Py_None || !(task = PyObject_CallNoArgs(self->current_task))) {
+        Py_XDECREF(holder);
+        if (self->current_task != Py_None) {
+            if (!PyErr_ExceptionMatches(PyExc_RuntimeError))    /* no loop runs here */
+                return NULL;
+            PyErr_Clear();
+        }
+        Py_RETURN_NONE;
+    }
+    if (holder && task != Py_None && self->current_tasks != Py_None) {
+        /* The task's loop, for the next request while this holder is the thread's. */
+        PyObject *loop = PyObject_CallMethod(task, "get_loop", NULL);
+
+        if (!loop) {
+            PyErr_Clear();
+        } else {
+            Py_XSETREF(self->loop, loop);
+            Py_XSETREF(self->holder, Py_NewRef(holder));
+        }
+    }
+    Py_XDECREF(holder);
+    return task;
+}
+
+/* asgi(scope, send): the ASGI middleware's start of an HTTP request: its
+ * timer started from the scope (its method, path and X-Request-Id, and the
+ * asyncio task that runs it), and (the scope with ``shmwheel.timer``, a
+ * Send); or None, having started nothing, where the middleware's own path
+ * takes the request (what start() gives back None for, a scope that is not
+ * a dict or holds what it does not expect). */
+static PyObject *Timer_asgi(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *scope, *method, *path, *headers, *key, *task, *copy = NULL, *timed, *result;
+    PyObject *rid = Py_None;
+    int64_t now;
+    int r;
+
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "asgi(scope, send)");
+        return NULL;
+    }
+    scope = args[0];
+    if (!PyDict_CheckExact(scope))
+        Py_RETURN_NONE;
+    now = monotonic_ns();
+    if ((r = ready(self, now)) <= 0)
+        return r < 0 ? NULL : Py_NewRef(Py_None);
+    method = environ_ascii(scope, str_method, str_dash);
+    path = method ? PyDict_GetItemWithError(scope, str_path) : NULL;
+    if (!path || !PyUnicode_CheckExact(path) || !PyUnicode_IS_ASCII(path) || !PyUnicode_GET_LENGTH(path)) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;         /* none, "", or not ASCII: its own path says "/" or encodes it */
+    }
+    headers = PyDict_GetItemWithError(scope, str_headers);
+    if (headers && PyList_CheckExact(headers)) {
+        Py_ssize_t k, n = PyList_GET_SIZE(headers);
+
+        for (k = 0; k < n; k++) {
+            PyObject *h = PyList_GET_ITEM(headers, k), *name;
+
+            if (!PyTuple_CheckExact(h) || PyTuple_GET_SIZE(h) != 2)
+                Py_RETURN_NONE;
+            name = PyTuple_GET_ITEM(h, 0);
+            if (!PyBytes_CheckExact(name))
+                Py_RETURN_NONE;
+            if (PyBytes_GET_SIZE(name) == 12 && memcmp(PyBytes_AS_STRING(name), "x-request-id", 12) == 0) {
+                rid = PyTuple_GET_ITEM(h, 1);
+                break;
+            }
+        }
+    } else if (headers || PyErr_Occurred()) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    if (rid != Py_None) {
+        /* The record takes the id as RequestTimer.start does: its latin-1
+         * text, which request_id_of keeps only if it is a sane id. */
+        if (!PyBytes_CheckExact(rid))
+            Py_RETURN_NONE;
+        if (!(rid = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(rid), PyBytes_GET_SIZE(rid), NULL)))
+            return NULL;
+    } else {
+        Py_INCREF(rid);
+    }
+    if (!(task = asyncio_task(self)) || task == Py_None) {
+        /* Not in an asyncio task (trio's, say): its own path finds what runs it. */
+        Py_DECREF(rid);
+        return task;
+    }
+    key = start_request(self, now, now, self->timeout_ns, method, (const char *)PyUnicode_1BYTE_DATA(path),
+                        PyUnicode_GET_LENGTH(path), "", 0, rid, task);
+    Py_DECREF(rid);
+    Py_DECREF(task);
+    if (!key || key == Py_None)
+        return key;
+    if (!(copy = PyDict_Copy(scope)) || PyDict_SetItem(copy, str_environ_key, key) < 0)
+        goto failed;
+    if (!(timed = Send_make(args[1], self->owner, key)))
+        goto failed;
+    result = PyTuple_Pack(2, copy, timed);
+    Py_DECREF(timed);
+    if (!result)
+        goto failed;
+    Py_DECREF(copy);
+    Py_DECREF(key);
+    return result;
+
+failed: {
+        PyObject *t, *v, *tb;
+
+        PyErr_Fetch(&t, &v, &tb);
+        if (end_request(self->owner, key) < 0)
+            chain(t, v, tb);
+        else
+            PyErr_Restore(t, v, tb);
+        Py_XDECREF(copy);
+        Py_DECREF(key);
+        return NULL;
+    }
+}
+
 static PyMethodDef Timer_methods[] = {
     {"start", (PyCFunction)(void (*)(void))Timer_start, METH_FASTCALL,
      "start(now_ns, method, path, request_id, task[, timeout_ns[, started_ns]]): the handle, or None for the "
      "caller's own path."},
     {"finish", (PyCFunction)(void (*)(void))Timer_finish, METH_FASTCALL,
      "finish(handle): None if not in the table, True if cancelled, else the Active taken out."},
+    {"asgi", (PyCFunction)(void (*)(void))Timer_asgi, METH_FASTCALL,
+     "asgi(scope, send): (the scope with shmwheel.timer, a Send), or None for the middleware's own path."},
     {"wsgi", (PyCFunction)(void (*)(void))Timer_wsgi, METH_FASTCALL,
      "wsgi(app, environ, start_response): the application's body in a Body, or NotImplemented for the "
      "middleware's own path."},
@@ -914,6 +1117,382 @@ static PyTypeObject BodyType = {
     .tp_methods = Body_methods,
 };
 
+/* ---- Send and Then ------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;  /* Send_vectorcall: a call without a tuple of its arguments */
+    PyObject *send;             /* the server's */
+    PyObject *owner;            /* the RequestTimer */
+    PyObject *key;              /* the request's handle; NULL once its timer has ended */
+} SendObject;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject   *inner;          /* the iterator of the server's send's awaitable */
+    SendObject *send;           /* ended once that has returned */
+} ThenObject;
+
+static PyTypeObject SendType, ThenType;
+
+/* End the request's timer, once. */
+static int Send_end(SendObject *self)
+{
+    PyObject *key = self->key;
+    int r;
+
+    if (!key)
+        return 0;
+    self->key = NULL;
+    r = end_request(self->owner, key);
+    Py_DECREF(key);
+    return r;
+}
+
+/* Whether ``message`` is the last of a response (or closes a websocket):
+ * asgi._completes.  -1 with an exception. */
+static int completes(PyObject *message)
+{
+    PyObject *kind, *more;
+    int r;
+
+    if (!(kind = PyObject_GetItem(message, str_type)))
+        return -1;
+    if (kind == str_body_type || (PyUnicode_Check(kind) && (PyUnicode_Compare(kind, str_body_type) == 0
+                                  || PyUnicode_Compare(kind, str_zerocopy_type) == 0))) {
+        Py_DECREF(kind);
+        if (PyDict_CheckExact(message)) {
+            if (!(more = PyDict_GetItemWithError(message, str_more_body)))
+                return PyErr_Occurred() ? -1 : 1;
+            return (r = PyObject_IsTrue(more)) < 0 ? -1 : !r;
+        }
+        if (!(more = PyObject_CallMethod(message, "get", "OO", str_more_body, Py_False)))
+            return -1;
+        r = PyObject_IsTrue(more);
+        Py_DECREF(more);
+        return r < 0 ? -1 : !r;
+    }
+    /* The server's literals are interned: the start of a response is told at once. */
+    r = kind != str_start_type && PyUnicode_Check(kind) && (PyUnicode_Compare(kind, str_pathsend_type) == 0
+                                  || PyUnicode_Compare(kind, str_ws_close) == 0);
+    Py_DECREF(kind);
+    return r;
+}
+
+static PyObject *Send_vectorcall(SendObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
+
+static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key)
+{
+    SendObject *self = PyObject_GC_New(SendObject, &SendType);
+
+    if (!self)
+        return NULL;
+    self->vectorcall = (vectorcallfunc)Send_vectorcall;
+    self->send = Py_NewRef(send);
+    self->owner = Py_NewRef(owner);
+    self->key = key == Py_None ? NULL : Py_NewRef(key);
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+static PyObject *Send_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
+{
+    PyObject *send, *owner, *key;
+    static char *names[] = {"send", "timer", "handle", NULL};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:Send", names, &send, &owner, &key))
+        return NULL;
+    if (key != Py_None && !PyLong_CheckExact(key)) {
+        PyErr_SetString(PyExc_TypeError, "handle must be an int or None");
+        return NULL;
+    }
+    return Send_make(send, owner, key);
+}
+
+static int Send_traverse(SendObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->send);
+    Py_VISIT(self->owner);
+    Py_VISIT(self->key);
+    return 0;
+}
+
+static int Send_clear(SendObject *self)
+{
+    Py_CLEAR(self->send);
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->key);
+    return 0;
+}
+
+static void Send_dealloc(SendObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Send_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* send(message): the server's send's awaitable; for the message that
+ * completes the response, in a Then. */
+static PyObject *Send_vectorcall(SendObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *awaitable, *inner;
+    ThenObject *then;
+    int last;
+
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "send(message)");
+        return NULL;
+    }
+    if (!self->send) {
+        PyErr_SetString(PyExc_ValueError, "the send has been cleared");
+        return NULL;
+    }
+    if (!self->key)             /* no timer, or it has ended */
+        return PyObject_CallOneArg(self->send, args[0]);
+    if ((last = completes(args[0])) < 0)
+        return NULL;
+    if (!(awaitable = PyObject_CallOneArg(self->send, args[0])) || !last)
+        return awaitable;
+    /* The awaitable's iterator, as ``await`` takes it. */
+    if (PyCoro_CheckExact(awaitable) || PyGen_CheckExact(awaitable)) {
+        inner = awaitable;
+    } else if (Py_TYPE(awaitable)->tp_as_async && Py_TYPE(awaitable)->tp_as_async->am_await) {
+        inner = Py_TYPE(awaitable)->tp_as_async->am_await(awaitable);
+        Py_DECREF(awaitable);
+        if (!inner)
+            return NULL;
+    } else {
+        PyErr_Format(PyExc_TypeError, "send() gave back %.100s, which cannot be awaited",
+                     Py_TYPE(awaitable)->tp_name);
+        Py_DECREF(awaitable);
+        return NULL;
+    }
+    if (!(then = PyObject_GC_New(ThenObject, &ThenType))) {
+        Py_DECREF(inner);
+        return NULL;
+    }
+    then->inner = inner;
+    then->send = (SendObject *)Py_NewRef(self);
+    PyObject_GC_Track(then);
+    return (PyObject *)then;
+}
+
+static PyObject *Send_finish(SendObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (Send_end(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Send_methods[] = {
+    {"finish", (PyCFunction)Send_finish, METH_NOARGS, "End the request's timer, if it has not ended yet."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SendType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmwheel._fast.Send",
+    .tp_basicsize = sizeof(SendObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "Send(send, timer, handle): an ASGI request's send, which ends its timer once its response is sent.",
+    .tp_new = Send_new,
+    .tp_traverse = (traverseproc)Send_traverse,
+    .tp_clear = (inquiry)Send_clear,
+    .tp_dealloc = (destructor)Send_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(SendObject, vectorcall),
+    .tp_methods = Send_methods,
+};
+
+static int Then_traverse(ThenObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->inner);
+    Py_VISIT(self->send);
+    return 0;
+}
+
+static int Then_clear(ThenObject *self)
+{
+    Py_CLEAR(self->inner);
+    Py_CLEAR(self->send);
+    return 0;
+}
+
+static void Then_dealloc(ThenObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Then_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The inner awaitable has returned ``*result``: the timer ends. */
+static PySendResult Then_returned(ThenObject *self, PyObject **result)
+{
+    if (Send_end(self->send) < 0) {
+        Py_CLEAR(*result);
+        return PYGEN_ERROR;
+    }
+    return PYGEN_RETURN;
+}
+
+static PySendResult Then_am_send(ThenObject *self, PyObject *arg, PyObject **result)
+{
+    PySendResult r;
+
+    if (!self->inner) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot reuse an awaited send");
+        *result = NULL;
+        return PYGEN_ERROR;
+    }
+    r = PyIter_Send(self->inner, arg, result);
+    return r == PYGEN_RETURN ? Then_returned(self, result) : r;
+}
+
+/* What a generator's send() does with a return: StopIteration(value). */
+static PyObject *stop_with(PyObject *value)
+{
+    PyObject *e;
+
+    if (value == Py_None) {
+        Py_DECREF(value);
+        PyErr_SetNone(PyExc_StopIteration);
+        return NULL;
+    }
+    e = PyObject_CallOneArg(PyExc_StopIteration, value);
+    Py_DECREF(value);
+    if (e) {
+        PyErr_SetObject(PyExc_StopIteration, e);
+        Py_DECREF(e);
+    }
+    return NULL;
+}
+
+static PyObject *Then_iternext(ThenObject *self)
+{
+    PyObject *result;
+    PySendResult r = Then_am_send(self, Py_None, &result);
+
+    if (r == PYGEN_NEXT)
+        return result;
+    if (r == PYGEN_RETURN) {
+        if (result == Py_None) {    /* exhausted: no StopIteration to make */
+            Py_DECREF(result);
+            return NULL;
+        }
+        return stop_with(result);
+    }
+    return NULL;
+}
+
+static PyObject *Then_send(ThenObject *self, PyObject *arg)
+{
+    PyObject *result;
+    PySendResult r = Then_am_send(self, arg, &result);
+
+    if (r == PYGEN_NEXT)
+        return result;
+    return r == PYGEN_RETURN ? stop_with(result) : NULL;
+}
+
+/* throw(...): into the server's send (a cancellation, say); its return
+ * there ends the timer as a return from send() does. */
+static PyObject *Then_throw(ThenObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *meth, *result, *value;
+
+    if (!self->inner) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot reuse an awaited send");
+        return NULL;
+    }
+    if (!(meth = PyObject_GetAttrString(self->inner, "throw"))) {
+        /* An iterator without throw(): the exception is raised at the
+         * await, as a coroutine awaiting it would have it. */
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError) || nargs < 1)
+            return NULL;
+        PyErr_Clear();
+        if (PyExceptionInstance_Check(args[0])) {
+            PyErr_SetObject((PyObject *)Py_TYPE(args[0]), args[0]);
+        } else if (PyExceptionClass_Check(args[0])) {
+            if (nargs > 1 && args[1] != Py_None)
+                PyErr_SetObject(args[0], args[1]);
+            else
+                PyErr_SetNone(args[0]);
+        } else {
+            PyErr_SetString(PyExc_TypeError, "exceptions must derive from BaseException");
+        }
+        return NULL;
+    }
+    result = PyObject_Vectorcall(meth, args, (size_t)nargs, NULL);
+    Py_DECREF(meth);
+    if (result || !PyErr_ExceptionMatches(PyExc_StopIteration))
+        return result;
+    {
+        PyObject *t, *v, *tb;
+
+        PyErr_Fetch(&t, &v, &tb);
+        PyErr_NormalizeException(&t, &v, &tb);
+        value = v ? PyObject_GetAttrString(v, "value") : Py_NewRef(Py_None);
+        Py_XDECREF(t);
+        Py_XDECREF(v);
+        Py_XDECREF(tb);
+        if (!value)
+            return NULL;
+    }
+    if (Then_returned(self, &value) == PYGEN_ERROR)
+        return NULL;
+    return stop_with(value);
+}
+
+static PyObject *Then_close(ThenObject *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *meth, *r;
+
+    if (!self->inner)
+        Py_RETURN_NONE;
+    if (!(meth = PyObject_GetAttrString(self->inner, "close"))) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    r = PyObject_CallNoArgs(meth);
+    Py_DECREF(meth);
+    return r;
+}
+
+static PyObject *Then_await(ThenObject *self)
+{
+    return Py_NewRef(self);
+}
+
+static PyMethodDef Then_methods[] = {
+    {"send", (PyCFunction)Then_send, METH_O, "send(value): into the server's send."},
+    {"throw", (PyCFunction)(void (*)(void))Then_throw, METH_FASTCALL, "throw(...): into the server's send."},
+    {"close", (PyCFunction)Then_close, METH_NOARGS, "Close the server's send."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyAsyncMethods Then_async = {
+    .am_await = (unaryfunc)Then_await,
+    .am_send = (sendfunc)Then_am_send,
+};
+
+static PyTypeObject ThenType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmwheel._fast.Then",
+    .tp_basicsize = sizeof(ThenObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The server's send of a response's last message, awaited: the request's timer ends after it.",
+    .tp_traverse = (traverseproc)Then_traverse,
+    .tp_clear = (inquiry)Then_clear,
+    .tp_dealloc = (destructor)Then_dealloc,
+    .tp_as_async = &Then_async,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)Then_iternext,
+    .tp_methods = Then_methods,
+};
+
 /* ---- the module ----------------------------------------------------------- */
 
 static int fast_exec(PyObject *m)
@@ -923,7 +1502,11 @@ static int fast_exec(PyObject *m)
         {&str_look, "_look"}, {&str_fast, "_fast"}, {&str_finish, "finish"}, {&str_finished, "_finished"},
         {&str_close, "close"}, {&str_empty, ""}, {&str_dash, "-"}, {&str_request_method, "REQUEST_METHOD"},
         {&str_script_name, "SCRIPT_NAME"}, {&str_path_info, "PATH_INFO"}, {&str_request_id, "HTTP_X_REQUEST_ID"},
-        {&str_environ_key, "shmwheel.timer"},
+        {&str_environ_key, "shmwheel.timer"}, {&str_method, "method"}, {&str_path, "path"},
+        {&str_headers, "headers"}, {&str_type, "type"}, {&str_start_type, "http.response.start"},
+        {&str_running_loop, "__asyncio_running_event_loop__"}, {&str_more_body, "more_body"},
+        {&str_body_type, "http.response.body"}, {&str_zerocopy_type, "http.response.zerocopysend"},
+        {&str_pathsend_type, "http.response.pathsend"}, {&str_ws_close, "websocket.close"},
     };
     size_t k;
 
@@ -939,11 +1522,13 @@ static int fast_exec(PyObject *m)
         }
         once = 1;
     }
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0)
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0
+        || PyType_Ready(&SendType) < 0 || PyType_Ready(&ThenType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0
         || PyModule_AddObjectRef(m, "Timer", (PyObject *)&TimerType) < 0
         || PyModule_AddObjectRef(m, "Body", (PyObject *)&BodyType) < 0
+        || PyModule_AddObjectRef(m, "Send", (PyObject *)&SendType) < 0
         || PyModule_AddIntConstant(m, "HEAD_SIZE", HEAD_SIZE) < 0)
         return -1;
     return 0;

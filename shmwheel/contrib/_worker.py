@@ -10,6 +10,7 @@ which the driver asks for the stack of one that timed out
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import decimal
 import logging
@@ -246,6 +247,7 @@ class RequestTimer:
             core, head, self._delay, self._warn_ns if warn else self._timeout_ns, self._timeout_ns, self._size,
             MAX_METHOD, MAX_REQUEST_ID, TASK, GREENLET, self._active, self._interrupted, _current, self, Active,
             self._getcurrent, self.interrupt, self._warn_ns, WARN, LOOK_INTERVAL_NS,
+            getattr(asyncio.tasks, "_current_tasks", None), asyncio.current_task,
         )  # fmt: skip
 
     def _listen(self) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 
 from .._checks import CAPACITIES, check_flag, check_int, check_seconds
 from .._segment import segment_name
+from .._wheel import _fast_ext
 from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RequestTimeout
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
@@ -148,6 +149,10 @@ class TimeoutMiddleware:
         asks = tracebacks or interrupt or warn_after is not None or on_timeout is not None
         self.traceback_signal = check_traceback_signal(traceback_signal) if asks else None
         self.capacity = check_int(capacity, "capacity", *CAPACITIES)
+        # Whether an HTTP request may take the way in C (__call__), or needs
+        # the one that can end it, read X-Request-Start or find its route
+        # (_call); the first needs the C build.
+        self._plain = _fast_ext is not None and not (interrupt or self.x_request_start or routes is not None)
         self._lock = threading.Lock()
         self._timer: RequestTimer | None = None
         self._timer_pid = 0
@@ -196,6 +201,27 @@ class TimeoutMiddleware:
         return self._timer_on(name, auto)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._plain and scope["type"] == "http" and TIMED not in scope:
+            # An HTTP request that needs no Python of its own: started in C
+            # (shmwheel._fast), its sends the server's but the last, whose
+            # return ends the timer, as does the application's.
+            # The timer of another process (forked) has a C Timer that says
+            # None: its own way finds this process's timer.
+            timer = self._timer
+            if timer is not None and (fast := timer._fast) is not None:
+                started = fast.asgi(scope, send)
+                if started is not None:
+                    timed_scope, timed = started
+                    try:
+                        await self.app(timed_scope, receive, timed)
+                    finally:
+                        timed.finish()
+                    return
+        await self._call(scope, receive, send)
+
+    async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Any scope: one to pass through, a websocket, an HTTP request to
+        end at its timeout or to time from X-Request-Start."""
         kind = scope["type"]
         if TIMED in scope or not (kind == "http" or (kind == "websocket" and self.websocket)):
             if kind == "lifespan":

@@ -193,16 +193,29 @@ def install(
             )
         _call(earlier["post_worker_init"], worker)
 
+    # The two hooks every request runs: what can be decided once is, here.
+    earlier_pre = earlier["pre_request"] if callable(earlier["pre_request"]) else None
+    earlier_post = earlier["post_request"] if callable(earlier["post_request"]) else None
+    wanted = (_REQUEST_ID_HEADER, _REQUEST_START_HEADER) if settings.x_request_start else (_REQUEST_ID_HEADER,)
+
     def pre_request(worker: Any, req: Any) -> None:
         timer = _state.timer
         if timer is not None:
-            start = _header(req, _REQUEST_START_HEADER) if settings.x_request_start else None
-            req.shmwheel_timer = timer.start(req.method, req.path, _header(req, _REQUEST_ID_HEADER), None, start)
-        _call(earlier["pre_request"], worker, req)
+            request_id = start = None
+            for key, value in req.headers:
+                if key in wanted:
+                    if key == _REQUEST_ID_HEADER:
+                        request_id = request_id or str(value)  # the first, as for any header
+                    else:
+                        start = start or str(value)
+            req.shmwheel_timer = timer.start(req.method, req.path, request_id, None, start)
+        if earlier_pre is not None:
+            earlier_pre(worker, req)
 
     def post_request(worker: Any, req: Any, environ: Any, resp: Any) -> None:
         try:
-            _call(earlier["post_request"], worker, req, environ, resp)
+            if earlier_post is not None:
+                earlier_post(worker, req, environ, resp)
         finally:
             timer = _state.timer
             if timer is not None:
@@ -226,13 +239,6 @@ def install(
 def _call(hook: Any, *args: Any) -> None:
     if callable(hook):
         hook(*args)
-
-
-def _header(req: Any, name: str) -> str | None:
-    for key, value in req.headers:
-        if key == name:
-            return str(value)
-    return None
 
 
 def _timer(name: str, settings: _Settings) -> RequestTimer:
