@@ -387,3 +387,31 @@ def test_a_timer_made_before_a_fork_leaves_the_child_to_its_own_path(make_wheel)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the parent's Timer served a request in the child"
     assert fast.start(time.monotonic_ns(), "GET", "/x", None, None) is not None  # still the parent's
+
+
+def test_the_middleware_called_directly_in_c_is_the_middleware(make_wheel) -> None:
+    """direct(): the same requests and records, with the middleware's own
+    Python taking what the C call gives back (a path that is not ASCII)."""
+    wheel = make_wheel(payload_size=256)
+    handles: list[int] = []
+
+    def app(env: dict[str, object], start_response: object) -> list[bytes]:
+        handles.append(env["shmwheel.timer"])  # type: ignore[arg-type]
+        return [b"ok"]
+
+    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+    direct = mw.direct()
+    assert type(direct) is _fast.WSGI and direct.middleware is mw
+    assert mw.timer.prepare()
+    own_path: list[object] = []
+    start = mw.timer.start
+    mw.timer.start = lambda *a, **k: own_path.append(a) or start(*a, **k)  # type: ignore[method-assign]
+    for environ in ENVIRONS:
+        body = direct(dict(environ), lambda *a: None)
+        assert list(body) == [b"ok"] and len(wheel) == 1
+        record = decode_request(mw.timer._active[handles[-1]].payload)
+        assert record is not None and record.method == environ.get("REQUEST_METHOD", "-")
+        body.close()  # type: ignore[attr-defined]
+        assert len(wheel) == 0
+    assert len(own_path) == 2  # the two of ENVIRONS[3:]
+    assert TimeoutMiddleware(app, wheel.name, 30.0, interrupt=True).direct().__class__ is TimeoutMiddleware

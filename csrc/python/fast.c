@@ -26,6 +26,8 @@
  *          and cancels its timer; wsgi() is the WSGI middleware's call,
  *          from the environ to the Body, and asgi() the ASGI middleware's
  *          start, from the scope to a Send.
+ * WSGI     a plain TimeoutMiddleware as a C callable: the server's call
+ *          reaches Timer.wsgi with no Python frame (uWSGI's application).
  * Body     a WSGI response body whose close() ends its request's timer
  *          through the RequestTimer's Timer of the moment, or its finish().
  * Send     an ASGI request's send: messages go straight to the server's;
@@ -342,8 +344,8 @@ static inline void put_u32le(char *p, uint32_t v)
 /* What _record.REQUEST_ID matches: [A-Za-z0-9._:@/+=-]. */
 static inline int request_id_char(unsigned char c)
 {
-    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9')
-        || (c != 0 && strchr("._:@/+=-", c) != NULL);
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' || c == '_'
+        || c == ':' || c == '@' || c == '/' || c == '+' || c == '=' || c == '-';
 }
 
 /* The client's request id as the record takes it: its ASCII bytes if it is
@@ -979,6 +981,119 @@ static PyTypeObject TimerType = {
     .tp_members = Timer_members,
 };
 
+/* ---- WSGI ----------------------------------------------------------------- */
+
+/* A TimeoutMiddleware as a C callable: the server's call goes straight to
+ * the RequestTimer's Timer of the moment (Timer.wsgi) without a Python
+ * frame, and to the middleware itself for what that gives back. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *middleware;       /* the TimeoutMiddleware */
+    PyObject *app;              /* its application */
+    PyObject *timer;            /* its RequestTimer */
+} WSGIObject;
+
+static PyTypeObject WSGIType;
+
+static PyObject *WSGI_vectorcall(WSGIObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *fast, *r, *call[3];
+
+    if (nargs == 2 && !kwnames && self->timer) {
+        if (!(fast = PyObject_GetAttr(self->timer, str_fast)))
+            return NULL;
+        if (Py_IS_TYPE(fast, &TimerType)) {
+            call[0] = self->app;
+            call[1] = args[0];
+            call[2] = args[1];
+            r = Timer_wsgi((TimerObject *)fast, call, 3);
+            Py_DECREF(fast);
+            if (r != Py_NotImplemented)
+                return r;
+            Py_DECREF(r);
+        } else {
+            Py_DECREF(fast);
+        }
+    }
+    if (!self->middleware) {
+        PyErr_SetString(PyExc_ValueError, "the application has been cleared");
+        return NULL;
+    }
+    return PyObject_Vectorcall(self->middleware, args, nargsf, kwnames);
+}
+
+static PyObject *WSGI_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
+{
+    PyObject *middleware;
+    WSGIObject *self;
+    static char *names[] = {"middleware", NULL};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:WSGI", names, &middleware))
+        return NULL;
+    if (!(self = PyObject_GC_New(WSGIObject, &WSGIType)))
+        return NULL;
+    self->vectorcall = (vectorcallfunc)WSGI_vectorcall;
+    self->middleware = Py_NewRef(middleware);
+    self->app = PyObject_GetAttrString(middleware, "app");
+    self->timer = self->app ? PyObject_GetAttrString(middleware, "timer") : NULL;
+    PyObject_GC_Track(self);
+    if (!self->timer) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int WSGI_traverse(WSGIObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->middleware);
+    Py_VISIT(self->app);
+    Py_VISIT(self->timer);
+    return 0;
+}
+
+static int WSGI_clear(WSGIObject *self)
+{
+    Py_CLEAR(self->middleware);
+    Py_CLEAR(self->app);
+    Py_CLEAR(self->timer);
+    return 0;
+}
+
+static void WSGI_dealloc(WSGIObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    WSGI_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *WSGI_get_middleware(WSGIObject *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->middleware ? self->middleware : Py_None);
+}
+
+static PyGetSetDef WSGI_getset[] = {
+    {"middleware", (getter)WSGI_get_middleware, NULL, "The TimeoutMiddleware this calls.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WSGIType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmwheel._fast.WSGI",
+    .tp_basicsize = sizeof(WSGIObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "WSGI(middleware): a plain TimeoutMiddleware's call, with no Python frame of its own.",
+    .tp_new = WSGI_new,
+    .tp_traverse = (traverseproc)WSGI_traverse,
+    .tp_clear = (inquiry)WSGI_clear,
+    .tp_dealloc = (destructor)WSGI_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(WSGIObject, vectorcall),
+    .tp_getset = WSGI_getset,
+};
+
 /* ---- Body ----------------------------------------------------------------- */
 
 typedef struct {
@@ -1523,12 +1638,13 @@ static int fast_exec(PyObject *m)
         once = 1;
     }
     if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0
-        || PyType_Ready(&SendType) < 0 || PyType_Ready(&ThenType) < 0)
+        || PyType_Ready(&SendType) < 0 || PyType_Ready(&ThenType) < 0 || PyType_Ready(&WSGIType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0
         || PyModule_AddObjectRef(m, "Timer", (PyObject *)&TimerType) < 0
         || PyModule_AddObjectRef(m, "Body", (PyObject *)&BodyType) < 0
         || PyModule_AddObjectRef(m, "Send", (PyObject *)&SendType) < 0
+        || PyModule_AddObjectRef(m, "WSGI", (PyObject *)&WSGIType) < 0
         || PyModule_AddIntConstant(m, "HEAD_SIZE", HEAD_SIZE) < 0)
         return -1;
     return 0;

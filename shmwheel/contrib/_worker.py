@@ -308,13 +308,15 @@ class RequestTimer:
         :meth:`finish` even if :func:`extend` gives it another timer."""
         now = _monotonic_ns()
         fast = self._fast
+        plain = request_start is None and self._routes is None  # the timer's own timeout, from now
         if fast is None:
             if now >= self._look_at:
                 self._look(now)
-        elif request_start is None and self._routes is None:
+        elif plain:
             handle: int | None = fast.start(now, method, path, request_id, task)  # it looks once a second itself
             if handle is not None:
                 return handle
+        if plain:
             return self._start_slow(now, method, path, request_id, task, self._timeout_ns, now)
         times = self._times(now, method, path, request_start)
         if times is None:

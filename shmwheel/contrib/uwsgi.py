@@ -233,8 +233,10 @@ def _settings() -> Settings:
 _created: set[str] = set()  # wheels this master has created (an app may be wrapped twice)
 
 
-def request_timeouts(app: WSGIApp) -> TimeoutMiddleware:
-    """Wrap the application: every request gets the timeout the config sets."""
+def request_timeouts(app: WSGIApp) -> WSGIApp:
+    """Wrap the application: every request gets the timeout the config sets
+    (a :class:`~shmwheel.contrib.wsgi.TimeoutMiddleware`, called the way
+    its ``direct()`` gives)."""
     uwsgi = _uwsgi()
     config = _settings()
     in_master = os.getpid() == uwsgi.masterpid()
@@ -269,7 +271,7 @@ def request_timeouts(app: WSGIApp) -> TimeoutMiddleware:
     import uwsgidecorators  # ships with uWSGI
 
     uwsgidecorators.postfork(after_fork)
-    return middleware
+    return middleware.direct()
 
 
 def _report(level: int, msg: str, *args: object) -> None:

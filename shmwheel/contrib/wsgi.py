@@ -104,6 +104,14 @@ class TimeoutMiddleware:
             raise
         return _closing_body(body, timer, handle)
 
+    def direct(self) -> WSGIApp:
+        """The middleware as a server best calls it: a C callable that
+        reaches the timer with no Python frame of the middleware's
+        (shmwheel._fast), which uWSGI's ``request_timeouts`` gives it; the
+        middleware itself where that cannot serve (interrupt, routes,
+        X-Request-Start, a build without the extension)."""
+        return self if _fast_ext is None or not self._plain else _fast_ext.WSGI(self)
+
 
 class InterruptibleApp:
     """A WSGI application whose requests a timer interrupts answered 504:
