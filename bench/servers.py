@@ -54,8 +54,11 @@ every connection, and the other idles.  The table says when it did.
 
 Summary per variant: medians over the rounds, and each variant's ratios to
 its server's "off" in the same round, requests/s and CPU per request
-(server plus driver), as median (min-max) over the rounds.  The machine is
-shared and noisy: compare only ratios within one run.
+(server plus driver), as median (min-max) over the rounds, and requests/s
+again over only the rounds where both workers served in both runs (how many
+is said): a worker that got every connection halves a server's throughput
+whatever the timer.  The machine is shared and noisy: compare only ratios
+within one run.
 
 ``--quick`` is a smoke test for CI (about 20 s): one round of 1 s runs of
 a few variants.  The exit status is 1 if any run had a non-2xx response, a
@@ -622,15 +625,19 @@ def total_cpu_us(run: Run) -> float:
     return run.server_cpu_us + driver
 
 
-def ratios(runs: list[Run], variant: Variant) -> tuple[list[float], list[float]]:
-    """Per round: requests/s and CPU per request, this variant over its server's "off"."""
+def ratios(runs: list[Run], variant: Variant) -> tuple[list[float], list[float], list[float]]:
+    """Per round: requests/s and CPU per request, this variant over its
+    server's "off"; and requests/s in the rounds where neither run had one
+    worker serve every request (both workers busy)."""
     off = {r.round: r for r in runs if r.variant == f"{variant.server}/off" and r.ok}
-    rps, cpu = [], []
+    rps, cpu, busy = [], [], []
     for r in runs:
         if r.variant == variant.key and r.ok and r.round in off:
             rps.append(r.requests_per_s / off[r.round].requests_per_s)
             cpu.append(total_cpu_us(r) / total_cpu_us(off[r.round]))
-    return rps, cpu
+            if not (r.lopsided or off[r.round].lopsided):
+                busy.append(rps[-1])
+    return rps, cpu, busy
 
 
 def split_text(runs: list[Run]) -> str:
@@ -645,14 +652,14 @@ def split_text(runs: list[Run]) -> str:
 def summary_table(runs: list[Run], variants: list[Variant]) -> str:
     lines = [
         "| server | timeout | requests/s | latency p50 / p99 ms | server CPU µs/request | context switches/request "
-        "| driver CPU µs/request | driver, % of a core | requests/s ÷ off | CPU/request ÷ off "
-        "| busiest worker's share | errors |",
-        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| driver CPU µs/request | driver, % of a core | requests/s ÷ off | requests/s ÷ off, both workers busy "
+        "| CPU/request ÷ off | busiest worker's share | errors |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in variants:
         mine = [r for r in runs if r.variant == v.key]
         good = [r for r in mine if r.ok]
-        rps, cpu = ratios(runs, v)
+        rps, cpu, busy = ratios(runs, v)
         errors = sum(sum(r.errors.values()) for r in mine) + sum(1 for r in mine if r.failure)
         lines.append(
             f"| {server_label(v.server)} | {v.label} | {fmt(med([r.requests_per_s for r in good]))} "
@@ -660,7 +667,9 @@ def summary_table(runs: list[Run], variants: list[Variant]) -> str:
             f"| {fmt(med([r.server_cpu_us for r in good]))} | {fmt(med([r.switches for r in good]), 2)} "
             f"| {fmt(med([r.driver_cpu_us for r in good]), 2) if v.shmwheel else ''} "
             f"| {fmt(med([r.driver_core_pct for r in good]), 2, ' %') if v.shmwheel else ''} "
-            f"| {'1' if v.timer == 'off' else spread(rps)} | {'1' if v.timer == 'off' else spread(cpu)} "
+            f"| {'1' if v.timer == 'off' else spread(rps)} "
+            f"| {'1' if v.timer == 'off' else spread(busy) + f' in {len(busy)}'} "
+            f"| {'1' if v.timer == 'off' else spread(cpu)} "
             f"| {split_text(mine)} | {errors} |"
         )
     return "\n".join(lines)

@@ -7,7 +7,8 @@ Per request, in ns (wall clock, loop included):
 - ``setitimer``: ``setitimer(ITIMER_REAL, 30)`` then ``setitimer(ITIMER_REAL, 0)``;
 - ``timer``: ``RequestTimer.start(method, path, request_id)`` then ``finish()``;
 - ``wsgi``: a call of ``TimeoutMiddleware`` and ``close()`` of its body, net
-  of the same call of the bare application;
+  of the same call of the bare application; ``wsgi_direct``: the same
+  through ``TimeoutMiddleware.direct()``, as uWSGI calls it;
 - ``gunicorn``: the ``pre_request`` and ``post_request`` hooks of
   ``install()`` for a real ``gunicorn.http.Request`` (parsed once), net of
   Gunicorn's default hooks, which they take the place of (``gunicorn_gross``:
@@ -116,6 +117,14 @@ def _child(root: str, fast: bool) -> None:
                 mw(environ, sr).close()
             return time.perf_counter_ns() - t
 
+        direct = mw.direct() if hasattr(mw, "direct") else mw  # an older build: the middleware itself
+
+        def case_wsgi_direct() -> int:
+            t = time.perf_counter_ns()
+            for _ in n:
+                direct(environ, sr).close()
+            return time.perf_counter_ns() - t
+
         # Gunicorn: install()'s hooks, as a worker calls them, beside the defaults they replace.
         import asyncio
         import logging
@@ -193,6 +202,7 @@ def _child(root: str, fast: bool) -> None:
 
         cases = {
             "setitimer": case_setitimer, "timer": case_timer, "bare": case_bare, "wsgi": case_wsgi,
+            "wsgi_direct": case_wsgi_direct,
             "gunicorn_gross": case_gunicorn, "gunicorn_bare": case_gunicorn_bare, "asgi": case_asgi,
             "asgi_bare": case_asgi_bare,
         }  # fmt: skip
@@ -206,6 +216,7 @@ def _child(root: str, fast: bool) -> None:
         gc.enable()
         out = {k: min(v) for k, v in best.items()}
         out["wsgi_net"] = out.pop("wsgi") - out["bare"]
+        out["wsgi_direct"] -= out["bare"]
         out["gunicorn"] = out["gunicorn_gross"] - out.pop("gunicorn_bare")
         out["asgi"] -= out.pop("asgi_bare")
         loop.close()
@@ -268,7 +279,7 @@ def main() -> None:
             )
             results[label].append(json.loads(cp.stdout))
             print(f"round {r} {label}: {cp.stdout.strip()}", file=sys.stderr)
-    paths = ["setitimer", "timer", "wsgi_net", "gunicorn", "gunicorn_gross", "asgi"]
+    paths = ["setitimer", "timer", "wsgi_net", "wsgi_direct", "gunicorn", "gunicorn_gross", "asgi"]
     print("per request, ns (median of the rounds), and / its ratio to the setitimer pair of the same child")
     print(f"{'build':<8}" + "".join(f"{k:>16}" for k in paths))
     for label, rows in results.items():
