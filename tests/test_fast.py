@@ -287,16 +287,21 @@ ENVIRONS = [
 ]
 
 
-@pytest.mark.parametrize("environ", ENVIRONS)
-def test_the_middlewares_call_in_c_files_what_its_own_path_files(make_wheel, environ: dict[str, str]) -> None:
-    wheel = make_wheel(payload_size=256)
+def _recording_middleware(wheel: shmwheel.Wheel) -> tuple[TimeoutMiddleware, list[int]]:
+    """A middleware around an app that answers "ok" and keeps each request's handle."""
     handles: list[int] = []
 
     def app(env: dict[str, object], start_response: object) -> list[bytes]:
         handles.append(env["shmwheel.timer"])  # type: ignore[arg-type]
         return [b"ok"]
 
-    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+    return TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None), handles
+
+
+@pytest.mark.parametrize("environ", ENVIRONS)
+def test_the_middlewares_call_in_c_files_what_its_own_path_files(make_wheel, environ: dict[str, str]) -> None:
+    wheel = make_wheel(payload_size=256)
+    mw, handles = _recording_middleware(wheel)
     assert mw.timer.prepare() and mw._plain
     own_path: list[str] = []
     start = mw.timer.start
@@ -393,13 +398,7 @@ def test_the_middleware_called_directly_in_c_is_the_middleware(make_wheel) -> No
     """direct(): the same requests and records, with the middleware's own
     Python taking what the C call gives back (a path that is not ASCII)."""
     wheel = make_wheel(payload_size=256)
-    handles: list[int] = []
-
-    def app(env: dict[str, object], start_response: object) -> list[bytes]:
-        handles.append(env["shmwheel.timer"])  # type: ignore[arg-type]
-        return [b"ok"]
-
-    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+    mw, handles = _recording_middleware(wheel)
     direct = mw.direct()
     assert type(direct) is _fast.WSGI and direct.middleware is mw
     assert mw.timer.prepare()
@@ -414,4 +413,4 @@ def test_the_middleware_called_directly_in_c_is_the_middleware(make_wheel) -> No
         body.close()  # type: ignore[attr-defined]
         assert len(wheel) == 0
     assert len(own_path) == 2  # the two of ENVIRONS[3:]
-    assert TimeoutMiddleware(app, wheel.name, 30.0, interrupt=True).direct().__class__ is TimeoutMiddleware
+    assert TimeoutMiddleware(mw.app, wheel.name, 30.0, interrupt=True).direct().__class__ is TimeoutMiddleware

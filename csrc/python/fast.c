@@ -981,6 +981,73 @@ static PyTypeObject TimerType = {
     .tp_members = Timer_members,
 };
 
+/* ---- what Body, Send and WSGI share ------------------------------------------ */
+
+/* Each holds three objects right after its head (Send and WSGI their
+ * vectorcall after them), so one traverse, clear and dealloc serves the
+ * three types, and one make and one argument check Body and Send. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *held[3];
+} HeldObject;
+
+#define HELD_LAYOUT(T, a, b, c)                                                     \
+    _Static_assert(offsetof(T, a) == offsetof(HeldObject, held[0])                  \
+                   && offsetof(T, b) == offsetof(HeldObject, held[1])               \
+                   && offsetof(T, c) == offsetof(HeldObject, held[2]), #T " is not a HeldObject")
+
+static int Held_traverse(HeldObject *self, visitproc visit, void *arg)
+{
+    int k;
+
+    for (k = 0; k < 3; k++)
+        Py_VISIT(self->held[k]);
+    return 0;
+}
+
+static int Held_clear(HeldObject *self)
+{
+    int k;
+
+    for (k = 0; k < 3; k++)
+        Py_CLEAR(self->held[k]);
+    return 0;
+}
+
+static void Held_dealloc(HeldObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Held_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A new object of ``type`` holding a, b and c (c may be NULL), tracked. */
+static HeldObject *Held_make(PyTypeObject *type, PyObject *a, PyObject *b, PyObject *c)
+{
+    HeldObject *self = PyObject_GC_New(HeldObject, type);
+
+    if (!self)
+        return NULL;
+    self->held[0] = Py_NewRef(a);
+    self->held[1] = Py_NewRef(b);
+    self->held[2] = Py_XNewRef(c);
+    PyObject_GC_Track(self);
+    return self;
+}
+
+/* Body(body, timer, handle) and Send(send, timer, handle): the handle an int or None. */
+static int held_args(PyObject *args, PyObject *kwds, const char *format, char **names, PyObject **a,
+                     PyObject **timer, PyObject **handle)
+{
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, format, names, a, timer, handle))
+        return -1;
+    if (*handle != Py_None && !PyLong_CheckExact(*handle)) {
+        PyErr_SetString(PyExc_TypeError, "handle must be an int or None");
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- WSGI ----------------------------------------------------------------- */
 
 /* A TimeoutMiddleware as a C callable: the server's call goes straight to
@@ -988,11 +1055,13 @@ static PyTypeObject TimerType = {
  * frame, and to the middleware itself for what that gives back. */
 typedef struct {
     PyObject_HEAD
-    vectorcallfunc vectorcall;
     PyObject *middleware;       /* the TimeoutMiddleware */
     PyObject *app;              /* its application */
     PyObject *timer;            /* its RequestTimer */
+    vectorcallfunc vectorcall;
 } WSGIObject;
+
+HELD_LAYOUT(WSGIObject, middleware, app, timer);
 
 static PyTypeObject WSGIType;
 
@@ -1026,47 +1095,22 @@ static PyObject *WSGI_vectorcall(WSGIObject *self, PyObject *const *args, size_t
 
 static PyObject *WSGI_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
 {
-    PyObject *middleware;
+    PyObject *middleware, *app, *timer = NULL;
     WSGIObject *self;
     static char *names[] = {"middleware", NULL};
 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:WSGI", names, &middleware))
         return NULL;
-    if (!(self = PyObject_GC_New(WSGIObject, &WSGIType)))
-        return NULL;
-    self->vectorcall = (vectorcallfunc)WSGI_vectorcall;
-    self->middleware = Py_NewRef(middleware);
-    self->app = PyObject_GetAttrString(middleware, "app");
-    self->timer = self->app ? PyObject_GetAttrString(middleware, "timer") : NULL;
-    PyObject_GC_Track(self);
-    if (!self->timer) {
-        Py_DECREF(self);
+    if (!(app = PyObject_GetAttrString(middleware, "app")) || !(timer = PyObject_GetAttrString(middleware, "timer"))) {
+        Py_XDECREF(app);
         return NULL;
     }
+    self = (WSGIObject *)Held_make(&WSGIType, middleware, app, timer);
+    Py_DECREF(app);
+    Py_DECREF(timer);
+    if (self)
+        self->vectorcall = (vectorcallfunc)WSGI_vectorcall;
     return (PyObject *)self;
-}
-
-static int WSGI_traverse(WSGIObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->middleware);
-    Py_VISIT(self->app);
-    Py_VISIT(self->timer);
-    return 0;
-}
-
-static int WSGI_clear(WSGIObject *self)
-{
-    Py_CLEAR(self->middleware);
-    Py_CLEAR(self->app);
-    Py_CLEAR(self->timer);
-    return 0;
-}
-
-static void WSGI_dealloc(WSGIObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    WSGI_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *WSGI_get_middleware(WSGIObject *self, void *Py_UNUSED(closure))
@@ -1086,9 +1130,9 @@ static PyTypeObject WSGIType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "WSGI(middleware): a plain TimeoutMiddleware's call, with no Python frame of its own.",
     .tp_new = WSGI_new,
-    .tp_traverse = (traverseproc)WSGI_traverse,
-    .tp_clear = (inquiry)WSGI_clear,
-    .tp_dealloc = (destructor)WSGI_dealloc,
+    .tp_traverse = (traverseproc)Held_traverse,
+    .tp_clear = (inquiry)Held_clear,
+    .tp_dealloc = (destructor)Held_dealloc,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(WSGIObject, vectorcall),
     .tp_getset = WSGI_getset,
@@ -1103,19 +1147,13 @@ typedef struct {
     PyObject *key;              /* the request's handle; NULL once closed, None if it had no timer */
 } BodyObject;
 
+HELD_LAYOUT(BodyObject, body, owner, key);
+
 static PyTypeObject BodyType;
 
 static PyObject *Body_make(PyObject *body, PyObject *owner, PyObject *key)
 {
-    BodyObject *self = PyObject_GC_New(BodyObject, &BodyType);
-
-    if (!self)
-        return NULL;
-    self->body = Py_NewRef(body);
-    self->owner = Py_NewRef(owner);
-    self->key = Py_NewRef(key);
-    PyObject_GC_Track(self);
-    return (PyObject *)self;
+    return (PyObject *)Held_make(&BodyType, body, owner, key);
 }
 
 static PyObject *Body_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
@@ -1123,36 +1161,9 @@ static PyObject *Body_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObjec
     PyObject *body, *owner, *key;
     static char *names[] = {"body", "timer", "handle", NULL};
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:Body", names, &body, &owner, &key))
+    if (held_args(args, kwds, "OOO:Body", names, &body, &owner, &key) < 0)
         return NULL;
-    if (key != Py_None && !PyLong_CheckExact(key)) {
-        PyErr_SetString(PyExc_TypeError, "handle must be an int or None");
-        return NULL;
-    }
     return Body_make(body, owner, key);
-}
-
-static int Body_traverse(BodyObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->body);
-    Py_VISIT(self->owner);
-    Py_VISIT(self->key);
-    return 0;
-}
-
-static int Body_clear(BodyObject *self)
-{
-    Py_CLEAR(self->body);
-    Py_CLEAR(self->owner);
-    Py_CLEAR(self->key);
-    return 0;
-}
-
-static void Body_dealloc(BodyObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    Body_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *Body_iter(BodyObject *self)
@@ -1225,9 +1236,9 @@ static PyTypeObject BodyType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Body(body, timer, handle): a WSGI body whose close() ends the request's timer.",
     .tp_new = Body_new,
-    .tp_traverse = (traverseproc)Body_traverse,
-    .tp_clear = (inquiry)Body_clear,
-    .tp_dealloc = (destructor)Body_dealloc,
+    .tp_traverse = (traverseproc)Held_traverse,
+    .tp_clear = (inquiry)Held_clear,
+    .tp_dealloc = (destructor)Held_dealloc,
     .tp_iter = (getiterfunc)Body_iter,
     .tp_methods = Body_methods,
 };
@@ -1236,11 +1247,13 @@ static PyTypeObject BodyType = {
 
 typedef struct {
     PyObject_HEAD
-    vectorcallfunc vectorcall;  /* Send_vectorcall: a call without a tuple of its arguments */
     PyObject *send;             /* the server's */
     PyObject *owner;            /* the RequestTimer */
     PyObject *key;              /* the request's handle; NULL once its timer has ended */
+    vectorcallfunc vectorcall;  /* Send_vectorcall: a call without a tuple of its arguments */
 } SendObject;
+
+HELD_LAYOUT(SendObject, send, owner, key);
 
 typedef struct {
     PyObject_HEAD
@@ -1298,15 +1311,10 @@ static PyObject *Send_vectorcall(SendObject *self, PyObject *const *args, size_t
 
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key)
 {
-    SendObject *self = PyObject_GC_New(SendObject, &SendType);
+    SendObject *self = (SendObject *)Held_make(&SendType, send, owner, key == Py_None ? NULL : key);
 
-    if (!self)
-        return NULL;
-    self->vectorcall = (vectorcallfunc)Send_vectorcall;
-    self->send = Py_NewRef(send);
-    self->owner = Py_NewRef(owner);
-    self->key = key == Py_None ? NULL : Py_NewRef(key);
-    PyObject_GC_Track(self);
+    if (self)
+        self->vectorcall = (vectorcallfunc)Send_vectorcall;
     return (PyObject *)self;
 }
 
@@ -1315,36 +1323,9 @@ static PyObject *Send_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObjec
     PyObject *send, *owner, *key;
     static char *names[] = {"send", "timer", "handle", NULL};
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:Send", names, &send, &owner, &key))
+    if (held_args(args, kwds, "OOO:Send", names, &send, &owner, &key) < 0)
         return NULL;
-    if (key != Py_None && !PyLong_CheckExact(key)) {
-        PyErr_SetString(PyExc_TypeError, "handle must be an int or None");
-        return NULL;
-    }
     return Send_make(send, owner, key);
-}
-
-static int Send_traverse(SendObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->send);
-    Py_VISIT(self->owner);
-    Py_VISIT(self->key);
-    return 0;
-}
-
-static int Send_clear(SendObject *self)
-{
-    Py_CLEAR(self->send);
-    Py_CLEAR(self->owner);
-    Py_CLEAR(self->key);
-    return 0;
-}
-
-static void Send_dealloc(SendObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    Send_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* send(message): the server's send's awaitable; for the message that
@@ -1412,9 +1393,9 @@ static PyTypeObject SendType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "Send(send, timer, handle): an ASGI request's send, which ends its timer once its response is sent.",
     .tp_new = Send_new,
-    .tp_traverse = (traverseproc)Send_traverse,
-    .tp_clear = (inquiry)Send_clear,
-    .tp_dealloc = (destructor)Send_dealloc,
+    .tp_traverse = (traverseproc)Held_traverse,
+    .tp_clear = (inquiry)Held_clear,
+    .tp_dealloc = (destructor)Held_dealloc,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(SendObject, vectorcall),
     .tp_methods = Send_methods,
