@@ -79,18 +79,21 @@ def uids(pid: int) -> tuple[int, int, int] | None:
 
 def signal_disposition(pid: int, signum: int) -> str | None:
     """What process ``pid`` does with signal ``signum``, from /proc/PID/status:
-    "caught" (a handler), "ignored", "blocked" (by every thread, as the
-    main one shows it) or "default"; None if that cannot be read (gone, or
-    another PID namespace)."""
+    "caught" (a handler, whether or not the main thread blocks it right
+    now: the kernel does while that thread runs the handler, and a signal
+    sent meanwhile waits or goes to another thread, never to the default
+    action), "ignored", "blocked" (with no handler, as the main thread
+    shows it) or "default"; None if that cannot be read (gone, or another
+    PID namespace)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             masks = {k: v.strip() for k, _, v in (line.partition(":") for line in f) if k.startswith("Sig")}
         bit = 1 << (signum - 1)
-        if int(masks["SigBlk"], 16) & bit:
-            return "blocked"
         if int(masks["SigIgn"], 16) & bit:
             return "ignored"
-        return "caught" if int(masks["SigCgt"], 16) & bit else "default"
+        if int(masks["SigCgt"], 16) & bit:
+            return "caught"
+        return "blocked" if int(masks["SigBlk"], 16) & bit else "default"
     except (OSError, KeyError, ValueError):
         return None
 

@@ -23,7 +23,7 @@ from conftest import foreign_segment, script_processes
 
 import shmwheel
 from shmwheel._binding import ffi, lib
-from shmwheel._process import start_time
+from shmwheel._process import signal_disposition, start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
 from shmwheel.contrib.timeouts import (
@@ -958,3 +958,25 @@ def test_the_driver_command_does_not_replace_another_programs_segment(name: str)
         f"if nothing uses it, remove it yourself: rm /dev/shm/{name}"
     ]
     assert Path("/dev/shm", name).read_bytes().startswith(b"someone else's")
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ("signal.signal(signal.SIGURG, lambda *a: None)", "caught"),
+        # The kernel blocks a signal in the thread that runs its handler: still caught.
+        ("signal.signal(signal.SIGURG, lambda *a: None); signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGURG})",
+         "caught"),
+        ("signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGURG})", "blocked"),
+        ("signal.signal(signal.SIGURG, signal.SIG_IGN)", "ignored"),
+        ("pass", "default"),
+    ],
+)  # fmt: skip
+def test_a_signal_with_a_handler_is_caught_even_while_the_main_thread_blocks_it(setup: str, expected: str) -> None:
+    code = f"import signal, sys\n{setup}\nprint('ready', flush=True)\nsys.stdin.read()\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        assert signal_disposition(proc.pid, signal.SIGURG) == expected
+    finally:
+        proc.communicate("")
