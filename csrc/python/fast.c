@@ -713,6 +713,20 @@ static void chain(PyObject *t, PyObject *v, PyObject *tb)
     Py_XDECREF(tb);
 }
 
+/* end_request() while an exception is being raised: it goes on being
+ * raised, or, if end_request fails too, that failure does, with the first
+ * as its __context__ (what a ``finally`` that raises does). */
+static void end_raising(PyObject *owner, PyObject *key)
+{
+    PyObject *t, *v, *tb;
+
+    PyErr_Fetch(&t, &v, &tb);
+    if (end_request(owner, key) < 0)
+        chain(t, v, tb);
+    else
+        PyErr_Restore(t, v, tb);
+}
+
 static PyObject *Body_make(PyObject *body, PyObject *owner, PyObject *key);
 
 /* An environ's str, borrowed: its value, ``otherwise`` if it has none;
@@ -788,17 +802,10 @@ static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t
     Py_DECREF(key);
     return result;
 
-failed: {
-        PyObject *t, *v, *tb;
-
-        PyErr_Fetch(&t, &v, &tb);
-        if (end_request(self->owner, key) < 0)
-            chain(t, v, tb);
-        else
-            PyErr_Restore(t, v, tb);
-        Py_DECREF(key);
-        return NULL;
-    }
+failed:
+    end_raising(self->owner, key);
+    Py_DECREF(key);
+    return NULL;
 }
 
 
@@ -932,18 +939,11 @@ static PyObject *Timer_asgi(TimerObject *self, PyObject *const *args, Py_ssize_t
     Py_DECREF(key);
     return result;
 
-failed: {
-        PyObject *t, *v, *tb;
-
-        PyErr_Fetch(&t, &v, &tb);
-        if (end_request(self->owner, key) < 0)
-            chain(t, v, tb);
-        else
-            PyErr_Restore(t, v, tb);
-        Py_XDECREF(copy);
-        Py_DECREF(key);
-        return NULL;
-    }
+failed:
+    end_raising(self->owner, key);
+    Py_XDECREF(copy);
+    Py_DECREF(key);
+    return NULL;
 }
 
 static PyMethodDef Timer_methods[] = {
@@ -1182,7 +1182,7 @@ static PyObject *Body_iter(BodyObject *self)
  * nothing. */
 static PyObject *Body_close(BodyObject *self, PyObject *Py_UNUSED(ignored))
 {
-    PyObject *key = self->key, *body = self->body, *close = NULL, *r, *t = NULL, *v = NULL, *tb = NULL;
+    PyObject *key = self->key, *body = self->body, *close = NULL, *r;
     int failed = 0;
 
     self->key = NULL;
@@ -1209,14 +1209,9 @@ static PyObject *Body_close(BodyObject *self, PyObject *Py_UNUSED(ignored))
     }
     if (key) {
         if (failed)
-            PyErr_Fetch(&t, &v, &tb);
-        if (end_request(self->owner, key) < 0) {
-            if (failed)
-                chain(t, v, tb);
+            end_raising(self->owner, key);
+        else if (end_request(self->owner, key) < 0)
             failed = 1;
-        } else if (failed) {
-            PyErr_Restore(t, v, tb);
-        }
         Py_DECREF(key);
     }
     if (failed)

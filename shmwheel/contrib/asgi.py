@@ -204,9 +204,9 @@ class TimeoutMiddleware:
         if self._plain and scope["type"] == "http" and TIMED not in scope:
             # An HTTP request that needs no Python of its own: started in C
             # (shmwheel._fast), its sends the server's but the last, whose
-            # return ends the timer, as does the application's.
-            # The timer of another process (forked) has a C Timer that says
-            # None: its own way finds this process's timer.
+            # return ends the timer, as does the application's.  A timer
+            # inherited over a fork has a C Timer that gives back None, and
+            # _call finds this process's own.
             timer = self._timer
             if timer is not None and (fast := timer._fast) is not None:
                 started = fast.asgi(scope, send)
