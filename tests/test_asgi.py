@@ -312,7 +312,7 @@ def test_the_c_way_files_what_the_middlewares_own_way_files(make_wheel) -> None:
     mw._call = lambda *a: calls.append(a) or own(*a)  # type: ignore[method-assign]
     run(mw, http("/a/b", headers))
     assert calls == [], "the request did not take the C way"
-    mw._plain = False
+    mw._in_c = None
     run(mw, http("/a/b", headers))
     assert len(calls) == 1
     (a, pa, sa), (b, pb, sb) = got
@@ -447,3 +447,60 @@ def test_a_cancellation_reaches_the_app_through_a_send_whose_awaitable_has_no_th
     asyncio.run(main())
     assert got == ["CancelledError"]
     assert len(wheel) == 0 and wheel.stats().cancelled == 1
+
+
+@pytest.mark.parametrize("end", ["returns", "raises", "cancelled", "closed", "not awaitable"])
+def test_the_c_way_ends_the_timer_however_the_applications_call_ends(make_wheel, end: str) -> None:
+    """No last message: the application returns without one, raises, is
+    cancelled while it waits, is closed while it waits (its coroutine
+    dropped), or is not an ASGI 3 application at all."""
+
+    class Pause:
+        value = object()
+
+        def __await__(self) -> Any:
+            yield self.value
+
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    waiting = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        assert len(wheel) == 1
+        if end == "raises":
+            raise RuntimeError("boom")
+        if end == "cancelled":
+            waiting.set()
+            await asyncio.sleep(3600)
+        if end == "closed":
+            await Pause()
+
+    def asgi2(scope: Any) -> Any:  # ASGI 2: a callable that gives back the application
+        return app
+
+    mw = TimeoutMiddleware(asgi2 if end == "not awaitable" else app, 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare()
+    mw._call = None  # type: ignore[assignment,method-assign]  # the request must take the C way
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        raise AssertionError("nothing is sent")
+
+    async def main() -> None:
+        call = mw(http("/x"), receive, send)
+        if end == "closed":  # run up to its first wait, and dropped there
+            assert call.send(None) is Pause.value and len(wheel) == 1
+            call.close()
+            return
+        task = asyncio.ensure_future(call)
+        if end == "cancelled":
+            await waiting.wait()
+            assert len(wheel) == 1
+            task.cancel()
+        await task
+
+    raised = {"raises": RuntimeError, "cancelled": asyncio.CancelledError, "not awaitable": TypeError}.get(end)
+    with pytest.raises(raised) if raised else contextlib.nullcontext():  # type: ignore[attr-defined]
+        asyncio.run(main())
+    assert len(wheel) == 0 and wheel.stats().added == 1 and wheel.stats().cancelled == 1

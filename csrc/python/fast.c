@@ -24,15 +24,18 @@
  *          tests/test_fast.py compares), adds it, and files the request
  *          in the RequestTimer's table and context; finish() takes it out
  *          and cancels its timer; wsgi() is the WSGI middleware's call,
- *          from the environ to the Body, and asgi() the ASGI middleware's
- *          start, from the scope to a Send.
+ *          from the environ to the Body.
  * WSGI     a plain TimeoutMiddleware as a C callable: the server's call
  *          reaches Timer.wsgi with no Python frame (uWSGI's application).
  * Body     a WSGI response body whose close() ends its request's timer
  *          through the RequestTimer's Timer of the moment, or its finish().
+ * ASGI     a plain ASGI TimeoutMiddleware's HTTP request: the timer started
+ *          from the scope, the application called with a timed copy of it
+ *          and a Send, and its call given back in a Then.
  * Send     an ASGI request's send: messages go straight to the server's;
- *          the one that completes the response is awaited through a Then,
- *          which ends the request's timer once the server has sent it.
+ *          the one that completes the response is awaited through a Then.
+ * Then     an awaitable that ends the request's timer after another: the
+ *          server's send of the last message, or the application's call.
  *
  * No request asks the kernel for anything but the core's lock: a Timer
  * only serves the process that made it (the pid is kept here, set again in
@@ -212,7 +215,7 @@ static PyObject *str_look, *str_fast, *str_finish, *str_finished, *str_close, *s
 static PyObject *str_request_method, *str_script_name, *str_path_info, *str_request_id, *str_environ_key;
 static PyObject *str_method, *str_path, *str_headers, *str_running_loop;
 static PyObject *str_type, *str_start_type, *str_more_body, *str_body_type, *str_zerocopy_type, *str_pathsend_type;
-static PyObject *str_ws_close;
+static PyObject *str_ws_close, *str_http, *str_timer, *str_app;
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);
 
 static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
@@ -350,7 +353,9 @@ static inline int request_id_char(unsigned char c)
 
 /* The client's request id as the record takes it: its ASCII bytes if it is
  * all REQUEST_ID's characters, and none if not (the record's own id stands
- * in).  -1: not a str, which RequestTimer.start's own path deals with. */
+ * in).  A str, or bytes, which ASGI's headers are: their latin-1 text is
+ * kept or not alike.  -1: neither, which RequestTimer.start's own path
+ * deals with. */
 static Py_ssize_t request_id_of(const TimerObject *self, PyObject *rid, const char **data)
 {
     const unsigned char *s;
@@ -359,14 +364,19 @@ static Py_ssize_t request_id_of(const TimerObject *self, PyObject *rid, const ch
     *data = "";
     if (rid == Py_None)
         return 0;
-    if (!PyUnicode_CheckExact(rid))
+    if (PyBytes_CheckExact(rid)) {
+        s = (const unsigned char *)PyBytes_AS_STRING(rid);
+        n = PyBytes_GET_SIZE(rid);
+    } else if (PyUnicode_CheckExact(rid)) {
+        if (!PyUnicode_IS_ASCII(rid))
+            return 0;
+        s = PyUnicode_1BYTE_DATA(rid);
+        n = PyUnicode_GET_LENGTH(rid);
+    } else {
         return -1;
-    if (!PyUnicode_IS_ASCII(rid))
-        return 0;
-    n = PyUnicode_GET_LENGTH(rid);
+    }
     if (n < 1 || n > self->max_request_id)
         return 0;
-    s = PyUnicode_1BYTE_DATA(rid);
     for (k = 0; k < n; k++)
         if (!request_id_char(s[k]))
             return 0;
@@ -598,8 +608,8 @@ static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_
     if ((r = ready(self, now)) <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
     path = args[2];
-    if (!PyUnicode_CheckExact(path))
-        Py_RETURN_NONE;
+    if (!PyUnicode_CheckExact(path) || PyBytes_Check(args[3]))
+        Py_RETURN_NONE;         /* the id a str or None, as RequestTimer.start takes it */
     if (PyUnicode_IS_ASCII(path)) {
         pdata = (const char *)PyUnicode_1BYTE_DATA(path);
         plen = PyUnicode_GET_LENGTH(path);
@@ -854,27 +864,22 @@ static PyObject *asyncio_task(TimerObject *self)
     return task;
 }
 
-/* asgi(scope, send): the ASGI middleware's start of an HTTP request: its
- * timer started from the scope (its method, path and X-Request-Id, and the
- * asyncio task that runs it), and (the scope with ``shmwheel.timer``, a
- * Send); or None, having started nothing, where the middleware's own path
- * takes the request (what start() gives back None for, a scope that is not
- * a dict or holds what it does not expect). */
-static PyObject *Timer_asgi(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* The ASGI middleware's start of an HTTP request: its timer started from
+ * the scope (its method, path and X-Request-Id, and the asyncio task that
+ * runs it), ``*timed_scope`` a copy of the scope with ``shmwheel.timer``
+ * (the ASGI spec: a middleware copies a scope it changes) and
+ * ``*timed_send`` a Send around the server's.  Returns the handle; None,
+ * having started nothing, where the middleware's own path takes the
+ * request (what start() gives back None for, a scope that holds what it
+ * does not expect, a task that is not asyncio's); NULL with an exception. */
+static PyObject *asgi_start(TimerObject *self, PyObject *scope, PyObject *send, PyObject **timed_scope,
+                            PyObject **timed_send)
 {
-    PyObject *scope, *method, *path, *headers, *key, *task, *copy = NULL, *timed, *result;
+    PyObject *method, *path, *headers, *key, *task, *copy;
     PyObject *rid = Py_None;
-    int64_t now;
+    int64_t now = monotonic_ns();
     int r;
 
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "asgi(scope, send)");
-        return NULL;
-    }
-    scope = args[0];
-    if (!PyDict_CheckExact(scope))
-        Py_RETURN_NONE;
-    now = monotonic_ns();
     if ((r = ready(self, now)) <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
     method = environ_ascii(scope, str_method, str_dash);
@@ -906,42 +911,29 @@ static PyObject *Timer_asgi(TimerObject *self, PyObject *const *args, Py_ssize_t
             return NULL;
         Py_RETURN_NONE;
     }
-    if (rid != Py_None) {
-        /* The record takes the id as RequestTimer.start does: its latin-1
-         * text, which request_id_of keeps only if it is a sane id. */
-        if (!PyBytes_CheckExact(rid))
-            Py_RETURN_NONE;
-        if (!(rid = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(rid), PyBytes_GET_SIZE(rid), NULL)))
-            return NULL;
-    } else {
-        Py_INCREF(rid);
-    }
-    if (!(task = asyncio_task(self)) || task == Py_None) {
-        /* Not in an asyncio task (trio's, say): its own path finds what runs it. */
-        Py_DECREF(rid);
-        return task;
-    }
+    /* The id's bytes are its latin-1 text, as RequestTimer.start takes it. */
+    if (rid != Py_None && !PyBytes_CheckExact(rid))
+        Py_RETURN_NONE;
+    if (!(task = asyncio_task(self)) || task == Py_None)
+        return task;            /* not in an asyncio task (trio's, say): its own path finds what runs it */
     key = start_request(self, now, now, self->timeout_ns, method, (const char *)PyUnicode_1BYTE_DATA(path),
                         PyUnicode_GET_LENGTH(path), "", 0, rid, task);
-    Py_DECREF(rid);
     Py_DECREF(task);
     if (!key || key == Py_None)
         return key;
-    if (!(copy = PyDict_Copy(scope)) || PyDict_SetItem(copy, str_environ_key, key) < 0)
+    if (!(copy = PyDict_Copy(scope)) || PyDict_SetItem(copy, str_environ_key, key) < 0) {
+        Py_XDECREF(copy);
         goto failed;
-    if (!(timed = Send_make(args[1], self->owner, key)))
+    }
+    if (!(*timed_send = Send_make(send, self->owner, key))) {
+        Py_DECREF(copy);
         goto failed;
-    result = PyTuple_Pack(2, copy, timed);
-    Py_DECREF(timed);
-    if (!result)
-        goto failed;
-    Py_DECREF(copy);
-    Py_DECREF(key);
-    return result;
+    }
+    *timed_scope = copy;
+    return key;
 
 failed:
     end_raising(self->owner, key);
-    Py_XDECREF(copy);
     Py_DECREF(key);
     return NULL;
 }
@@ -952,8 +944,6 @@ static PyMethodDef Timer_methods[] = {
      "caller's own path."},
     {"finish", (PyCFunction)(void (*)(void))Timer_finish, METH_FASTCALL,
      "finish(handle): None if not in the table, True if cancelled, else the Active taken out."},
-    {"asgi", (PyCFunction)(void (*)(void))Timer_asgi, METH_FASTCALL,
-     "asgi(scope, send): (the scope with shmwheel.timer, a Send), or None for the middleware's own path."},
     {"wsgi", (PyCFunction)(void (*)(void))Timer_wsgi, METH_FASTCALL,
      "wsgi(app, environ, start_response): the application's body in a Body, or NotImplemented for the "
      "middleware's own path."},
@@ -1021,7 +1011,7 @@ static void Held_dealloc(HeldObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* A new object of ``type`` holding a, b and c (c may be NULL), tracked. */
+/* A new object of ``type`` holding a, b and c (b and c may be NULL), tracked. */
 static HeldObject *Held_make(PyTypeObject *type, PyObject *a, PyObject *b, PyObject *c)
 {
     HeldObject *self = PyObject_GC_New(HeldObject, type);
@@ -1029,7 +1019,7 @@ static HeldObject *Held_make(PyTypeObject *type, PyObject *a, PyObject *b, PyObj
     if (!self)
         return NULL;
     self->held[0] = Py_NewRef(a);
-    self->held[1] = Py_NewRef(b);
+    self->held[1] = Py_XNewRef(b);
     self->held[2] = Py_XNewRef(c);
     PyObject_GC_Track(self);
     return self;
@@ -1238,7 +1228,7 @@ static PyTypeObject BodyType = {
     .tp_methods = Body_methods,
 };
 
-/* ---- Send and Then ------------------------------------------------------- */
+/* ---- ASGI, Send and Then --------------------------------------------------- */
 
 typedef struct {
     PyObject_HEAD
@@ -1252,8 +1242,9 @@ HELD_LAYOUT(SendObject, send, owner, key);
 
 typedef struct {
     PyObject_HEAD
-    PyObject   *inner;          /* the iterator of the server's send's awaitable */
-    SendObject *send;           /* ended once that has returned */
+    PyObject   *inner;          /* the iterator of the awaitable it stands for */
+    SendObject *send;           /* whose timer ends once that has returned */
+    int         whole;          /* the application's call: its timer ends however it ends */
 } ThenObject;
 
 static PyTypeObject SendType, ThenType;
@@ -1270,6 +1261,18 @@ static int Send_end(SendObject *self)
     r = end_request(self->owner, key);
     Py_DECREF(key);
     return r;
+}
+
+/* Send_end() while an exception is being raised, as end_raising(). */
+static void Send_end_raising(SendObject *self)
+{
+    PyObject *t, *v, *tb;
+
+    PyErr_Fetch(&t, &v, &tb);
+    if (Send_end(self) < 0)
+        chain(t, v, tb);
+    else
+        PyErr_Restore(t, v, tb);
 }
 
 /* Whether ``message`` is the last of a response (or closes a websocket):
@@ -1302,6 +1305,40 @@ static int completes(PyObject *message)
     return r;
 }
 
+/* The iterator that ``await`` takes from ``awaitable`` (whose reference
+ * it takes); NULL with an exception. */
+static PyObject *await_iter(PyObject *awaitable, const char *what)
+{
+    PyObject *inner;
+
+    if (PyCoro_CheckExact(awaitable) || PyGen_CheckExact(awaitable))
+        return awaitable;
+    if (Py_TYPE(awaitable)->tp_as_async && Py_TYPE(awaitable)->tp_as_async->am_await) {
+        inner = Py_TYPE(awaitable)->tp_as_async->am_await(awaitable);
+        Py_DECREF(awaitable);
+        return inner;
+    }
+    PyErr_Format(PyExc_TypeError, "%s gave back %.100s, which cannot be awaited", what, Py_TYPE(awaitable)->tp_name);
+    Py_DECREF(awaitable);
+    return NULL;
+}
+
+/* A Then of ``inner`` (whose reference it takes) that ends ``send``'s timer. */
+static PyObject *Then_make(PyObject *inner, SendObject *send, int whole)
+{
+    ThenObject *then = PyObject_GC_New(ThenObject, &ThenType);
+
+    if (!then) {
+        Py_DECREF(inner);
+        return NULL;
+    }
+    then->inner = inner;
+    then->send = (SendObject *)Py_NewRef(send);
+    then->whole = whole;
+    PyObject_GC_Track(then);
+    return (PyObject *)then;
+}
+
 static PyObject *Send_vectorcall(SendObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key)
@@ -1313,22 +1350,11 @@ static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key)
     return (PyObject *)self;
 }
 
-static PyObject *Send_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
-{
-    PyObject *send, *owner, *key;
-    static char *names[] = {"send", "timer", "handle", NULL};
-
-    if (held_args(args, kwds, "OOO:Send", names, &send, &owner, &key) < 0)
-        return NULL;
-    return Send_make(send, owner, key);
-}
-
 /* send(message): the server's send's awaitable; for the message that
  * completes the response, in a Then. */
 static PyObject *Send_vectorcall(SendObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     PyObject *awaitable, *inner;
-    ThenObject *then;
     int last;
 
     if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
@@ -1345,55 +1371,22 @@ static PyObject *Send_vectorcall(SendObject *self, PyObject *const *args, size_t
         return NULL;
     if (!(awaitable = PyObject_CallOneArg(self->send, args[0])) || !last)
         return awaitable;
-    /* The awaitable's iterator, as ``await`` takes it. */
-    if (PyCoro_CheckExact(awaitable) || PyGen_CheckExact(awaitable)) {
-        inner = awaitable;
-    } else if (Py_TYPE(awaitable)->tp_as_async && Py_TYPE(awaitable)->tp_as_async->am_await) {
-        inner = Py_TYPE(awaitable)->tp_as_async->am_await(awaitable);
-        Py_DECREF(awaitable);
-        if (!inner)
-            return NULL;
-    } else {
-        PyErr_Format(PyExc_TypeError, "send() gave back %.100s, which cannot be awaited",
-                     Py_TYPE(awaitable)->tp_name);
-        Py_DECREF(awaitable);
+    if (!(inner = await_iter(awaitable, "send()")))
         return NULL;
-    }
-    if (!(then = PyObject_GC_New(ThenObject, &ThenType))) {
-        Py_DECREF(inner);
-        return NULL;
-    }
-    then->inner = inner;
-    then->send = (SendObject *)Py_NewRef(self);
-    PyObject_GC_Track(then);
-    return (PyObject *)then;
+    return Then_make(inner, self, 0);
 }
-
-static PyObject *Send_finish(SendObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (Send_end(self) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef Send_methods[] = {
-    {"finish", (PyCFunction)Send_finish, METH_NOARGS, "End the request's timer, if it has not ended yet."},
-    {NULL, NULL, 0, NULL},
-};
 
 static PyTypeObject SendType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "shmwheel._fast.Send",
     .tp_basicsize = sizeof(SendObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "Send(send, timer, handle): an ASGI request's send, which ends its timer once its response is sent.",
-    .tp_new = Send_new,
+    .tp_doc = "An ASGI request's send, which ends its timer once its response is sent.",
     .tp_traverse = (traverseproc)Held_traverse,
     .tp_clear = (inquiry)Held_clear,
     .tp_dealloc = (destructor)Held_dealloc,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(SendObject, vectorcall),
-    .tp_methods = Send_methods,
 };
 
 static int Then_traverse(ThenObject *self, visitproc visit, void *arg)
@@ -1427,6 +1420,13 @@ static PySendResult Then_returned(ThenObject *self, PyObject **result)
     return PYGEN_RETURN;
 }
 
+/* The inner awaitable has raised: the application's call ends its timer. */
+static void Then_raised(ThenObject *self)
+{
+    if (self->whole)
+        Send_end_raising(self->send);
+}
+
 static PySendResult Then_am_send(ThenObject *self, PyObject *arg, PyObject **result)
 {
     PySendResult r;
@@ -1437,7 +1437,11 @@ static PySendResult Then_am_send(ThenObject *self, PyObject *arg, PyObject **res
         return PYGEN_ERROR;
     }
     r = PyIter_Send(self->inner, arg, result);
-    return r == PYGEN_RETURN ? Then_returned(self, result) : r;
+    if (r == PYGEN_RETURN)
+        return Then_returned(self, result);
+    if (r == PYGEN_ERROR)
+        Then_raised(self);
+    return r;
 }
 
 /* What a generator's send() does with a return: StopIteration(value). */
@@ -1486,8 +1490,8 @@ static PyObject *Then_send(ThenObject *self, PyObject *arg)
     return r == PYGEN_RETURN ? stop_with(result) : NULL;
 }
 
-/* throw(...): into the server's send (a cancellation, say); its return
- * there ends the timer as a return from send() does. */
+/* throw(...): into the inner awaitable (a cancellation, say); a return or
+ * a raise there ends the timer as one from send() does. */
 static PyObject *Then_throw(ThenObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *meth, *result, *value;
@@ -1499,8 +1503,10 @@ static PyObject *Then_throw(ThenObject *self, PyObject *const *args, Py_ssize_t 
     if (!(meth = PyObject_GetAttrString(self->inner, "throw"))) {
         /* An iterator without throw(): the exception is raised at the
          * await, as a coroutine awaiting it would have it. */
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError) || nargs < 1)
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError) || nargs < 1) {
+            Then_raised(self);
             return NULL;
+        }
         PyErr_Clear();
         if (PyExceptionInstance_Check(args[0])) {
             PyErr_SetObject((PyObject *)Py_TYPE(args[0]), args[0]);
@@ -1512,12 +1518,17 @@ static PyObject *Then_throw(ThenObject *self, PyObject *const *args, Py_ssize_t 
         } else {
             PyErr_SetString(PyExc_TypeError, "exceptions must derive from BaseException");
         }
+        Then_raised(self);
         return NULL;
     }
     result = PyObject_Vectorcall(meth, args, (size_t)nargs, NULL);
     Py_DECREF(meth);
-    if (result || !PyErr_ExceptionMatches(PyExc_StopIteration))
+    if (result)
         return result;
+    if (!PyErr_ExceptionMatches(PyExc_StopIteration)) {
+        Then_raised(self);
+        return NULL;
+    }
     {
         PyObject *t, *v, *tb;
 
@@ -1535,20 +1546,33 @@ static PyObject *Then_throw(ThenObject *self, PyObject *const *args, Py_ssize_t 
     return stop_with(value);
 }
 
+/* close(): the inner awaitable closed (the task that awaits it is being
+ * dropped); the application's call ends its timer then too. */
 static PyObject *Then_close(ThenObject *self, PyObject *Py_UNUSED(ignored))
 {
-    PyObject *meth, *r;
+    PyObject *meth, *r = NULL;
 
     if (!self->inner)
         Py_RETURN_NONE;
     if (!(meth = PyObject_GetAttrString(self->inner, "close"))) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-            return NULL;
-        PyErr_Clear();
-        Py_RETURN_NONE;
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            r = Py_NewRef(Py_None);
+        }
+    } else {
+        r = PyObject_CallNoArgs(meth);
+        Py_DECREF(meth);
     }
-    r = PyObject_CallNoArgs(meth);
-    Py_DECREF(meth);
+    if (!self->whole)
+        return r;
+    if (!r) {
+        Send_end_raising(self->send);
+        return NULL;
+    }
+    if (Send_end(self->send) < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
     return r;
 }
 
@@ -1558,9 +1582,9 @@ static PyObject *Then_await(ThenObject *self)
 }
 
 static PyMethodDef Then_methods[] = {
-    {"send", (PyCFunction)Then_send, METH_O, "send(value): into the server's send."},
-    {"throw", (PyCFunction)(void (*)(void))Then_throw, METH_FASTCALL, "throw(...): into the server's send."},
-    {"close", (PyCFunction)Then_close, METH_NOARGS, "Close the server's send."},
+    {"send", (PyCFunction)Then_send, METH_O, "send(value): into the awaitable."},
+    {"throw", (PyCFunction)(void (*)(void))Then_throw, METH_FASTCALL, "throw(...): into the awaitable."},
+    {"close", (PyCFunction)Then_close, METH_NOARGS, "Close the awaitable."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1574,7 +1598,8 @@ static PyTypeObject ThenType = {
     .tp_name = "shmwheel._fast.Then",
     .tp_basicsize = sizeof(ThenObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "The server's send of a response's last message, awaited: the request's timer ends after it.",
+    .tp_doc = "An awaitable that ends a request's timer after another: the server's send of the response's "
+              "last message, or the application's whole call.",
     .tp_traverse = (traverseproc)Then_traverse,
     .tp_clear = (inquiry)Then_clear,
     .tp_dealloc = (destructor)Then_dealloc,
@@ -1582,6 +1607,106 @@ static PyTypeObject ThenType = {
     .tp_iter = PyObject_SelfIter,
     .tp_iternext = (iternextfunc)Then_iternext,
     .tp_methods = Then_methods,
+};
+
+/* A plain ASGI TimeoutMiddleware's call in C: ASGI(middleware)(scope,
+ * receive, send) starts an HTTP request's timer (asgi_start) and calls the
+ * application with the timed scope and a Send, and gives back its
+ * awaitable in a Then, which ends the timer when the application returns,
+ * raises or is closed, if the last message has not ended it before.  None,
+ * having started nothing, for what the middleware's own path takes: any
+ * other scope, one timed already, a process without its Timer yet. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *middleware;       /* the TimeoutMiddleware, whose app and _timer are read at each call */
+    PyObject *unheld[2];        /* the HeldObject's other two: NULL */
+    vectorcallfunc vectorcall;
+} ASGIObject;
+
+HELD_LAYOUT(ASGIObject, middleware, unheld[0], unheld[1]);
+
+static PyTypeObject ASGIType;
+
+static PyObject *ASGI_vectorcall(ASGIObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *scope, *kind, *timer, *fast, *key, *app, *call[3], *coro, *inner, *then = NULL;
+    PyObject *timed_scope = NULL, *timed_send = NULL;
+    int r;
+
+    if (PyVectorcall_NARGS(nargsf) != 3 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "asgi(scope, receive, send)");
+        return NULL;
+    }
+    if (!self->middleware) {
+        PyErr_SetString(PyExc_ValueError, "the application has been cleared");
+        return NULL;
+    }
+    scope = args[0];
+    if (!PyDict_CheckExact(scope))
+        Py_RETURN_NONE;
+    if (!(kind = PyDict_GetItemWithError(scope, str_type)))
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    if (kind != str_http && (!PyUnicode_CheckExact(kind) || PyUnicode_Compare(kind, str_http) != 0))
+        Py_RETURN_NONE;         /* lifespan, a websocket, ...: two str compare without an error */
+    if ((r = PyDict_Contains(scope, str_environ_key)) != 0)
+        return r < 0 ? NULL : Py_NewRef(Py_None);
+    if (!(timer = PyObject_GetAttr(self->middleware, str_timer)))
+        return NULL;
+    fast = timer == Py_None ? NULL : PyObject_GetAttr(timer, str_fast);
+    Py_DECREF(timer);
+    if (!fast)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    if (!Py_IS_TYPE(fast, &TimerType)) {
+        Py_DECREF(fast);
+        Py_RETURN_NONE;
+    }
+    key = asgi_start((TimerObject *)fast, scope, args[2], &timed_scope, &timed_send);
+    Py_DECREF(fast);
+    if (!key || key == Py_None)
+        return key;
+    Py_DECREF(key);             /* the Send holds it */
+    if ((app = PyObject_GetAttr(self->middleware, str_app))) {
+        call[0] = timed_scope;
+        call[1] = args[1];
+        call[2] = timed_send;
+        coro = PyObject_Vectorcall(app, call, 3, NULL);
+        Py_DECREF(app);
+        if (coro && (inner = await_iter(coro, "the application")))
+            then = Then_make(inner, (SendObject *)timed_send, 1);
+    }
+    if (!then)
+        Send_end_raising((SendObject *)timed_send);
+    Py_DECREF(timed_scope);
+    Py_DECREF(timed_send);
+    return then;
+}
+
+static PyObject *ASGI_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
+{
+    PyObject *middleware;
+    ASGIObject *self;
+    static char *names[] = {"middleware", NULL};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:ASGI", names, &middleware))
+        return NULL;
+    if ((self = (ASGIObject *)Held_make(&ASGIType, middleware, NULL, NULL)))
+        self->vectorcall = (vectorcallfunc)ASGI_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyTypeObject ASGIType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmwheel._fast.ASGI",
+    .tp_basicsize = sizeof(ASGIObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "ASGI(middleware): a plain TimeoutMiddleware's HTTP request started in C: (scope, receive, send) "
+              "gives an awaitable of the application's call, or None for the middleware's own path.",
+    .tp_new = ASGI_new,
+    .tp_traverse = (traverseproc)Held_traverse,
+    .tp_clear = (inquiry)Held_clear,
+    .tp_dealloc = (destructor)Held_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(ASGIObject, vectorcall),
 };
 
 /* ---- the module ----------------------------------------------------------- */
@@ -1597,7 +1722,8 @@ static int fast_exec(PyObject *m)
         {&str_headers, "headers"}, {&str_type, "type"}, {&str_start_type, "http.response.start"},
         {&str_running_loop, "__asyncio_running_event_loop__"}, {&str_more_body, "more_body"},
         {&str_body_type, "http.response.body"}, {&str_zerocopy_type, "http.response.zerocopysend"},
-        {&str_pathsend_type, "http.response.pathsend"}, {&str_ws_close, "websocket.close"},
+        {&str_pathsend_type, "http.response.pathsend"}, {&str_ws_close, "websocket.close"}, {&str_http, "http"},
+        {&str_timer, "_timer"}, {&str_app, "app"},
     };
     size_t k;
 
@@ -1614,13 +1740,15 @@ static int fast_exec(PyObject *m)
         once = 1;
     }
     if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0
-        || PyType_Ready(&SendType) < 0 || PyType_Ready(&ThenType) < 0 || PyType_Ready(&WSGIType) < 0)
+        || PyType_Ready(&SendType) < 0 || PyType_Ready(&ThenType) < 0 || PyType_Ready(&WSGIType) < 0
+        || PyType_Ready(&ASGIType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0
         || PyModule_AddObjectRef(m, "Timer", (PyObject *)&TimerType) < 0
         || PyModule_AddObjectRef(m, "Body", (PyObject *)&BodyType) < 0
         || PyModule_AddObjectRef(m, "Send", (PyObject *)&SendType) < 0
         || PyModule_AddObjectRef(m, "WSGI", (PyObject *)&WSGIType) < 0
+        || PyModule_AddObjectRef(m, "ASGI", (PyObject *)&ASGIType) < 0
         || PyModule_AddIntConstant(m, "HEAD_SIZE", HEAD_SIZE) < 0)
         return -1;
     return 0;

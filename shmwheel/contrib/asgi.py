@@ -149,10 +149,12 @@ class TimeoutMiddleware:
         asks = tracebacks or interrupt or warn_after is not None or on_timeout is not None
         self.traceback_signal = check_traceback_signal(traceback_signal) if asks else None
         self.capacity = check_int(capacity, "capacity", *CAPACITIES)
-        # Whether an HTTP request may take the way in C (__call__), or needs
-        # the one that can end it, read X-Request-Start or find its route
-        # (_call); the first needs the C build.
-        self._plain = _fast_ext is not None and not (interrupt or self.x_request_start or routes is not None)
+        # An HTTP request that needs no Python of its own (no interrupt,
+        # X-Request-Start or route) takes the way in C: shmwheel._fast.ASGI.
+        plain = _fast_ext is not None and not (interrupt or self.x_request_start or routes is not None)
+        self._in_c: Callable[[Scope, Receive, Send], Awaitable[None] | None] | None = (
+            _fast_ext.ASGI(self) if plain and _fast_ext is not None else None
+        )
         self._lock = threading.Lock()
         self._timer: RequestTimer | None = None
         self._timer_pid = 0
@@ -201,23 +203,16 @@ class TimeoutMiddleware:
         return self._timer_on(name, auto)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._plain and scope["type"] == "http" and TIMED not in scope:
-            # An HTTP request that needs no Python of its own: started in C
-            # (shmwheel._fast), its sends the server's but the last, whose
-            # return ends the timer, as does the application's.  A timer
-            # inherited over a fork has a C Timer that gives back None, and
-            # _call finds this process's own.
-            timer = self._timer
-            if timer is not None and (fast := timer._fast) is not None:
-                started = fast.asgi(scope, send)
-                if started is not None:
-                    timed_scope, timed = started
-                    try:
-                        await self.app(timed_scope, receive, timed)
-                    finally:
-                        timed.finish()
-                    return
-        await self._call(scope, receive, send)
+        # The C way starts the timer, calls the application with the timed
+        # scope and a send that ends the timer after the last message, and
+        # gives back its call, which ends the timer however it ends.  It
+        # gives back None for the rest: another scope, one timed already, a
+        # process whose RequestTimer is not made yet or was made before a
+        # fork (its C Timer serves the process that made it).
+        if (in_c := self._in_c) is not None and (call := in_c(scope, receive, send)) is not None:
+            await call
+        else:
+            await self._call(scope, receive, send)
 
     async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Any scope: one to pass through, a websocket, an HTTP request to
