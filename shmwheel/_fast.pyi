@@ -6,7 +6,7 @@ from typing import Any
 HEAD_SIZE: int
 
 class Core:
-    def __init__(self, w: int, add: int, try_cancel: int, keep: object) -> None: ...
+    def __init__(self, w: int, add_at: int, try_cancel: int, keep: object) -> None: ...
     def close(self) -> None: ...
     @property
     def closed(self) -> bool: ...
@@ -16,7 +16,6 @@ class Timer:
         self,
         core: Core,
         head: bytes,
-        delay: float,
         due_ns: int,
         timeout_ns: int,
         size: int,

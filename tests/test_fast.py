@@ -230,7 +230,7 @@ def test_the_core_outlives_its_wheel_object_safely(make_wheel) -> None:
     active: dict[int, Active] = {}
     head = HEAD.pack(KIND_REQUEST, 0, 0, 0, os.getpid(), 0, 0, 0, 0, 0, 0, MAGIC, 30_000)
     var: contextvars.ContextVar[object] = contextvars.ContextVar("request")
-    timer = Timer(core, head, 30.0, 30 * 10**9, 30 * 10**9, wheel.payload_size, MAX_METHOD, MAX_REQUEST_ID,
+    timer = Timer(core, head, 30 * 10**9, 30 * 10**9, wheel.payload_size, MAX_METHOD, MAX_REQUEST_ID,
                   TASK, GREENLET, active, set(), var, None, Active, None, False, 0, WARN, 10**9)  # fmt: skip
     timer.look_at = 2**62  # no RequestTimer here to have the first request's look
     h = timer.start(time.monotonic_ns(), "GET", "/x", None, None)

@@ -204,21 +204,29 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
     return SHMW_OK;
 }
 
-/* The deadline `seconds` names: a delay from now_ns, or (absolute) a time
- * on CLOCK_MONOTONIC; either way at most SHMW_MAX_DELAY_NS ahead.  No lock. */
-static int deadline_of(double seconds, int absolute, int64_t now_ns, int64_t *deadline_ns)
+/* The deadline `seconds` names: a delay from now, or (absolute) a time on
+ * CLOCK_MONOTONIC; either way at most SHMW_MAX_DELAY_NS ahead.  *now_ns is
+ * the clock's reading, made here on first need (-1: not read yet) and
+ * kept for the caller's next deadline.  An absolute time below
+ * SHMW_MAX_DELAY_NS is never too far ahead, so a caller that has read the
+ * clock itself (shmwheel._fast) does not pay for a second read.  No lock. */
+static int deadline_of(double seconds, int absolute, int64_t *now_ns, int64_t *deadline_ns)
 {
     int64_t ns;
     int rc = shmw_seconds_to_ns(seconds, &ns);
 
     if (rc)
         return rc;
-    if (!absolute) {
-        if (ns > SHMW_MAX_DELAY_NS)
+    if (!absolute || ns > SHMW_MAX_DELAY_NS) {
+        if (*now_ns < 0)
+            *now_ns = shmw_now_ns();
+        if (!absolute) {
+            if (ns > SHMW_MAX_DELAY_NS)
+                return SHMW_ERANGE;
+            ns += *now_ns;
+        } else if (ns > *now_ns && ns - *now_ns > SHMW_MAX_DELAY_NS) {
             return SHMW_ERANGE;
-        ns += now_ns;
-    } else if (ns > now_ns && ns - now_ns > SHMW_MAX_DELAY_NS) {
-        return SHMW_ERANGE;
+        }
     }
     *deadline_ns = ns;
     return SHMW_OK;
@@ -232,10 +240,10 @@ static void wake_clock(shmw_t *w)
 static int64_t add_checked(shmw_t *w, double seconds, int absolute, const char *payload, uint32_t len,
                            uint32_t flags)
 {
-    int64_t handle = 0, deadline_ns;
+    int64_t handle = 0, deadline_ns, now_ns = -1;
     int rc, wake = 0;
 
-    if ((rc = deadline_of(seconds, absolute, shmw_now_ns(), &deadline_ns)))
+    if ((rc = deadline_of(seconds, absolute, &now_ns, &deadline_ns)))
         return rc;
     if (!w)
         return SHMW_ECLOSED;
@@ -274,7 +282,7 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
     /* All or nothing: every argument is checked and the free count is
      * checked before the first insert.  The deadlines are computed into
      * the caller's handle array, then overwritten by the handles. */
-    int64_t now_ns = shmw_now_ns();
+    int64_t now_ns = -1;
     uint64_t off = 0;
     uint32_t k;
     int rc, wake = 0;
@@ -282,7 +290,7 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
     if (!w)
         return SHMW_ECLOSED;
     for (k = 0; k < n; k++) {
-        if ((rc = deadline_of(delays[k], 0, now_ns, &handles[k])))
+        if ((rc = deadline_of(delays[k], 0, &now_ns, &handles[k])))
             return rc;
         if (lens && lens[k] > w->payload_size)
             return SHMW_EPAYLOAD;
@@ -364,12 +372,12 @@ int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
 static int reset_checked(shmw_t *w, int64_t handle, double seconds, int absolute)
 {
     struct shmw_entry *e;
-    int64_t deadline_ns;
+    int64_t deadline_ns, now_ns = -1;
     uint64_t expires;
     uint32_t i, b;
     int rc, wake = 0;
 
-    if ((rc = deadline_of(seconds, absolute, shmw_now_ns(), &deadline_ns)))
+    if ((rc = deadline_of(seconds, absolute, &now_ns, &deadline_ns)))
         return rc;
     if (handle < 0)
         return SHMW_EHANDLE;

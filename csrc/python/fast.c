@@ -7,7 +7,7 @@
  * GIL goes to another thread, and getting it back is a context switch or
  * two.  This module makes the request's add and cancel as plain C calls
  * that keep the GIL, into the SAME core the cffi module holds: it links
- * none of csrc/core; the cffi module hands over the addresses of shmw_add
+ * none of csrc/core; the cffi module hands over the addresses of shmw_add_at
  * and shmw_try_cancel and the Wheel's shmw_t * (shmwheel/_wheel.py,
  * Wheel.fast_core).  Keeping the GIL while waiting for the lock would stall
  * every thread of the process, so the path only ever tries the lock
@@ -61,7 +61,7 @@
 
 #include "shmwheel.h"
 
-typedef int64_t (*add_fn)(shmw_t *w, double delay_s, const char *payload, uint32_t len, uint32_t flags);
+typedef int64_t (*add_at_fn)(shmw_t *w, double deadline_s, const char *payload, uint32_t len, uint32_t flags);
 typedef int (*try_cancel_fn)(shmw_t *w, int64_t handle);
 
 /* The request record's head (_record.py's HEAD, "<BBBBIQqQQBBHI"): the
@@ -103,7 +103,7 @@ static inline int64_t monotonic_ns(void)
 typedef struct {
     PyObject_HEAD
     shmw_t        *w;           /* NULL once closed: every call gives up */
-    add_fn         add;
+    add_at_fn      add_at;      /* shmw_add_at: the deadline from the clock read here, not read again */
     try_cancel_fn  try_cancel;
     PyObject      *keep;        /* the cffi objects that own *w and its mapping */
 } CoreObject;
@@ -119,12 +119,12 @@ static void *address(PyObject *o, const char *what)
 
 static int Core_init(CoreObject *self, PyObject *args, PyObject *kwds)
 {
-    PyObject *w, *add, *try_cancel, *keep, *old;
-    static char *names[] = {"w", "add", "try_cancel", "keep", NULL};
+    PyObject *w, *add_at, *try_cancel, *keep, *old;
+    static char *names[] = {"w", "add_at", "try_cancel", "keep", NULL};
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO:Core", names, &w, &add, &try_cancel, &keep))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO:Core", names, &w, &add_at, &try_cancel, &keep))
         return -1;
-    if (!(self->w = address(w, "w")) || !(self->add = (add_fn)address(add, "add"))
+    if (!(self->w = address(w, "w")) || !(self->add_at = (add_at_fn)address(add_at, "add_at"))
         || !(self->try_cancel = (try_cancel_fn)address(try_cancel, "try_cancel"))) {
         self->w = NULL;
         return -1;
@@ -168,7 +168,7 @@ static PyTypeObject CoreType = {
     .tp_name = "shmwheel._fast.Core",
     .tp_basicsize = sizeof(CoreObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Core(w, add, try_cancel, keep): an open segment, by the addresses the cffi module gives.",
+    .tp_doc = "Core(w, add_at, try_cancel, keep): an open segment, by the addresses the cffi module gives.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Core_init,
     .tp_dealloc = (destructor)Core_dealloc,
@@ -182,7 +182,6 @@ typedef struct {
     PyObject_HEAD
     CoreObject *core;
     PyObject   *head;           /* bytes: the record's head with this timer's constants */
-    double      delay_s;        /* to the first stage, for the default timeout */
     int64_t     due_ns;         /* the first stage, after the start, for the default timeout */
     int64_t     timeout_ns;     /* the default timeout */
     int64_t     warn_ns;        /* warn_after, or 0 */
@@ -263,19 +262,18 @@ static void Timer_dealloc(TimerObject *self)
 
 static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *names[] = {"core", "head", "delay", "due_ns", "timeout_ns", "size", "max_method",
+    static char *names[] = {"core", "head", "due_ns", "timeout_ns", "size", "max_method",
                             "max_request_id", "task_flag", "greenlet_flag", "active", "interrupted", "var", "owner",
                             "active_type", "getcurrent", "interrupt", "warn_ns", "warn_flag", "look_ns",
                             "current_tasks", "current_task", NULL};
     PyObject *core, *head, *active, *interrupted, *var, *owner, *active_type, *getcurrent, *interrupt;
     PyObject *current_tasks = Py_None, *current_task = Py_None;
-    double delay;
     long long due, timeout, warn, look;
     Py_ssize_t size, max_method, max_request_id;
     unsigned char task_flag, greenlet_flag, warn_flag;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SdLLnnnbbO!O!OOO!OOLbL|OO:Timer", names,
-                                     &CoreType, &core, &head, &delay, &due, &timeout, &size, &max_method,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SLLnnnbbO!O!OOO!OOLbL|OO:Timer", names,
+                                     &CoreType, &core, &head, &due, &timeout, &size, &max_method,
                                      &max_request_id, &task_flag, &greenlet_flag, &PyDict_Type, &active,
                                      &PySet_Type, &interrupted, &var, &owner, &PyType_Type, &active_type,
                                      &getcurrent, &interrupt, &warn, &warn_flag, &look, &current_tasks,
@@ -295,15 +293,14 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     if (size < HEAD_SIZE || size > (Py_ssize_t)SHMW_MAX_PAYLOAD || max_method < 0 || max_method > 255
-        || max_request_id < 0 || max_request_id > 255 || !(delay >= 0.0) || timeout <= 0 || due <= 0
+        || max_request_id < 0 || max_request_id > 255 || timeout <= 0 || due <= 0
         || warn < 0 || look <= 0) {
-        PyErr_SetString(PyExc_ValueError, "a Timer's sizes, times or delay are out of range");
+        PyErr_SetString(PyExc_ValueError, "a Timer's sizes or times are out of range");
         return -1;
     }
     Timer_clear(self);
     self->core = (CoreObject *)Py_NewRef(core);
     self->head = Py_NewRef(head);
-    self->delay_s = delay;
     self->due_ns = due;
     self->timeout_ns = timeout;
     self->warn_ns = warn;
@@ -435,7 +432,6 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     Py_ssize_t mlen, rlen, n;
     uint64_t thread, timeout_ms = 0;
     int64_t handle, due;
-    double delay;
     char *buf;
     uint8_t flags;
     shmw_t *w = self->core->w;
@@ -451,7 +447,6 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
 
     flags = (uint8_t)PyBytes_AS_STRING(self->head)[OFF_FLAGS];
     if (timeout == self->timeout_ns && started == now) {
-        delay = self->delay_s;
         due = now + self->due_ns;
     } else {
         /* A timeout of its own (a route), or a start before now (the
@@ -464,7 +459,6 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
         if (timeout_ms > UINT32_MAX)
             Py_RETURN_NONE;
         due = started + (warn ? self->warn_ns : timeout);
-        delay = due > now ? (double)(due - now) / 1e9 : 0.0;
         flags = (uint8_t)((flags & ~self->warn_flag) | (warn ? self->warn_flag : 0));
     }
     if (task != Py_None) {
@@ -509,7 +503,8 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
         memcpy(buf + HEAD_SIZE + mlen + rlen + l1, p2, (size_t)l2);
 
     /* The one call under the segment's lock: a try, which the GIL allows. */
-    handle = self->core->add(w, delay, buf, (uint32_t)n, SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK);
+    handle = self->core->add_at(w, (double)(due > now ? due : now) / 1e9, buf, (uint32_t)n,
+                                SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK);
     if (handle < 0) {
         Py_DECREF(payload);
         Py_XDECREF(current);

@@ -244,7 +244,7 @@ class RequestTimer:
         from .._fast import Timer  # there: the wheel made a Core of it
 
         return Timer(
-            core, head, self._delay, self._warn_ns if warn else self._timeout_ns, self._timeout_ns, self._size,
+            core, head, self._warn_ns if warn else self._timeout_ns, self._timeout_ns, self._size,
             MAX_METHOD, MAX_REQUEST_ID, TASK, GREENLET, self._active, self._interrupted, _current, self, Active,
             self._getcurrent, self.interrupt, self._warn_ns, WARN, LOOK_INTERVAL_NS,
             getattr(asyncio.tasks, "_current_tasks", None), asyncio.current_task,
