@@ -8,6 +8,8 @@ that runs the plain one imports nothing of shmwheel's (uWSGI looks in the
 module's dictionary: its timed application is ``_servers_uwsgi:application``):
 
 - ``application``: WSGI, for Gunicorn and uWSGI;
+- ``setitimer_application``: the same between a ``setitimer`` pair, for
+  uWSGI, which has no hooks to put the pair in;
 - ``asgi_app``: ASGI, for Uvicorn, with the lifespan protocol;
 - ``asgi_timed``: the same in ``shmwheel.contrib.asgi.TimeoutMiddleware``;
 - ``asgi_asyncio_timeout``: the same in ``asyncio.timeout``, asyncio's
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import asyncio.base_events
 import os
+import signal
 import socket
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -47,6 +50,18 @@ def application(environ: dict[str, Any], start_response: Callable[..., Any]) -> 
         [("Content-Type", "text/plain"), ("Content-Length", str(len(BODY))), ("X-Pid", str(os.getpid()))],
     )
     return [BODY]
+
+
+def setitimer_application(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    """``application`` between ``setitimer(ITIMER_REAL, TIMEOUT)`` and
+    ``setitimer(ITIMER_REAL, 0)``: the cheapest in-process timer, and one a
+    process, so only a cost figure under threads (a thread's call replaces
+    another's timer)."""
+    signal.setitimer(signal.ITIMER_REAL, TIMEOUT)
+    try:
+        return application(environ, start_response)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 async def asgi_app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:

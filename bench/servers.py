@@ -20,7 +20,8 @@ and on and beside the timers those servers offer today:
   ``install()`` asks of sync workers.
 - uWSGI (pyuwsgi), 2 processes x 4 threads: off; shmwheel (the driver
   mule, ``shmwheel-timeout = 30`` and ``request_timeouts(application)``);
-  ``harakiri = 30``.
+  ``harakiri = 30``; a ``setitimer`` pair around the application (uWSGI
+  has no hooks for it), a cost figure as under gthread.
 - Uvicorn ``--workers 2`` (no uvloop or httptools unless installed): off;
   shmwheel (``TimeoutMiddleware(app, timeout=30)``); ``asyncio.timeout(30)``
   around the application (Python 3.11+).
@@ -50,7 +51,10 @@ run), per request and as a share of one CPU, CPU time stolen by the hypervisor, 
 requests fell on the workers.  wrk's connections stay open (except under
 sync workers, which close each one), so whichever worker accepted a
 connection serves all of its requests: the kernel may give one worker
-every connection, and the other idles.  The table says when it did.
+every connection, and the other idles.  The table says when it did.  With
+``--close`` every request comes on a connection of its own (wrk sends
+``Connection: close``), as nginx proxies to its upstreams unless told
+otherwise: the workers take turns at accepting, and both stay busy.
 
 Summary per variant: medians over the rounds, and each variant's ratios to
 its server's "off" in the same round, requests/s and CPU per request
@@ -72,8 +76,8 @@ extra (``pip install -e '.[test]'``).
 
 Usage::
 
-    python bench/servers.py [--quick] [--rounds N] [--duration S] [--connections N]
-                            [--only REGEX] [--json FILE]
+    python bench/servers.py [--quick] [--rounds N] [--duration S] [--connections N] [--close]
+                            [--threads N] [--only REGEX] [--json FILE]
 """
 
 from __future__ import annotations
@@ -161,6 +165,7 @@ VARIANTS = [
     Variant("uwsgi", "off", "off"),
     Variant("uwsgi", "shmwheel", "shmwheel mule + request_timeouts"),
     Variant("uwsgi", "harakiri", f"harakiri = {TIMEOUT:g}"),
+    Variant("uwsgi", "setitimer", "setitimer pair around the application"),
     Variant("uvicorn", "off", "off"),
     Variant("uvicorn", "shmwheel", "shmwheel TimeoutMiddleware"),
     *([Variant("uvicorn", "asyncio", "asyncio.timeout middleware")] if hasattr(asyncio, "timeout") else []),
@@ -262,7 +267,10 @@ def uwsgi_ini(variant: Variant, port: int) -> str:
         f"threads = {THREADS}",
         f"http11-socket = 127.0.0.1:{port}",  # keep-alive, as the other servers (http-socket closes each connection)
         f"chdir = {HERE}",
-        f"module = {'_servers_uwsgi' if variant.shmwheel else '_servers_app'}:application",
+        "module = "
+        + {"shmwheel": "_servers_uwsgi:application", "setitimer": "_servers_app:setitimer_application"}.get(
+            variant.timer, "_servers_app:application"
+        ),
         "die-on-term = true",
         "need-app = true",
         "disable-logging = true",
@@ -722,6 +730,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--connections", type=int, default=CONNECTIONS, help=f"wrk's connections (default {CONNECTIONS})"
     )
     parser.add_argument(
+        "--close", action="store_true", help="a connection a request (wrk sends Connection: close), as nginx proxies"
+    )
+    parser.add_argument(
         "--only", metavar="REGEX", help="the variants whose server/timer matches, e.g. 'uwsgi|sync/off'"
     )
     parser.add_argument(
@@ -768,7 +779,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="shmwheel-bench-servers-"))
     try:
         script = tmp / "count.lua"
-        script.write_text(WRK_SCRIPT)
+        script.write_text(('wrk.headers["Connection"] = "close"\n' if args.close else "") + WRK_SCRIPT)
         step = max(1, len(variants) // rounds)
         for rnd in range(1, rounds + 1):
             shift = ((rnd - 1) * step) % len(variants)
@@ -807,7 +818,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"- CPU: {machine['cpu']}, {machine['cpus']} logical CPUs; {machine['os']}")
     print(f"- {machine['python']}, shmwheel {machine['shmwheel']}; {server_versions}; wrk {machine['wrk']}")
     print(
-        f"- wrk -t1 -c{args.connections} -d{duration:g}s --latency on loopback, {rounds} round(s), variants rotated; "
+        f"- wrk -t1 -c{args.connections} -d{duration:g}s --latency"
+        + (" with Connection: close" if args.close else "")
+        + f" on loopback, {rounds} round(s), variants rotated; "
         f'every timeout {TIMEOUT:g} s (none fires); medians over the rounds; ratios to the same server\'s "off" '
         "in the same round, median (min-max)"
     )
@@ -833,6 +846,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "duration_s": duration,
                 "warmup_s": warmup,
                 "connections": args.connections,
+                "connection_close": args.close,
                 "timeout_s": TIMEOUT,
                 "gunicorn_timeout_s": GUNICORN_TIMEOUT,
                 "workers": WORKERS,
