@@ -504,3 +504,47 @@ def test_the_c_way_ends_the_timer_however_the_applications_call_ends(make_wheel,
     with pytest.raises(raised) if raised else contextlib.nullcontext():  # type: ignore[attr-defined]
         asyncio.run(main())
     assert len(wheel) == 0 and wheel.stats().added == 1 and wheel.stats().cancelled == 1
+
+
+class _Message(dict):  # type: ignore[type-arg]
+    """A message that is not exactly a dict, as a framework may send."""
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"type": "http.response.body", "body": b"x"},
+        {"type": "http.response.body", "body": b"x", "more_body": True},
+        {"type": "http.response.body", "body": b"x", "more_body": False},
+        {"type": "http.response.zerocopysend", "file": None},
+        {"type": "http.response.zerocopysend", "file": None, "more_body": 1},
+        {"type": "http.response.pathsend", "path": "/x"},
+        {"type": "http.response.trailers", "headers": []},
+        {"type": b"http.response.body", "body": b"x"},
+        _Message(type="http.response.body", body=b"x"),
+        _Message(type="http.response.body", body=b"x", more_body=True),
+    ],
+    ids=lambda m: f"{type(m).__name__}-{m['type']!s}-{m.get('more_body', '')}",
+)
+@pytest.mark.parametrize("way", ["c", "own"])
+def test_the_timer_ends_at_the_message_that_completes_the_response(make_wheel, message: Message, way: str) -> None:
+    """The C way and the middleware's own agree with asgi._completes."""
+    from shmwheel.contrib.asgi import _completes
+
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    pending: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send(message)
+        pending.append(len(wheel))
+
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare()
+    if way == "own":
+        mw._in_c = None
+    else:
+        mw._call = None  # type: ignore[assignment,method-assign]  # the request must take the C way
+    run(mw, http("/x"))
+    assert pending == [0 if _completes(message) else 1]
+    assert len(wheel) == 0 and wheel.stats().cancelled == 1

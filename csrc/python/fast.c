@@ -205,6 +205,8 @@ typedef struct {
     PyObject   *current_task;   /* asyncio.current_task */
     PyObject   *loop;           /* the loop last found running, or NULL */
     PyObject   *holder;         /* asyncio's running-loop holder it was found under, or NULL */
+    PyObject   *thread;         /* the int of the thread that started the last request, or NULL */
+    uint64_t    thread_id;      /* its value */
 } TimerObject;
 
 static PyTypeObject TimerType;
@@ -213,7 +215,7 @@ static PyTypeObject TimerType;
 static PyObject *str_look, *str_fast, *str_finish, *str_finished, *str_close, *str_empty, *str_dash;
 static PyObject *str_request_method, *str_script_name, *str_path_info, *str_request_id, *str_environ_key;
 static PyObject *str_method, *str_path, *str_headers, *str_running_loop;
-static PyObject *str_type, *str_start_type, *str_more_body, *str_body_type, *str_zerocopy_type, *str_pathsend_type;
+static PyObject *str_type, *str_more_body, *str_body_type, *str_zerocopy_type, *str_pathsend_type;
 static PyObject *str_ws_close, *str_http, *str_timer, *str_app;
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);
 
@@ -250,6 +252,7 @@ static int Timer_clear(TimerObject *self)
     Py_CLEAR(self->current_task);
     Py_CLEAR(self->loop);
     Py_CLEAR(self->holder);
+    Py_CLEAR(self->thread);
     return 0;
 }
 
@@ -520,7 +523,12 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     PyTuple_SET_ITEM(active, 0, payload);       /* the tuple takes these references */
     payload = NULL;
     PyTuple_SET_ITEM(active, 1, PyLong_FromLongLong(due));
-    PyTuple_SET_ITEM(active, 2, PyLong_FromUnsignedLongLong(thread));
+    /* The thread's int, kept: a thread serves request after request. */
+    if (!self->thread || self->thread_id != thread) {
+        Py_XSETREF(self->thread, PyLong_FromUnsignedLongLong(thread));
+        self->thread_id = thread;
+    }
+    PyTuple_SET_ITEM(active, 2, Py_XNewRef(self->thread));
     PyTuple_SET_ITEM(active, 3, Py_NewRef(task));
     PyTuple_SET_ITEM(active, ACTIVE_HANDLE, Py_NewRef(key));
     PyTuple_SET_ITEM(active, 5, PyLong_FromLongLong(started + timeout));
@@ -1270,34 +1278,53 @@ static void Send_end_raising(SendObject *self)
         PyErr_Restore(t, v, tb);
 }
 
+/* Whether the str ``kind`` is ``name``, an interned ASCII literal: by
+ * identity (the server's literals are interned), else by length and bytes,
+ * which tells most types apart at the length. */
+static inline int kind_is(PyObject *kind, PyObject *name)
+{
+    Py_ssize_t n = PyUnicode_GET_LENGTH(name);
+
+    return kind == name || (PyUnicode_IS_ASCII(kind) && PyUnicode_GET_LENGTH(kind) == n
+                            && memcmp(PyUnicode_1BYTE_DATA(kind), PyUnicode_1BYTE_DATA(name), (size_t)n) == 0);
+}
+
 /* Whether ``message`` is the last of a response (or closes a websocket):
  * asgi._completes.  -1 with an exception. */
 static int completes(PyObject *message)
 {
     PyObject *kind, *more;
-    int r;
+    int r, body;
 
-    if (!(kind = PyObject_GetItem(message, str_type)))
-        return -1;
-    if (kind == str_body_type || (PyUnicode_Check(kind) && (PyUnicode_Compare(kind, str_body_type) == 0
-                                  || PyUnicode_Compare(kind, str_zerocopy_type) == 0))) {
-        Py_DECREF(kind);
-        if (PyDict_CheckExact(message)) {
-            if (!(more = PyDict_GetItemWithError(message, str_more_body)))
-                return PyErr_Occurred() ? -1 : 1;
-            return (r = PyObject_IsTrue(more)) < 0 ? -1 : !r;
-        }
-        if (!(more = PyObject_CallMethod(message, "get", "OO", str_more_body, Py_False)))
+    if (PyDict_CheckExact(message)) {
+        if (!(kind = PyDict_GetItemWithError(message, str_type))) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, str_type);
             return -1;
-        r = PyObject_IsTrue(more);
-        Py_DECREF(more);
-        return r < 0 ? -1 : !r;
+        }
+        Py_INCREF(kind);
+    } else if (!(kind = PyObject_GetItem(message, str_type))) {
+        return -1;
     }
-    /* The server's literals are interned: the start of a response is told at once. */
-    r = kind != str_start_type && PyUnicode_Check(kind) && (PyUnicode_Compare(kind, str_pathsend_type) == 0
-                                  || PyUnicode_Compare(kind, str_ws_close) == 0);
+    if (!PyUnicode_Check(kind) || PyUnicode_READY(kind) < 0) {
+        Py_DECREF(kind);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    body = kind_is(kind, str_body_type) || kind_is(kind, str_zerocopy_type);
+    r = !body && (kind_is(kind, str_pathsend_type) || kind_is(kind, str_ws_close));
     Py_DECREF(kind);
-    return r;
+    if (!body)
+        return r;
+    if (PyDict_CheckExact(message)) {
+        if (!(more = PyDict_GetItemWithError(message, str_more_body)))
+            return PyErr_Occurred() ? -1 : 1;
+        return (r = PyObject_IsTrue(more)) < 0 ? -1 : !r;
+    }
+    if (!(more = PyObject_CallMethod(message, "get", "OO", str_more_body, Py_False)))
+        return -1;
+    r = PyObject_IsTrue(more);
+    Py_DECREF(more);
+    return r < 0 ? -1 : !r;
 }
 
 /* The iterator that ``await`` takes from ``awaitable`` (whose reference
@@ -1714,7 +1741,7 @@ static int fast_exec(PyObject *m)
         {&str_close, "close"}, {&str_empty, ""}, {&str_dash, "-"}, {&str_request_method, "REQUEST_METHOD"},
         {&str_script_name, "SCRIPT_NAME"}, {&str_path_info, "PATH_INFO"}, {&str_request_id, "HTTP_X_REQUEST_ID"},
         {&str_environ_key, "shmwheel.timer"}, {&str_method, "method"}, {&str_path, "path"},
-        {&str_headers, "headers"}, {&str_type, "type"}, {&str_start_type, "http.response.start"},
+        {&str_headers, "headers"}, {&str_type, "type"},
         {&str_running_loop, "__asyncio_running_event_loop__"}, {&str_more_body, "more_body"},
         {&str_body_type, "http.response.body"}, {&str_zerocopy_type, "http.response.zerocopysend"},
         {&str_pathsend_type, "http.response.pathsend"}, {&str_ws_close, "websocket.close"}, {&str_http, "http"},
