@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -548,3 +549,103 @@ def test_the_timer_ends_at_the_message_that_completes_the_response(make_wheel, m
     run(mw, http("/x"))
     assert pending == [0 if _completes(message) else 1]
     assert len(wheel) == 0 and wheel.stats().cancelled == 1
+
+
+def test_a_stuck_requests_stack_goes_through_the_c_way_down_to_the_application(make_wheel) -> None:
+    """The C way's awaitable has no frame of its own: the stack a timeout
+    logs goes through it (its cr_await) to the application's frames."""
+    from shmwheel.contrib._stacks import _await_chain
+
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    waiting = asyncio.Event()
+
+    async def stuck_in_the_application(scope: Any, receive: Any, send: Any) -> None:
+        waiting.set()
+        await asyncio.sleep(3600)
+
+    mw = TimeoutMiddleware(stuck_in_the_application, 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare()
+    mw._call = None  # type: ignore[assignment,method-assign]  # the request must take the C way
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def main() -> list[str]:
+        task = asyncio.ensure_future(mw(http("/x"), receive, receive))
+        await waiting.wait()
+        chain = _await_chain(task.get_coro(), task)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return chain
+
+    chain = "\n".join(asyncio.run(main()))
+    assert "in stuck_in_the_application" in chain and "in sleep" in chain and "awaiting <Future" in chain
+    assert len(wheel) == 0
+
+
+def test_the_c_ways_call_dropped_unawaited_ends_its_timer(make_wheel) -> None:
+    """As a coroutine's finally runs when it is collected."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        pass
+
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare() and mw._in_c is not None
+
+    async def main() -> None:
+        call = mw._in_c(http("/x"), app, app)
+        assert call is not None and len(wheel) == 1 and len(mw.timer._active) == 1
+        with pytest.warns(RuntimeWarning, match="never awaited"):  # the application's coroutine, dropped with it
+            del call
+            gc.collect()
+
+    asyncio.run(main())
+    assert len(wheel) == 0 and not mw.timer._active and wheel.stats().cancelled == 1
+
+
+def test_the_c_ways_call_goes_on_timed_after_an_error_that_did_not_end_it(make_wheel) -> None:
+    """throw() with arguments the coroutine refuses raises before it runs:
+    the application has not ended, nor has its timer."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+
+    class Pause:
+        def __await__(self) -> Any:
+            yield None
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await Pause()
+
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare() and mw._in_c is not None
+
+    async def main() -> None:
+        call: Any = mw._in_c(http("/x"), app, app)
+        assert call.send(None) is None  # at the pause
+        with pytest.raises(TypeError):
+            call.throw()
+        assert len(wheel) == 1
+        with pytest.raises(StopIteration):
+            call.send(None)
+        assert len(wheel) == 0
+
+    asyncio.run(main())
+    assert wheel.stats().cancelled == 1
+
+
+@pytest.mark.parametrize("way", ["c", "own"])
+def test_an_application_that_is_a_plain_generator_is_refused_as_await_refuses_it(make_wheel, way: str) -> None:
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+
+    class Generating:
+        def __call__(self, scope: Any, receive: Any, send: Any) -> Any:
+            yield None
+
+    mw = TimeoutMiddleware(Generating(), 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare()
+    if way == "own":
+        mw._in_c = None
+    with pytest.raises(TypeError, match="generator"):
+        run(mw, http("/x"))
+    assert len(wheel) == 0 and wheel.stats().added == wheel.stats().cancelled == 1

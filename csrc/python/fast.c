@@ -885,13 +885,14 @@ static PyObject *asgi_start(TimerObject *self, PyObject *scope, PyObject *send, 
 
     if ((r = ready(self, now)) <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
+    /* First, as it may run Python (current_task() at a thread's first
+     * request): the scope's values read after it are borrowed. */
+    if (!(task = asyncio_task(self)) || task == Py_None)
+        return task;            /* not in an asyncio task (trio's, say): its own path finds what runs it */
     method = environ_ascii(scope, str_method, str_dash);
     path = method ? PyDict_GetItemWithError(scope, str_path) : NULL;
-    if (!path || !PyUnicode_CheckExact(path) || !PyUnicode_IS_ASCII(path) || !PyUnicode_GET_LENGTH(path)) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE;         /* none, "", or not ASCII: its own path says "/" or encodes it */
-    }
+    if (!path || !PyUnicode_CheckExact(path) || !PyUnicode_IS_ASCII(path) || !PyUnicode_GET_LENGTH(path))
+        goto own;               /* none, "", or not ASCII: its own path says "/" or encodes it */
     headers = PyDict_GetItemWithError(scope, str_headers);
     if (headers && PyList_CheckExact(headers)) {
         Py_ssize_t k, n = PyList_GET_SIZE(headers);
@@ -900,25 +901,21 @@ static PyObject *asgi_start(TimerObject *self, PyObject *scope, PyObject *send, 
             PyObject *h = PyList_GET_ITEM(headers, k), *name;
 
             if (!PyTuple_CheckExact(h) || PyTuple_GET_SIZE(h) != 2)
-                Py_RETURN_NONE;
+                goto own;
             name = PyTuple_GET_ITEM(h, 0);
             if (!PyBytes_CheckExact(name))
-                Py_RETURN_NONE;
+                goto own;
             if (PyBytes_GET_SIZE(name) == 12 && memcmp(PyBytes_AS_STRING(name), "x-request-id", 12) == 0) {
                 rid = PyTuple_GET_ITEM(h, 1);
                 break;
             }
         }
-    } else if (headers || PyErr_Occurred()) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE;
+    } else if (headers) {
+        goto own;
     }
     /* The id's bytes are its latin-1 text, as RequestTimer.start takes it. */
     if (rid != Py_None && !PyBytes_CheckExact(rid))
-        Py_RETURN_NONE;
-    if (!(task = asyncio_task(self)) || task == Py_None)
-        return task;            /* not in an asyncio task (trio's, say): its own path finds what runs it */
+        goto own;
     key = start_request(self, now, now, self->timeout_ns, method, (const char *)PyUnicode_1BYTE_DATA(path),
                         PyUnicode_GET_LENGTH(path), "", 0, rid, task);
     Py_DECREF(task);
@@ -934,6 +931,10 @@ static PyObject *asgi_start(TimerObject *self, PyObject *scope, PyObject *send, 
     }
     *timed_scope = copy;
     return key;
+
+own:
+    Py_DECREF(task);
+    return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
 
 failed:
     end_raising(self->owner, key);
@@ -1328,15 +1329,32 @@ static int completes(PyObject *message)
 }
 
 /* The iterator that ``await`` takes from ``awaitable`` (whose reference
- * it takes); NULL with an exception. */
+ * it takes), as ``await`` checks it: a coroutine, a generator made a
+ * coroutine (types.coroutine), or what __await__ gives back, an iterator
+ * but not a coroutine.  NULL with an exception. */
 static PyObject *await_iter(PyObject *awaitable, const char *what)
 {
-    PyObject *inner;
+    PyObject *inner, *code;
+    long flags;
 
-    if (PyCoro_CheckExact(awaitable) || PyGen_CheckExact(awaitable))
+    if (PyCoro_CheckExact(awaitable))
         return awaitable;
-    if (Py_TYPE(awaitable)->tp_as_async && Py_TYPE(awaitable)->tp_as_async->am_await) {
+    if (PyGen_CheckExact(awaitable)) {
+        if (!(code = PyObject_GetAttrString(awaitable, "gi_code"))) {
+            Py_DECREF(awaitable);
+            return NULL;
+        }
+        flags = PyCode_Check(code) ? (long)((PyCodeObject *)code)->co_flags : 0;
+        Py_DECREF(code);
+        if (flags & CO_ITERABLE_COROUTINE)
+            return awaitable;
+    } else if (Py_TYPE(awaitable)->tp_as_async && Py_TYPE(awaitable)->tp_as_async->am_await) {
         inner = Py_TYPE(awaitable)->tp_as_async->am_await(awaitable);
+        if (inner && (!PyIter_Check(inner) || PyCoro_CheckExact(inner))) {
+            PyErr_Format(PyExc_TypeError, "__await__() of what %s gave back returned %.100s, not an iterator",
+                         what, Py_TYPE(inner)->tp_name);
+            Py_CLEAR(inner);
+        }
         Py_DECREF(awaitable);
         return inner;
     }
@@ -1425,8 +1443,25 @@ static int Then_clear(ThenObject *self)
     return 0;
 }
 
+/* A Then of the application's call dropped before its end (a coroutine's
+ * ``finally`` runs when it is collected): its timer ends now, as the
+ * middleware's own way ends it. */
+static void Then_finalize(ThenObject *self)
+{
+    PyObject *t, *v, *tb;
+
+    if (!self->whole || !self->send || !self->send->key)
+        return;
+    PyErr_Fetch(&t, &v, &tb);
+    if (Send_end(self->send) < 0)
+        PyErr_WriteUnraisable((PyObject *)self);
+    PyErr_Restore(t, v, tb);
+}
+
 static void Then_dealloc(ThenObject *self)
 {
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)self) < 0)
+        return;                 /* brought back to life by its finalizer */
     PyObject_GC_UnTrack(self);
     Then_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -1442,10 +1477,31 @@ static PySendResult Then_returned(ThenObject *self, PyObject **result)
     return PYGEN_RETURN;
 }
 
-/* The inner awaitable has raised: the application's call ends its timer. */
+/* Whether the inner awaitable has ended, after an error from it: a
+ * coroutine or generator is not if the error came before it ran (already
+ * running, a value sent to one just started, bad arguments to throw());
+ * of any other kind, an error is taken for its end. */
+static int inner_ended(PyObject *inner)
+{
+    PyObject *t, *v, *tb, *frame;
+    int ended = 1;
+
+    if (!PyCoro_CheckExact(inner) && !PyGen_CheckExact(inner))
+        return 1;
+    PyErr_Fetch(&t, &v, &tb);
+    if ((frame = PyObject_GetAttrString(inner, PyCoro_CheckExact(inner) ? "cr_frame" : "gi_frame"))) {
+        ended = frame == Py_None;
+        Py_DECREF(frame);
+    }
+    PyErr_Restore(t, v, tb);
+    return ended;
+}
+
+/* The inner awaitable has raised: the application's call, if that ended
+ * it, ends its timer. */
 static void Then_raised(ThenObject *self)
 {
-    if (self->whole)
+    if (self->whole && inner_ended(self->inner))
         Send_end_raising(self->send);
 }
 
@@ -1603,6 +1659,18 @@ static PyObject *Then_await(ThenObject *self)
     return Py_NewRef(self);
 }
 
+/* What it awaits, as a coroutine's cr_await: a timed-out request's stack
+ * (_stacks._await_chain) goes down through it to the application's. */
+static PyObject *Then_get_cr_await(ThenObject *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->inner ? self->inner : Py_None);
+}
+
+static PyGetSetDef Then_getset[] = {
+    {"cr_await", (getter)Then_get_cr_await, NULL, "The awaitable it stands for.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMethodDef Then_methods[] = {
     {"send", (PyCFunction)Then_send, METH_O, "send(value): into the awaitable."},
     {"throw", (PyCFunction)(void (*)(void))Then_throw, METH_FASTCALL, "throw(...): into the awaitable."},
@@ -1629,6 +1697,8 @@ static PyTypeObject ThenType = {
     .tp_iter = PyObject_SelfIter,
     .tp_iternext = (iternextfunc)Then_iternext,
     .tp_methods = Then_methods,
+    .tp_getset = Then_getset,
+    .tp_finalize = (destructor)Then_finalize,
 };
 
 /* A plain ASGI TimeoutMiddleware's call in C: ASGI(middleware)(scope,

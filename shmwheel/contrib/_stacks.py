@@ -413,6 +413,11 @@ def _await_chain(coro: Any, task: Any = None) -> list[str]:
             break
         chain.append((frame, frame.f_lineno))
         inner = next((getattr(coro, a) for a in _AWAITS if getattr(coro, a, None) is not None), None)
+        # An awaitable without a frame that stands for another (the C
+        # middleware's Then, around the application's call): through it.
+        while inner is not None and _frame_of(inner) is None and id(inner) not in seen:
+            seen.add(id(inner))
+            inner = getattr(inner, "cr_await", None)
         if inner is not None and _frame_of(inner) is not None:  # a coroutine it awaits: down into it
             coro = inner
             continue
