@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -634,18 +636,139 @@ def test_the_c_ways_call_goes_on_timed_after_an_error_that_did_not_end_it(make_w
     assert wheel.stats().cancelled == 1
 
 
+@types.coroutine
+def _generated_coroutine() -> Any:
+    yield None
+
+
+class _AwaitsACoroutine:
+    def __await__(self) -> Any:
+        return _generated_coroutine()
+
+
 @pytest.mark.parametrize("way", ["c", "own"])
-def test_an_application_that_is_a_plain_generator_is_refused_as_await_refuses_it(make_wheel, way: str) -> None:
+@pytest.mark.parametrize(
+    ("gives", "match"),
+    [("a plain generator", "generator"), ("an __await__ that returns a coroutine", "coroutine")],
+)
+def test_what_await_refuses_of_an_application_is_refused(make_wheel, way: str, gives: str, match: str) -> None:
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
 
     class Generating:
         def __call__(self, scope: Any, receive: Any, send: Any) -> Any:
             yield None
 
-    mw = TimeoutMiddleware(Generating(), 30.0, name=wheel.name, tracebacks=False)
+    def awaits_a_coroutine(scope: Any, receive: Any, send: Any) -> Any:
+        return _AwaitsACoroutine()
+
+    app = Generating() if gives == "a plain generator" else awaits_a_coroutine
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
     assert mw.timer.prepare()
     if way == "own":
         mw._in_c = None
-    with pytest.raises(TypeError, match="generator"):
+    with pytest.raises(TypeError, match=match):
         run(mw, http("/x"))
     assert len(wheel) == 0 and wheel.stats().added == wheel.stats().cancelled == 1
+
+
+@pytest.mark.parametrize("way", ["c", "own"])
+def test_a_request_on_a_loop_dropped_unclosed_is_collected_and_its_timer_ends(make_wheel, way: str) -> None:
+    """The C way keeps asyncio's running-loop holder, which the GC does not
+    see and which holds its loop: dropped with the middleware (whose table
+    of requests holds the task), at an interpreter's exit say, the loop,
+    its task and the request are collected all the same, the application's
+    finally runs and the timer ends."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    log: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            log.append("finally")
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare()
+    if way == "own":
+        mw._in_c = None
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(mw(http("/x"), receive, receive))
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert len(wheel) == 1
+    dropped = weakref.ref(loop)
+    del task, loop, mw
+    gc.collect()
+    assert dropped() is None and log == ["finally"]
+    assert len(wheel) == 0 and wheel.stats().cancelled == 1
+
+
+class _Inner(Exception):
+    pass
+
+
+class _EndFailed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("way", ["c", "own"])
+@pytest.mark.parametrize("end", ["raises", "closed"])
+def test_an_end_of_the_timer_that_fails_chains_as_a_finally_would(make_wheel, way: str, end: str) -> None:
+    """The application raises (or its coroutine is closed) and ending the
+    timer raises too, from within an except block of its own: the error
+    that comes out has that block's exception, then the application's (or
+    GeneratorExit), as its context, as a ``finally`` that raises has it."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+
+    class Pause:
+        def __await__(self) -> Any:
+            yield None
+
+    def fail_the_end() -> None:
+        timer = mw.timer
+        finish = type(timer).finish
+
+        def failing(handle: int | None) -> None:
+            finish(timer, handle)  # ends it, then fails
+            try:
+                raise _Inner("while ending")
+            except _Inner:
+                raise _EndFailed("ending failed")  # noqa: B904 - the chain is what is tested
+
+        timer._fast = None  # the end goes through RequestTimer.finish
+        timer.finish = failing  # type: ignore[method-assign]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        assert len(wheel) == 1
+        if end == "raises":
+            fail_the_end()
+            raise ValueError("the application's")
+        await Pause()
+
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare()
+    if way == "own":
+        mw._in_c = None
+
+    async def main() -> BaseException:
+        call = mw(http("/x"), app, app)
+        try:
+            if end == "raises":
+                await call
+            else:
+                call.send(None)  # to the pause
+                fail_the_end()
+                call.close()
+        except BaseException as exc:
+            return exc
+        raise AssertionError("nothing was raised")
+
+    error: BaseException | None = asyncio.run(main())
+    chain = []
+    while error is not None:
+        chain.append(type(error).__name__)
+        error = error.__context__
+    assert chain == ["_EndFailed", "_Inner", "ValueError" if end == "raises" else "GeneratorExit"]
+    assert len(wheel) == 0 and wheel.stats().cancelled == 1

@@ -234,6 +234,13 @@ static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
     Py_VISIT(self->current_task);
     Py_VISIT(self->loop);
     Py_VISIT(self->holder);
+    /* A 3.11 holder is not tracked by the GC, and holds self->loop (the two
+     * are kept together, holds_loop).  Once its thread has let go of it,
+     * this Timer holds it alone, and its reference to the loop is this
+     * Timer's too: visited as such, so that a loop dropped unclosed, with
+     * the requests its tasks hold, can be collected. */
+    if (self->holder && self->holder != self->loop && Py_REFCNT(self->holder) == 1)
+        Py_VISIT(self->loop);
     return 0;
 }
 
@@ -707,37 +714,40 @@ static int end_request(PyObject *owner, PyObject *key)
     return 0;
 }
 
-/* The exception set now gets (t, v, tb), which was being raised when it
- * came, as its __context__: what a ``finally`` that raises does. */
-static void chain(PyObject *t, PyObject *v, PyObject *tb)
+/* end_request() as a ``finally`` runs it: ``exc`` is the exception being
+ * handled meanwhile, so that one raised in there gets it (or what it was
+ * raised within) as its __context__, the way Python chains exceptions.
+ * 0, or -1 with end_request's exception. */
+static int end_handling(PyObject *exc, PyObject *owner, PyObject *key)
 {
-    PyObject *t2, *v2, *tb2;
+    PyObject *before = PyErr_GetHandledException();
+    int r;
 
-    PyErr_NormalizeException(&t, &v, &tb);
-    if (tb)
-        PyException_SetTraceback(v, tb);
-    PyErr_Fetch(&t2, &v2, &tb2);
-    PyErr_NormalizeException(&t2, &v2, &tb2);
-    if (v2 != v)
-        PyException_SetContext(v2, Py_NewRef(v));
-    PyErr_Restore(t2, v2, tb2);
-    Py_XDECREF(t);
-    Py_XDECREF(v);
-    Py_XDECREF(tb);
+    PyErr_SetHandledException(exc);
+    r = end_request(owner, key);
+    PyErr_SetHandledException(before);
+    Py_XDECREF(before);
+    return r;
 }
 
 /* end_request() while an exception is being raised: it goes on being
- * raised, or, if end_request fails too, that failure does, with the first
- * as its __context__ (what a ``finally`` that raises does). */
+ * raised, or, if end_request fails too, that failure does, chained to it
+ * as by a ``finally`` that raises. */
 static void end_raising(PyObject *owner, PyObject *key)
 {
     PyObject *t, *v, *tb;
 
     PyErr_Fetch(&t, &v, &tb);
-    if (end_request(owner, key) < 0)
-        chain(t, v, tb);
-    else
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (tb && v)
+        PyException_SetTraceback(v, tb);
+    if (end_handling(v, owner, key) < 0) {
+        Py_XDECREF(t);
+        Py_XDECREF(v);
+        Py_XDECREF(tb);
+    } else {
         PyErr_Restore(t, v, tb);
+    }
 }
 
 static PyObject *Body_make(PyObject *body, PyObject *owner, PyObject *key);
@@ -822,6 +832,21 @@ failed:
 }
 
 
+/* Whether ``holder``, the value under asyncio's running-loop key in a
+ * thread's state dict, stands for ``loop``: CPython 3.11's holder (a
+ * _RunningLoopHolder, untracked by the GC, whose first field is its loop),
+ * or the loop itself (3.12 on).  Anything else is not cached. */
+static int holds_loop(PyObject *holder, PyObject *loop)
+{
+    PyTypeObject *type = Py_TYPE(holder);
+
+    if (holder == loop)
+        return 1;
+    return strcmp(type->tp_name, "_RunningLoopHolder") == 0 && !PyType_IS_GC(type)
+        && type->tp_basicsize >= (Py_ssize_t)(sizeof(PyObject) + sizeof(PyObject *))
+        && *(PyObject **)((char *)holder + sizeof(PyObject)) == loop;
+}
+
 /* The asyncio task that runs this code: asyncio.current_task() without
  * its get_running_loop(), which on CPython 3.11 asks the kernel for the
  * pid every call.  asyncio keeps the running loop of a thread in a holder
@@ -858,6 +883,8 @@ static PyObject *asyncio_task(TimerObject *self)
 
         if (!loop) {
             PyErr_Clear();
+        } else if (!holds_loop(holder, loop)) {
+            Py_DECREF(loop);
         } else {
             Py_XSETREF(self->loop, loop);
             Py_XSETREF(self->holder, Py_NewRef(holder));
@@ -1270,13 +1297,13 @@ static int Send_end(SendObject *self)
 /* Send_end() while an exception is being raised, as end_raising(). */
 static void Send_end_raising(SendObject *self)
 {
-    PyObject *t, *v, *tb;
+    PyObject *key = self->key;
 
-    PyErr_Fetch(&t, &v, &tb);
-    if (Send_end(self) < 0)
-        chain(t, v, tb);
-    else
-        PyErr_Restore(t, v, tb);
+    if (!key)
+        return;
+    self->key = NULL;
+    end_raising(self->owner, key);
+    Py_DECREF(key);
 }
 
 /* Whether the str ``kind`` is ``name``, an interned ASCII literal: by
@@ -1328,34 +1355,56 @@ static int completes(PyObject *message)
     return r < 0 ? -1 : !r;
 }
 
+/* Whether the generator ``gen`` is a coroutine made with types.coroutine;
+ * -1 with an exception. */
+static int iterable_coroutine(PyObject *gen)
+{
+    PyObject *code = PyObject_GetAttrString(gen, "gi_code");
+    int r;
+
+    if (!code)
+        return -1;
+    r = PyCode_Check(code) && (((PyCodeObject *)code)->co_flags & CO_ITERABLE_COROUTINE);
+    Py_DECREF(code);
+    return r;
+}
+
 /* The iterator that ``await`` takes from ``awaitable`` (whose reference
  * it takes), as ``await`` checks it: a coroutine, a generator made a
  * coroutine (types.coroutine), or what __await__ gives back, an iterator
- * but not a coroutine.  NULL with an exception. */
+ * and no coroutine.  NULL with an exception. */
 static PyObject *await_iter(PyObject *awaitable, const char *what)
 {
-    PyObject *inner, *code;
-    long flags;
+    PyObject *inner;
+    int r;
 
     if (PyCoro_CheckExact(awaitable))
         return awaitable;
     if (PyGen_CheckExact(awaitable)) {
-        if (!(code = PyObject_GetAttrString(awaitable, "gi_code"))) {
-            Py_DECREF(awaitable);
-            return NULL;
-        }
-        flags = PyCode_Check(code) ? (long)((PyCodeObject *)code)->co_flags : 0;
-        Py_DECREF(code);
-        if (flags & CO_ITERABLE_COROUTINE)
+        if ((r = iterable_coroutine(awaitable)) != 0) {
+            if (r < 0) {
+                Py_DECREF(awaitable);
+                return NULL;
+            }
             return awaitable;
+        }
     } else if (Py_TYPE(awaitable)->tp_as_async && Py_TYPE(awaitable)->tp_as_async->am_await) {
         inner = Py_TYPE(awaitable)->tp_as_async->am_await(awaitable);
-        if (inner && (!PyIter_Check(inner) || PyCoro_CheckExact(inner))) {
+        Py_DECREF(awaitable);
+        if (!inner)
+            return NULL;
+        if (PyCoro_CheckExact(inner) || (PyGen_CheckExact(inner) && (r = iterable_coroutine(inner)) != 0)) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "__await__() of what %s gave back returned a coroutine", what);
+            Py_DECREF(inner);
+            return NULL;
+        }
+        if (!PyIter_Check(inner)) {
             PyErr_Format(PyExc_TypeError, "__await__() of what %s gave back returned %.100s, not an iterator",
                          what, Py_TYPE(inner)->tp_name);
-            Py_CLEAR(inner);
+            Py_DECREF(inner);
+            return NULL;
         }
-        Py_DECREF(awaitable);
         return inner;
     }
     PyErr_Format(PyExc_TypeError, "%s gave back %.100s, which cannot be awaited", what, Py_TYPE(awaitable)->tp_name);
@@ -1628,7 +1677,8 @@ static PyObject *Then_throw(ThenObject *self, PyObject *const *args, Py_ssize_t 
  * dropped); the application's call ends its timer then too. */
 static PyObject *Then_close(ThenObject *self, PyObject *Py_UNUSED(ignored))
 {
-    PyObject *meth, *r = NULL;
+    PyObject *meth, *key, *exit, *r = NULL;
+    int failed;
 
     if (!self->inner)
         Py_RETURN_NONE;
@@ -1647,9 +1697,20 @@ static PyObject *Then_close(ThenObject *self, PyObject *Py_UNUSED(ignored))
         Send_end_raising(self->send);
         return NULL;
     }
-    if (Send_end(self->send) < 0) {
-        Py_DECREF(r);
-        return NULL;
+    if ((key = self->send->key)) {
+        /* As in a closed coroutine's ``finally``, a GeneratorExit is
+         * being handled while the timer ends. */
+        self->send->key = NULL;
+        if (!(exit = PyObject_CallNoArgs(PyExc_GeneratorExit))) {
+            end_raising(self->send->owner, key);
+            failed = 1;
+        } else {
+            failed = end_handling(exit, self->send->owner, key) < 0;
+            Py_DECREF(exit);
+        }
+        Py_DECREF(key);
+        if (failed)
+            Py_CLEAR(r);
     }
     return r;
 }
