@@ -151,9 +151,10 @@ class TimeoutMiddleware:
         self.capacity = check_int(capacity, "capacity", *CAPACITIES)
         # An HTTP request that needs no Python of its own (no interrupt,
         # X-Request-Start or route) takes the way in C: shmwheel._fast.ASGI.
-        plain = _fast_ext is not None and not (interrupt or self.x_request_start or routes is not None)
         self._in_c: Callable[[Scope, Receive, Send], Awaitable[None] | None] | None = (
-            _fast_ext.ASGI(self) if plain and _fast_ext is not None else None
+            _fast_ext.ASGI(self)
+            if _fast_ext is not None and not (interrupt or self.x_request_start or routes is not None)
+            else None
         )
         self._lock = threading.Lock()
         self._timer: RequestTimer | None = None
