@@ -1002,11 +1002,11 @@ static PyTypeObject TimerType = {
     .tp_members = Timer_members,
 };
 
-/* ---- what Body, Send and WSGI share ------------------------------------------ */
+/* ---- what Body, Send, WSGI and ASGI share ----------------------------------- */
 
-/* Each holds three objects right after its head (Send and WSGI their
- * vectorcall after them), so one traverse, clear and dealloc serves the
- * three types, and one make and one argument check Body and Send. */
+/* Each holds up to three objects right after its head (Send, WSGI and ASGI
+ * their vectorcall after them), so one make, traverse, clear and dealloc
+ * serves the four types. */
 typedef struct {
     PyObject_HEAD
     PyObject *held[3];
@@ -1054,19 +1054,6 @@ static HeldObject *Held_make(PyTypeObject *type, PyObject *a, PyObject *b, PyObj
     self->held[2] = Py_XNewRef(c);
     PyObject_GC_Track(self);
     return self;
-}
-
-/* Body(body, timer, handle) and Send(send, timer, handle): the handle an int or None. */
-static int held_args(PyObject *args, PyObject *kwds, const char *format, char **names, PyObject **a,
-                     PyObject **timer, PyObject **handle)
-{
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, format, names, a, timer, handle))
-        return -1;
-    if (*handle != Py_None && !PyLong_CheckExact(*handle)) {
-        PyErr_SetString(PyExc_TypeError, "handle must be an int or None");
-        return -1;
-    }
-    return 0;
 }
 
 /* ---- WSGI ----------------------------------------------------------------- */
@@ -1182,8 +1169,12 @@ static PyObject *Body_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObjec
     PyObject *body, *owner, *key;
     static char *names[] = {"body", "timer", "handle", NULL};
 
-    if (held_args(args, kwds, "OOO:Body", names, &body, &owner, &key) < 0)
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:Body", names, &body, &owner, &key))
         return NULL;
+    if (key != Py_None && !PyLong_CheckExact(key)) {
+        PyErr_SetString(PyExc_TypeError, "handle must be an int or None");
+        return NULL;
+    }
     return Body_make(body, owner, key);
 }
 
@@ -1559,7 +1550,7 @@ static PySendResult Then_am_send(ThenObject *self, PyObject *arg, PyObject **res
     PySendResult r;
 
     if (!self->inner) {
-        PyErr_SetString(PyExc_RuntimeError, "cannot reuse an awaited send");
+        PyErr_SetString(PyExc_RuntimeError, "this awaitable has been cleared");
         *result = NULL;
         return PYGEN_ERROR;
     }
@@ -1624,7 +1615,7 @@ static PyObject *Then_throw(ThenObject *self, PyObject *const *args, Py_ssize_t 
     PyObject *meth, *result, *value;
 
     if (!self->inner) {
-        PyErr_SetString(PyExc_RuntimeError, "cannot reuse an awaited send");
+        PyErr_SetString(PyExc_RuntimeError, "this awaitable has been cleared");
         return NULL;
     }
     if (!(meth = PyObject_GetAttrString(self->inner, "throw"))) {
