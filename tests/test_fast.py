@@ -10,6 +10,8 @@ import gc
 import os
 import threading
 import time
+import types
+from typing import Any
 
 import pytest
 from conftest import mutex_span
@@ -414,3 +416,127 @@ def test_the_middleware_called_directly_in_c_is_the_middleware(make_wheel) -> No
         assert len(wheel) == 0
     assert len(own_path) == 2  # the two of ENVIRONS[3:]
     assert TimeoutMiddleware(mw.app, wheel.name, 30.0, interrupt=True).direct().__class__ is TimeoutMiddleware
+
+
+# -- Gunicorn's hooks (install() in C: shmwheel._fast.Hooks) -----------------------------------
+
+RAW_REQUESTS = [
+    b"GET /api/v1/items/12345 HTTP/1.1\r\nHost: h\r\nX-Request-Id: req-abc-123\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: h\r\n\r\n",
+    b"GET /x HTTP/1.1\r\nX-Request-Id: first\r\nX-Request-Id: second\r\n\r\n",  # the first, as for any header
+    b"POST /a/%C3%A9?q=1 HTTP/1.1\r\nx-request-id: low.er\r\nContent-Length: 0\r\n\r\n",
+    b"GET /x HTTP/1.1\r\nX-Request-Id: has space\r\n\r\n",
+    b"GET /" + b"p" * 300 + b" HTTP/1.1\r\n\r\n",  # cut to fit: the Python hook's way
+]
+
+
+def _gunicorn_request(raw: bytes) -> object:
+    from gunicorn.config import Config
+    from gunicorn.http.parser import RequestParser
+
+    return next(iter(RequestParser(Config(), [raw], ("127.0.0.1", 1))))
+
+
+def _gunicorn_hooks(wheel: shmwheel.Wheel, monkeypatch, **kw: object) -> tuple[dict[str, Any], RequestTimer]:
+    """install()'s hooks in a namespace, with the worker's timer on ``wheel`` as post_worker_init leaves it."""
+    from shmwheel.contrib import gunicorn as contrib_gunicorn
+
+    monkeypatch.setattr(contrib_gunicorn, "_state", contrib_gunicorn._State())
+    hooks: dict[str, Any] = dict(kw.pop("namespace", {}))  # type: ignore[call-overload]
+    contrib_gunicorn.install(hooks, 30.0, name=wheel.name, tracebacks=False, **kw)  # type: ignore[arg-type]
+    settings = contrib_gunicorn._state.settings
+    assert settings is not None
+    timer = contrib_gunicorn._state.timer = contrib_gunicorn._timer(wheel.name, settings)
+    assert timer.prepare()
+    return hooks, timer
+
+
+@pytest.mark.parametrize("raw", RAW_REQUESTS, ids=["id", "no-id", "two-ids", "utf8-path", "bad-id", "long-path"])
+def test_gunicorns_hooks_in_c_file_what_the_python_hooks_file(make_wheel, monkeypatch, raw: bytes) -> None:
+    wheel = make_wheel(payload_size=256)
+    records = []
+    for kw in ({}, {"x_request_start": True}):  # the second: the Python hooks
+        hooks, timer = _gunicorn_hooks(wheel, monkeypatch, **kw)
+        pre, post = hooks["pre_request"], hooks["post_request"]
+        assert isinstance(pre, types.BuiltinMethodType) == (not kw)
+        req: Any = _gunicorn_request(raw)
+        pre(None, req)
+        handle = req.shmwheel_timer
+        assert handle is not None and current_handle(timer) == handle and len(wheel) == 1
+        records.append(timer._active[handle].payload)
+        post(None, req, {}, None)
+        assert len(wheel) == 0 and not timer._active
+        post(None, req, {}, None)  # finished already: nothing
+    a, b = records
+    assert a[:16] + a[24:] == b[:16] + b[24:]  # all but the start
+
+
+@pytest.mark.parametrize(
+    ("headers", "request_id"),
+    [
+        ((("X-REQUEST-ID", "abc"),), "abc"),  # a tuple
+        ([["X-REQUEST-ID", "abc"]], "abc"),  # lists
+        ([("X-REQUEST-ID", 12345)], "12345"),  # a value the Python hook takes the str() of
+        ([(b"HOST", "h"), ("X-REQUEST-ID", "abc")], "abc"),
+    ],
+)
+def test_gunicorns_c_hook_leaves_headers_of_another_shape_to_the_python_hook(
+    make_wheel, monkeypatch, headers: object, request_id: str
+) -> None:
+    wheel = make_wheel()
+    hooks, timer = _gunicorn_hooks(wheel, monkeypatch)
+    req: Any = types.SimpleNamespace(method="GET", path="/x", headers=headers)
+    hooks["pre_request"](None, req)
+    record = decode_request(timer._active[req.shmwheel_timer].payload)
+    assert record is not None and record.request_id == request_id
+    hooks["post_request"](None, req, {}, None)
+    assert len(wheel) == 0
+
+
+@pytest.mark.parametrize("kw", [{}, {"x_request_start": True}], ids=["c", "python"])
+def test_gunicorns_hook_that_cannot_keep_the_handle_leaves_no_timer(make_wheel, monkeypatch, kw) -> None:
+    class Req:
+        __slots__ = ("method", "path", "headers")
+
+    wheel = make_wheel()
+    hooks, timer = _gunicorn_hooks(wheel, monkeypatch, **kw)
+    req = Req()
+    req.method, req.path, req.headers = "GET", "/x", []
+    with pytest.raises(AttributeError, match="shmwheel_timer"):
+        hooks["pre_request"](None, req)
+    assert len(wheel) == 0 and not timer._active
+    hooks["post_request"](None, req, {}, None)  # no handle: nothing
+
+
+def test_gunicorns_hooks_call_the_configs_own_and_end_the_timer_if_theirs_fails(make_wheel, monkeypatch) -> None:
+    calls: list[str] = []
+
+    def theirs_post(worker: object, req: object, environ: object, resp: object) -> None:
+        calls.append("post")
+        raise RuntimeError("their hook")
+
+    namespace = {"pre_request": lambda worker, req: calls.append(f"pre {len(wheel)}"), "post_request": theirs_post}
+    wheel = make_wheel()
+    hooks, timer = _gunicorn_hooks(wheel, monkeypatch, namespace=namespace)
+    req: Any = _gunicorn_request(RAW_REQUESTS[0])
+    hooks["pre_request"](None, req)
+    with pytest.raises(RuntimeError, match="their hook"):
+        hooks["post_request"](None, req, {}, None)
+    assert calls == ["pre 1", "post"]  # theirs after the timer is added
+    assert len(wheel) == 0 and not timer._active
+
+
+def test_gunicorns_c_hooks_do_nothing_where_the_worker_has_no_timer(make_wheel, monkeypatch) -> None:
+    from shmwheel.contrib import gunicorn as contrib_gunicorn
+
+    wheel = make_wheel()
+    hooks, _ = _gunicorn_hooks(wheel, monkeypatch)
+    contrib_gunicorn._state.timer = None  # the master, or a worker class whose application is wrapped
+    req: Any = _gunicorn_request(RAW_REQUESTS[0])
+    hooks["pre_request"](None, req)
+    hooks["post_request"](None, req, {}, None)
+    assert not hasattr(req, "shmwheel_timer") and len(wheel) == 0
+    with pytest.raises(TypeError, match=r"pre_request\(worker, req\)"):
+        hooks["pre_request"](None)
+    with pytest.raises(TypeError, match=r"post_request\(worker, req, environ, resp\)"):
+        hooks["post_request"](None, req)

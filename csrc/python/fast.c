@@ -216,7 +216,7 @@ static PyObject *str_look, *str_fast, *str_finish, *str_finished, *str_close, *s
 static PyObject *str_request_method, *str_script_name, *str_path_info, *str_request_id, *str_environ_key;
 static PyObject *str_method, *str_path, *str_headers, *str_running_loop;
 static PyObject *str_type, *str_more_body, *str_body_type, *str_zerocopy_type, *str_pathsend_type;
-static PyObject *str_ws_close, *str_http, *str_timer, *str_app;
+static PyObject *str_ws_close, *str_http, *str_timer, *str_app, *str_timer_attr, *str_req_key;
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);
 
 static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
@@ -349,6 +349,17 @@ static inline void put_u32le(char *p, uint32_t v)
 
     for (k = 0; k < 4; k++)
         p[k] = (char)(v >> (8 * k));
+}
+
+/* Whether the str ``kind`` is ``name``, an interned ASCII literal: by
+ * identity (the server's literals are interned), else by length and bytes,
+ * which tells most types apart at the length. */
+static inline int kind_is(PyObject *kind, PyObject *name)
+{
+    Py_ssize_t n = PyUnicode_GET_LENGTH(name);
+
+    return kind == name || (PyUnicode_IS_ASCII(kind) && PyUnicode_GET_LENGTH(kind) == n
+                            && memcmp(PyUnicode_1BYTE_DATA(kind), PyUnicode_1BYTE_DATA(name), (size_t)n) == 0);
 }
 
 /* What _record.REQUEST_ID matches: [A-Za-z0-9._:@/+=-]. */
@@ -596,15 +607,40 @@ static int ns_arg(PyObject *o, int64_t otherwise, int64_t *out)
     return 0;
 }
 
+/* start_request() for a str ``path``, as the record holds it: ASCII as it
+ * is, else UTF-8 with the surrogates escaped.  None for a path or an id of
+ * another type (the id a str or None, as RequestTimer.start takes it). */
+static PyObject *start_path(TimerObject *self, int64_t now, int64_t started, int64_t timeout, PyObject *method,
+                            PyObject *path, PyObject *request_id, PyObject *task)
+{
+    PyObject *encoded = NULL, *key;
+    const char *pdata;
+    Py_ssize_t plen;
+
+    if (!PyUnicode_CheckExact(path) || PyBytes_Check(request_id))
+        Py_RETURN_NONE;
+    if (PyUnicode_IS_ASCII(path)) {
+        pdata = (const char *)PyUnicode_1BYTE_DATA(path);
+        plen = PyUnicode_GET_LENGTH(path);
+    } else {
+        if (!(encoded = PyUnicode_AsEncodedString(path, "utf-8", "surrogateescape"))) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        pdata = PyBytes_AS_STRING(encoded);
+        plen = PyBytes_GET_SIZE(encoded);
+    }
+    key = start_request(self, now, started, timeout, method, pdata, plen, "", 0, request_id, task);
+    Py_XDECREF(encoded);
+    return key;
+}
+
 /* start(now_ns, method, path, request_id, task[, timeout_ns[, started_ns]]):
  * the request's handle; or None, having changed nothing, for the caller's
  * own path (see start_request).  timeout_ns (None: the Timer's) and
  * started_ns (None: now) are a request's own: a route's, a proxy's start. */
 static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *path, *encoded = NULL, *key;
-    const char *pdata;
-    Py_ssize_t plen;
     int64_t now, timeout, started;
     int r;
 
@@ -617,23 +653,7 @@ static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     if ((r = ready(self, now)) <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
-    path = args[2];
-    if (!PyUnicode_CheckExact(path) || PyBytes_Check(args[3]))
-        Py_RETURN_NONE;         /* the id a str or None, as RequestTimer.start takes it */
-    if (PyUnicode_IS_ASCII(path)) {
-        pdata = (const char *)PyUnicode_1BYTE_DATA(path);
-        plen = PyUnicode_GET_LENGTH(path);
-    } else {
-        if (!(encoded = PyUnicode_AsEncodedString(path, "utf-8", "surrogateescape"))) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        pdata = PyBytes_AS_STRING(encoded);
-        plen = PyBytes_GET_SIZE(encoded);
-    }
-    key = start_request(self, now, started, timeout, args[1], pdata, plen, "", 0, args[3], args[4]);
-    Py_XDECREF(encoded);
-    return key;
+    return start_path(self, now, started, timeout, args[1], args[2], args[3], args[4]);
 }
 
 /* The request of ``key`` taken out of the table and its timer cancelled:
@@ -1002,11 +1022,11 @@ static PyTypeObject TimerType = {
     .tp_members = Timer_members,
 };
 
-/* ---- what Body, Send, WSGI and ASGI share ----------------------------------- */
+/* ---- what Body, Send, WSGI, ASGI and Hooks share ---------------------------- */
 
 /* Each holds up to three objects right after its head (Send, WSGI and ASGI
  * their vectorcall after them), so one make, traverse, clear and dealloc
- * serves the four types. */
+ * serves the five types. */
 typedef struct {
     PyObject_HEAD
     PyObject *held[3];
@@ -1144,6 +1164,191 @@ static PyTypeObject WSGIType = {
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(WSGIObject, vectorcall),
     .tp_getset = WSGI_getset,
+};
+
+/* ---- Gunicorn's hooks -------------------------------------------------------- */
+
+/* install()'s pre_request and post_request, as C methods a worker calls
+ * with no Python frame of shmwheel's, where every request takes the
+ * timeout of the moment from its start (no routes, no X-Request-Start). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *state;            /* gunicorn._state: its ``timer`` is the worker's RequestTimer, or None */
+    PyObject *slow;             /* the Python pre_request, for a request this does not take */
+    PyObject *header;           /* the request id's header, as Gunicorn names it: "X-REQUEST-ID" */
+} HooksObject;
+
+HELD_LAYOUT(HooksObject, state, slow, header);
+
+static PyTypeObject HooksType;
+
+/* getattr(o, name, None), new; NULL with an exception. */
+static PyObject *attr_or_none(PyObject *o, PyObject *name)
+{
+    PyObject *v;
+
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyObject_GetOptionalAttr(o, name, &v) < 0)
+        return NULL;
+#else
+    if (_PyObject_LookupAttr(o, name, &v) < 0)
+        return NULL;
+#endif
+    return v ? v : Py_NewRef(Py_None);
+}
+
+/* The first value of the header ``name`` in a Gunicorn request's headers,
+ * a list of (NAME, value) tuples of str: borrowed, None if it has none;
+ * NULL, without an exception, for headers of another shape. */
+static PyObject *header_of(PyObject *headers, PyObject *name)
+{
+    Py_ssize_t k;
+
+    if (!PyList_CheckExact(headers))
+        return NULL;
+    for (k = 0; k < PyList_GET_SIZE(headers); k++) {
+        PyObject *item = PyList_GET_ITEM(headers, k), *key;
+
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2)
+            return NULL;
+        key = PyTuple_GET_ITEM(item, 0);
+        if (!PyUnicode_CheckExact(key))
+            return NULL;
+        if (kind_is(key, name)) {
+            PyObject *value = PyTuple_GET_ITEM(item, 1);
+
+            return PyUnicode_CheckExact(value) ? value : NULL;
+        }
+    }
+    return Py_None;
+}
+
+/* pre_request(worker, req): the request's timer added, its handle kept as
+ * req.shmwheel_timer; the Python pre_request takes what this does not. */
+static PyObject *Hooks_pre_request(HooksObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *timer, *fast = NULL, *req, *headers = NULL, *rid, *method = NULL, *path = NULL, *key = NULL;
+    TimerObject *t;
+    int64_t now;
+    int r;
+
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "pre_request(worker, req)");
+        return NULL;
+    }
+    req = args[1];
+    if (!(timer = PyObject_GetAttr(self->state, str_timer_attr)))
+        return NULL;
+    if (timer == Py_None)
+        return timer;
+    if (!(fast = PyObject_GetAttr(timer, str_fast)))
+        goto done;
+    t = (TimerObject *)fast;
+    if (!Py_IS_TYPE(fast, &TimerType) || t->pid != current_pid)
+        goto slow;
+    now = monotonic_ns();
+    if ((r = ready(t, now)) <= 0) {
+        if (r < 0)
+            goto done;
+        goto slow;
+    }
+    /* After ready(), which may run Python: what is read here stays as read. */
+    if (!(headers = PyObject_GetAttr(req, str_headers)) || !(method = PyObject_GetAttr(req, str_method))
+        || !(path = PyObject_GetAttr(req, str_path)))
+        goto done;
+    if (!(rid = header_of(headers, self->header)))
+        goto slow;
+    if (!(key = start_path(t, now, now, t->timeout_ns, method, path, rid, Py_None)))
+        goto done;
+    if (key == Py_None) {
+        Py_CLEAR(key);
+        goto slow;
+    }
+    if (PyObject_SetAttr(req, str_req_key, key) < 0) {
+        end_raising(timer, key);
+        Py_CLEAR(key);
+    }
+    goto done;
+
+slow:
+    key = PyObject_Vectorcall(self->slow, args, 2, NULL);
+done:
+    Py_DECREF(timer);
+    Py_XDECREF(fast);
+    Py_XDECREF(headers);
+    Py_XDECREF(method);
+    Py_XDECREF(path);
+    if (!key)
+        return NULL;
+    Py_DECREF(key);
+    Py_RETURN_NONE;
+}
+
+/* post_request(worker, req, environ, resp): the timer of req.shmwheel_timer
+ * cancelled, as RequestTimer.finish cancels it. */
+static PyObject *Hooks_post_request(HooksObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *timer, *key;
+    int r;
+
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "post_request(worker, req, environ, resp)");
+        return NULL;
+    }
+    if (!(timer = PyObject_GetAttr(self->state, str_timer_attr)))
+        return NULL;
+    if (timer == Py_None)
+        return timer;
+    if (!(key = attr_or_none(args[1], str_req_key))) {
+        Py_DECREF(timer);
+        return NULL;
+    }
+    r = end_request(timer, key);
+    Py_DECREF(timer);
+    Py_DECREF(key);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Hooks_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
+{
+    PyObject *state, *slow, *header;
+    static char *names[] = {"state", "slow", "header", NULL};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOU:Hooks", names, &state, &slow, &header))
+        return NULL;
+    if (!PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "slow must be callable");
+        return NULL;
+    }
+    if (!PyUnicode_IS_ASCII(header)) {
+        PyErr_SetString(PyExc_ValueError, "header must be ASCII");
+        return NULL;
+    }
+    return (PyObject *)Held_make(&HooksType, state, slow, header);
+}
+
+/* The signatures are Gunicorn's: it checks a hook's arity with inspect. */
+static PyMethodDef Hooks_methods[] = {
+    {"pre_request", (PyCFunction)(void (*)(void))Hooks_pre_request, METH_FASTCALL,
+     "pre_request($self, worker, req, /)\n--\n\nAdd the request's timer."},
+    {"post_request", (PyCFunction)(void (*)(void))Hooks_post_request, METH_FASTCALL,
+     "post_request($self, worker, req, environ, resp, /)\n--\n\nCancel the request's timer."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject HooksType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmwheel._fast.Hooks",
+    .tp_basicsize = sizeof(HooksObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Hooks(state, slow, header): Gunicorn's pre_request and post_request for install().",
+    .tp_new = Hooks_new,
+    .tp_traverse = (traverseproc)Held_traverse,
+    .tp_clear = (inquiry)Held_clear,
+    .tp_dealloc = (destructor)Held_dealloc,
+    .tp_methods = Hooks_methods,
 };
 
 /* ---- Body ----------------------------------------------------------------- */
@@ -1295,17 +1500,6 @@ static void Send_end_raising(SendObject *self)
     self->key = NULL;
     end_raising(self->owner, key);
     Py_DECREF(key);
-}
-
-/* Whether the str ``kind`` is ``name``, an interned ASCII literal: by
- * identity (the server's literals are interned), else by length and bytes,
- * which tells most types apart at the length. */
-static inline int kind_is(PyObject *kind, PyObject *name)
-{
-    Py_ssize_t n = PyUnicode_GET_LENGTH(name);
-
-    return kind == name || (PyUnicode_IS_ASCII(kind) && PyUnicode_GET_LENGTH(kind) == n
-                            && memcmp(PyUnicode_1BYTE_DATA(kind), PyUnicode_1BYTE_DATA(name), (size_t)n) == 0);
 }
 
 /* Whether ``message`` is the last of a response (or closes a websocket):
@@ -1867,7 +2061,8 @@ static int fast_exec(PyObject *m)
         {&str_running_loop, "__asyncio_running_event_loop__"}, {&str_more_body, "more_body"},
         {&str_body_type, "http.response.body"}, {&str_zerocopy_type, "http.response.zerocopysend"},
         {&str_pathsend_type, "http.response.pathsend"}, {&str_ws_close, "websocket.close"}, {&str_http, "http"},
-        {&str_timer, "_timer"}, {&str_app, "app"},
+        {&str_timer, "_timer"}, {&str_app, "app"}, {&str_timer_attr, "timer"},
+        {&str_req_key, "shmwheel_timer"},
     };
     size_t k;
 
@@ -1885,7 +2080,7 @@ static int fast_exec(PyObject *m)
     }
     if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0
         || PyType_Ready(&SendType) < 0 || PyType_Ready(&ThenType) < 0 || PyType_Ready(&WSGIType) < 0
-        || PyType_Ready(&ASGIType) < 0)
+        || PyType_Ready(&ASGIType) < 0 || PyType_Ready(&HooksType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0
         || PyModule_AddObjectRef(m, "Timer", (PyObject *)&TimerType) < 0
@@ -1893,6 +2088,7 @@ static int fast_exec(PyObject *m)
         || PyModule_AddObjectRef(m, "Send", (PyObject *)&SendType) < 0
         || PyModule_AddObjectRef(m, "WSGI", (PyObject *)&WSGIType) < 0
         || PyModule_AddObjectRef(m, "ASGI", (PyObject *)&ASGIType) < 0
+        || PyModule_AddObjectRef(m, "Hooks", (PyObject *)&HooksType) < 0
         || PyModule_AddIntConstant(m, "HEAD_SIZE", HEAD_SIZE) < 0)
         return -1;
     return 0;

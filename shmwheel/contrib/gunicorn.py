@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._checks import check_flag, check_seconds, check_signal
+from .._wheel import _fast_ext
 from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
 from ._logs import LogTarget
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
@@ -198,7 +199,7 @@ def install(
     earlier_post = earlier["post_request"] if callable(earlier["post_request"]) else None
     wanted = (_REQUEST_ID_HEADER, _REQUEST_START_HEADER) if settings.x_request_start else (_REQUEST_ID_HEADER,)
 
-    def pre_request(worker: Any, req: Any) -> None:
+    def timer_pre(worker: Any, req: Any) -> None:
         timer = _state.timer
         if timer is not None:
             request_id = start = None
@@ -208,18 +209,36 @@ def install(
                         request_id = request_id or str(value)  # the first, as for any header
                     else:
                         start = start or str(value)
-            req.shmwheel_timer = timer.start(req.method, req.path, request_id, None, start)
-        if earlier_pre is not None:
-            earlier_pre(worker, req)
+            handle = timer.start(req.method, req.path, request_id, None, start)
+            try:
+                req.shmwheel_timer = handle
+            except BaseException:  # no timer outlives a request that cannot keep its handle
+                timer.finish(handle)
+                raise
 
-    def post_request(worker: Any, req: Any, environ: Any, resp: Any) -> None:
+    def timer_post(worker: Any, req: Any, environ: Any, resp: Any) -> None:
+        timer = _state.timer
+        if timer is not None:
+            timer.finish(getattr(req, "shmwheel_timer", None))
+
+    if _fast_ext is not None and settings.stages["routes"] is None and not settings.x_request_start:
+        # Every request's timer from its start: in C, with no frame of ours
+        # (the Python hook above takes what the C one does not).
+        hooks = _fast_ext.Hooks(_state, timer_pre, _REQUEST_ID_HEADER)
+        timer_pre, timer_post = hooks.pre_request, hooks.post_request
+
+    def pre_both(worker: Any, req: Any) -> None:
+        timer_pre(worker, req)
+        earlier_pre(worker, req)  # type: ignore[misc]
+
+    def post_both(worker: Any, req: Any, environ: Any, resp: Any) -> None:
         try:
-            if earlier_post is not None:
-                earlier_post(worker, req, environ, resp)
+            earlier_post(worker, req, environ, resp)  # type: ignore[misc]
         finally:
-            timer = _state.timer
-            if timer is not None:
-                timer.finish(getattr(req, "shmwheel_timer", None))
+            timer_post(worker, req, environ, resp)
+
+    pre_request = timer_pre if earlier_pre is None else pre_both
+    post_request = timer_post if earlier_post is None else post_both
 
     def on_exit(server: Any) -> None:
         try:
