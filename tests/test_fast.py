@@ -8,6 +8,7 @@ import contextvars
 import ctypes
 import gc
 import os
+import sys
 import threading
 import time
 import types
@@ -427,6 +428,7 @@ RAW_REQUESTS = [
     b"POST /a/%C3%A9?q=1 HTTP/1.1\r\nx-request-id: low.er\r\nContent-Length: 0\r\n\r\n",
     b"GET /x HTTP/1.1\r\nX-Request-Id: has space\r\n\r\n",
     b"GET /" + b"p" * 300 + b" HTTP/1.1\r\n\r\n",  # cut to fit: the Python hook's way
+    b"GET /x HTTP/1.1\r\nX-Request-Id: \r\nX-Request-Id: abc\r\n\r\n",  # the first that is not empty
 ]
 
 
@@ -451,7 +453,9 @@ def _gunicorn_hooks(wheel: shmwheel.Wheel, monkeypatch, **kw: object) -> tuple[d
     return hooks, timer
 
 
-@pytest.mark.parametrize("raw", RAW_REQUESTS, ids=["id", "no-id", "two-ids", "utf8-path", "bad-id", "long-path"])
+@pytest.mark.parametrize(
+    "raw", RAW_REQUESTS, ids=["id", "no-id", "two-ids", "utf8-path", "bad-id", "long-path", "empty-id"]
+)
 def test_gunicorns_hooks_in_c_file_what_the_python_hooks_file(make_wheel, monkeypatch, raw: bytes) -> None:
     wheel = make_wheel(payload_size=256)
     records = []
@@ -540,3 +544,72 @@ def test_gunicorns_c_hooks_do_nothing_where_the_worker_has_no_timer(make_wheel, 
         hooks["pre_request"](None)
     with pytest.raises(TypeError, match=r"post_request\(worker, req, environ, resp\)"):
         hooks["post_request"](None, req)
+
+
+def _greenlet_that_meddles(monkeypatch, meddle: Any) -> None:
+    """A greenlet module whose getcurrent() runs ``meddle()`` (as a finalizer
+    run by its allocation could) and then answers "the thread's own"."""
+
+    class Current:
+        parent = None
+
+    def getcurrent() -> Current:
+        meddle()
+        return Current()
+
+    monkeypatch.setitem(sys.modules, "greenlet", types.SimpleNamespace(getcurrent=getcurrent))
+
+
+def _reuse_freed_memory(junk: list[str]) -> None:
+    junk.extend("Z" * 40 + str(k) for k in range(2000))
+
+
+def test_gunicorns_c_hook_keeps_the_request_id_that_python_run_meanwhile_drops(make_wheel, monkeypatch) -> None:
+    held: dict[str, Any] = {}
+    junk: list[str] = []
+
+    def meddle() -> None:
+        if "req" in held:
+            del held["req"].headers[:]  # the id's tuple and str freed, were they borrowed
+            _reuse_freed_memory(junk)
+
+    _greenlet_that_meddles(monkeypatch, meddle)
+    wheel = make_wheel(payload_size=256)
+    hooks, timer = _gunicorn_hooks(wheel, monkeypatch)
+    req: Any = _gunicorn_request(b"GET /x HTTP/1.1\r\nX-Request-Id: " + b"a" * 40 + b"\r\n\r\n")
+    held["req"] = req
+    hooks["pre_request"](None, req)
+    record = decode_request(timer._active[req.shmwheel_timer].payload)
+    assert record is not None and record.request_id == "a" * 40
+    hooks["post_request"](None, req, {}, None)
+    assert len(wheel) == 0
+
+
+def test_the_middlewares_c_call_keeps_the_environs_values_that_python_run_meanwhile_drops(
+    make_wheel, monkeypatch
+) -> None:
+    held: dict[str, Any] = {}
+    junk: list[str] = []
+
+    def meddle() -> None:
+        if "environ" in held:
+            held.pop("environ").clear()  # its values freed, were they borrowed
+            _reuse_freed_memory(junk)
+
+    _greenlet_that_meddles(monkeypatch, meddle)
+    wheel = make_wheel(payload_size=256)
+    mw, handles = _recording_middleware(wheel)
+    assert mw.timer.prepare() and mw._plain
+    environ = {
+        "REQUEST_METHOD": "".join(["PA", "TCH"]),  # none of them interned or kept elsewhere
+        "SCRIPT_NAME": "/s" + "c" * 40,
+        "PATH_INFO": "/p" + "q" * 40,
+        "HTTP_X_REQUEST_ID": "r" * 40,
+    }
+    expected = ("PATCH", "/s" + "c" * 40 + "/p" + "q" * 40, "r" * 40)
+    held["environ"] = environ
+    body = mw.direct()(environ, lambda *a: None)
+    record = decode_request(mw.timer._active[handles[0]].payload)
+    assert record is not None and (record.method, record.path, record.request_id) == expected
+    body.close()  # type: ignore[attr-defined]
+    assert len(wheel) == 0

@@ -443,7 +443,9 @@ static int ready(TimerObject *self, int64_t now)
  * it.  Returns the handle; None, having changed nothing, for the caller's
  * own path to take the request (a record to cut, a method to replace
  * characters of, the segment's lock held by another, the wheel closed,
- * removed or full: anything but the plain case); NULL with an exception. */
+ * removed or full: anything but the plain case); NULL with an exception.
+ * It may run Python (greenlet's getcurrent), so the caller holds what the
+ * pieces' pointers and ``request_id`` point into. */
 static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, int64_t timeout, PyObject *method,
                                const char *p1, Py_ssize_t l1, const char *p2, Py_ssize_t l2, PyObject *request_id,
                                PyObject *task)
@@ -823,9 +825,18 @@ static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t
             return NULL;
         rid = Py_None;
     }
+    /* Held: start_request may run Python (greenlet's getcurrent), which may change the environ. */
+    Py_INCREF(method);
+    Py_INCREF(script);
+    Py_INCREF(path);
+    Py_INCREF(rid);
     key = start_request(self, now, now, self->timeout_ns, method, (const char *)PyUnicode_1BYTE_DATA(script),
                         PyUnicode_GET_LENGTH(script), (const char *)PyUnicode_1BYTE_DATA(path),
                         PyUnicode_GET_LENGTH(path), rid, Py_None);
+    Py_DECREF(method);
+    Py_DECREF(script);
+    Py_DECREF(path);
+    Py_DECREF(rid);
     if (!key)
         return NULL;
     if (key == Py_None) {
@@ -1197,9 +1208,9 @@ static PyObject *attr_or_none(PyObject *o, PyObject *name)
     return v ? v : Py_NewRef(Py_None);
 }
 
-/* The first value of the header ``name`` in a Gunicorn request's headers,
- * a list of (NAME, value) tuples of str: borrowed, None if it has none;
- * NULL, without an exception, for headers of another shape. */
+/* The first value of the header ``name`` that is not empty, in a Gunicorn
+ * request's headers, a list of (NAME, value) tuples of str: borrowed, None
+ * if it has none; NULL, without an exception, for headers of another shape. */
 static PyObject *header_of(PyObject *headers, PyObject *name)
 {
     Py_ssize_t k;
@@ -1217,7 +1228,10 @@ static PyObject *header_of(PyObject *headers, PyObject *name)
         if (kind_is(key, name)) {
             PyObject *value = PyTuple_GET_ITEM(item, 1);
 
-            return PyUnicode_CheckExact(value) ? value : NULL;
+            if (!PyUnicode_CheckExact(value))
+                return NULL;
+            if (PyUnicode_GET_LENGTH(value))
+                return value;
         }
     }
     return Py_None;
@@ -1258,7 +1272,11 @@ static PyObject *Hooks_pre_request(HooksObject *self, PyObject *const *args, Py_
         goto done;
     if (!(rid = header_of(headers, self->header)))
         goto slow;
-    if (!(key = start_path(t, now, now, t->timeout_ns, method, path, rid, Py_None)))
+    /* Held: start_request may run Python (greenlet's getcurrent), which may change the headers. */
+    Py_INCREF(rid);
+    key = start_path(t, now, now, t->timeout_ns, method, path, rid, Py_None);
+    Py_DECREF(rid);
+    if (!key)
         goto done;
     if (key == Py_None) {
         Py_CLEAR(key);

@@ -206,7 +206,7 @@ def install(
             for key, value in req.headers:
                 if key in wanted:
                     if key == _REQUEST_ID_HEADER:
-                        request_id = request_id or str(value)  # the first, as for any header
+                        request_id = request_id or str(value)  # the first that is not empty
                     else:
                         start = start or str(value)
             handle = timer.start(req.method, req.path, request_id, None, start)
