@@ -318,6 +318,9 @@ def test_a_second_timeout_in_a_draining_gthread_worker_drops_no_innocent_request
         )
         assert "Exception ignored" not in log and "SystemExit" not in log
         assert len(re.findall(own_stack("/stuck", "_stuck"), log)) == 2  # each stuck request's own
+        # The master's replacement first: one it boots while it handles the
+        # SIGTERM is never sent it, and the master waits out graceful_timeout.
+        server.wait_for(rf"(?s)Worker \(pid:{pid}\) was sent SIGKILL.*Booting worker with pid")
         assert server.stop(signal.SIGTERM) == 0
         assert_nothing_left(server)
 
