@@ -443,7 +443,8 @@ def _gunicorn_hooks(wheel: shmwheel.Wheel, monkeypatch, **kw: object) -> tuple[d
     """install()'s hooks in a namespace, with the worker's timer on ``wheel`` as post_worker_init leaves it."""
     from shmwheel.contrib import gunicorn as contrib_gunicorn
 
-    monkeypatch.setattr(contrib_gunicorn, "_state", contrib_gunicorn._State())
+    if kw.pop("fresh_state", True):
+        monkeypatch.setattr(contrib_gunicorn, "_state", contrib_gunicorn._State())
     hooks: dict[str, Any] = dict(kw.pop("namespace", {}))  # type: ignore[call-overload]
     contrib_gunicorn.install(hooks, 30.0, name=wheel.name, tracebacks=False, **kw)  # type: ignore[arg-type]
     settings = contrib_gunicorn._state.settings
@@ -613,3 +614,25 @@ def test_the_middlewares_c_call_keeps_the_environs_values_that_python_run_meanwh
     assert record is not None and (record.method, record.path, record.request_id) == expected
     body.close()  # type: ignore[attr-defined]
     assert len(wheel) == 0
+
+
+@pytest.mark.parametrize("kw", [{}, {"x_request_start": True}], ids=["c", "python"])
+def test_a_second_install_in_one_config_takes_the_place_of_the_first(make_wheel, monkeypatch, kw) -> None:
+    """A config that calls install() twice (a shared config and its own,
+    say): one timer a request, cancelled, and the config's own hooks
+    called once, whether defined before the first call or between them."""
+    from shmwheel.contrib import gunicorn as contrib_gunicorn
+
+    calls: list[str] = []
+    namespace: dict[str, Any] = {"pre_request": lambda worker, req: calls.append("pre")}
+    wheel = make_wheel(payload_size=256)
+    monkeypatch.setattr(contrib_gunicorn, "_state", contrib_gunicorn._State())
+    contrib_gunicorn.install(namespace, 5.0, name=wheel.name, tracebacks=False)
+    namespace["post_request"] = lambda worker, req, environ, resp: calls.append("post")
+    hooks, timer = _gunicorn_hooks(wheel, monkeypatch, namespace=namespace, fresh_state=False, **kw)
+    req: Any = _gunicorn_request(RAW_REQUESTS[0])
+    hooks["pre_request"](None, req)
+    assert len(wheel) == 1 and len(timer._active) == 1
+    hooks["post_request"](None, req, {}, None)
+    assert len(wheel) == 0 and not timer._active
+    assert calls == ["pre", "post"]

@@ -66,6 +66,7 @@ from .wsgi import InterruptibleApp
 __all__ = ["install"]
 
 _HOOKS = ("on_starting", "post_worker_init", "pre_request", "post_request", "on_exit")
+_INSTALLED = "_shmwheel_installed"  # in the config: the hooks install() found there, and those it set
 _REQUEST_ID_HEADER = "X-REQUEST-ID"  # Gunicorn upper-cases header names
 _REQUEST_START_HEADER = "X-REQUEST-START"
 # Gunicorn's worker classes that call pre_request and post_request around
@@ -141,7 +142,8 @@ def install(
     (:class:`shmwheel.contrib.wsgi.TimeoutMiddleware`); the rest are
     :class:`TimeoutActions`, where ``kill_signal`` defaults to the worker
     class's graceful signal: SIGABRT for Gunicorn's own, SIGTERM for
-    Uvicorn's."""
+    Uvicorn's.  Called again in the same config, it takes the place of
+    the earlier call."""
     if not isinstance(config, MutableMapping):
         raise TypeError(f"install() takes the config's namespace, globals(), not {type(config).__name__}")
     check_flag(x_request_start, "x_request_start")
@@ -171,7 +173,14 @@ def install(
     if reload:
         _reconfigure(settings)
 
-    earlier = {hook: config.get(hook) for hook in _HOOKS}
+    # A second install() in the same config takes the place of the first:
+    # it calls what the first found there, not the first's hooks, which
+    # would add a second timer a request and lose the first's handle.
+    first_found, first_set = config.get(_INSTALLED, ({}, {}))
+    earlier = {
+        hook: first_found.get(hook) if hook in first_set and config.get(hook) is first_set[hook] else config.get(hook)
+        for hook in _HOOKS
+    }
 
     def on_starting(server: Any) -> None:
         _start(server, settings)
@@ -246,13 +255,15 @@ def install(
         finally:
             _stop(server)
 
-    config.update(
-        on_starting=on_starting,
-        post_worker_init=post_worker_init,
-        pre_request=pre_request,
-        post_request=post_request,
-        on_exit=on_exit,
-    )
+    ours = {
+        "on_starting": on_starting,
+        "post_worker_init": post_worker_init,
+        "pre_request": pre_request,
+        "post_request": post_request,
+        "on_exit": on_exit,
+    }
+    config.update(ours)
+    config[_INSTALLED] = (earlier, ours)
 
 
 def _call(hook: Any, *args: Any) -> None:
