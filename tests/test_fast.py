@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextvars
 import ctypes
 import gc
+import io
 import os
 import sys
 import threading
 import time
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -636,3 +638,72 @@ def test_a_second_install_in_one_config_takes_the_place_of_the_first(make_wheel,
     hooks["post_request"](None, req, {}, None)
     assert len(wheel) == 0 and not timer._active
     assert calls == ["pre", "post"]
+
+
+class _Wrapper:
+    """A server's wsgi.file_wrapper as Gunicorn's and wsgiref's keep their file."""
+
+    def __init__(self, filelike: Any, blksize: int = 8192) -> None:
+        self.filelike, self.blksize = filelike, blksize
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(lambda: self.filelike.read(self.blksize), b"")
+
+    def close(self) -> None:
+        self.filelike.close()
+
+
+class _OtherWrapper(_Wrapper):
+    """One that keeps its file under another name: not made again."""
+
+    def __init__(self, filelike: Any, blksize: int = 8192) -> None:
+        self.file, self.blksize = filelike, blksize
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(lambda: self.file.read(self.blksize), b"")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _RefusingWrapper(_Wrapper):
+    """One that makes no second wrapper: its body goes the way of any other."""
+
+    made = 0
+
+    def __init__(self, filelike: Any, blksize: int = 8192) -> None:
+        _RefusingWrapper.made += 1
+        if _RefusingWrapper.made > 1:
+            raise RuntimeError("once")
+        super().__init__(filelike, blksize)
+
+
+class _File(io.BytesIO):
+    def close(self) -> None:
+        super().close()
+        raise OSError("the file's close failed")
+
+
+@pytest.mark.parametrize("way", ["direct", "c", "python"])
+@pytest.mark.parametrize("wrapper", [_Wrapper, _OtherWrapper, _RefusingWrapper])
+def test_a_body_of_the_servers_file_wrapper_stays_one_whose_close_ends_the_timer(make_wheel, way, wrapper) -> None:
+    wheel = make_wheel(payload_size=256)
+    _RefusingWrapper.made = 0
+
+    def app(environ: dict[str, Any], start_response: object) -> Any:
+        return environ["wsgi.file_wrapper"](_File(b"abc" * 5000), 4096)
+
+    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+    assert mw.timer.prepare()
+    mw._plain = way != "python"
+    call = mw.direct() if way == "direct" else mw
+    body = call({"REQUEST_METHOD": "GET", "PATH_INFO": "/f", "wsgi.file_wrapper": wrapper}, lambda *a: None)
+    assert len(wheel) == 1
+    if wrapper is _Wrapper:
+        assert type(body) is _Wrapper and body.blksize == 4096  # the server's own: it sends the file itself
+    else:
+        assert type(body) in (_fast.Body, wsgi._ClosingBody)
+    assert b"".join(body) == b"abc" * 5000
+    with pytest.raises(OSError, match="close failed"):
+        body.close()  # type: ignore[attr-defined]
+    assert len(wheel) == 0 and not mw.timer._active

@@ -929,3 +929,86 @@ def test_gunicorn_with_uvicorn_workers_wraps_the_app_and_ends_workers_without_a_
         assert server.stop(signal.SIGTERM) == 0
         assert "driver stopped, wheel" in server.log()
         assert_nothing_left(server)
+
+
+FILE_APP = """
+import os
+from shmwheel.contrib.wsgi import TimeoutMiddleware
+
+
+class CountedFile:
+    # A file that says when it is read: one the server sends with sendfile never is.
+    def __init__(self, path):
+        self._file = open(path, "rb")
+
+    def fileno(self):
+        return self._file.fileno()
+
+    def read(self, n=-1):
+        os.write(2, b"file read() called\\n")
+        return self._file.read(n)
+
+    def seek(self, *args):
+        return self._file.seek(*args)
+
+    def tell(self):
+        return self._file.tell()
+
+    def close(self):
+        os.write(2, b"file closed\\n")
+        self._file.close()
+
+
+def app(environ, start_response):
+    start_response("200 OK", [("Content-Length", str(os.path.getsize({path!r})))])
+    return environ["wsgi.file_wrapper"](CountedFile({path!r}), 8192)
+
+
+middleware = TimeoutMiddleware(app, os.environ["SHMWHEEL_TEST_WHEEL"], timeout=0.5)
+middleware._plain = {plain!r}  # False: every request the middleware's own Python way
+application = middleware.direct() if {direct!r} else middleware
+"""
+
+
+@pytest.mark.parametrize(
+    ("plain", "direct"), [(True, True), (True, False), (False, False)], ids=["direct", "c", "python"]
+)
+def test_the_wsgi_middleware_keeps_gunicorns_sendfile_and_times_the_file_until_it_is_sent(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch, plain: bool, direct: bool
+) -> None:
+    """A file the application hands to the server's wsgi.file_wrapper is
+    still sent by Gunicorn itself, with sendfile (the file is never read in
+    Python), and the request's timer ends when the server closes it: no
+    timeout fires after a response that was sent in time."""
+    content = tmp_path / "content.txt"
+    content.write_bytes(b"0123456789abcdef" * 8192)
+    (tmp_path / "file_app.py").write_text(FILE_APP.format(path=str(content), plain=plain, direct=direct))
+    monkeypatch.setenv("SHMWHEEL_TEST_WHEEL", name)
+    driver_log = tmp_path / "driver.log"
+    with open(driver_log, "wb") as out:
+        driver = subprocess.Popen([sys.executable, "-m", "shmwheel.contrib.timeouts", name, "--create"], stderr=out)
+    try:
+        give_up = time.monotonic() + WAIT
+        while "running on wheel" not in driver_log.read_text():
+            assert driver.poll() is None and time.monotonic() < give_up, driver_log.read_text()
+            time.sleep(0.05)
+        port = free_port()
+        cmd = [str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--pythonpath", str(tmp_path)]
+        with serve([*cmd, "--no-control-socket", "file_app:application"], port, tmp_path, "gunicorn") as server:
+            for _ in range(3):
+                status, body = get(port, "/")
+                assert (status, body) == (200, content.read_text())
+            give_up = time.monotonic() + WAIT
+            while server.log().count("file closed") < 4:  # the readiness probe's and the three above
+                assert time.monotonic() < give_up, server.log()[-4000:]
+                time.sleep(0.05)
+            time.sleep(1.0)  # twice the timeout
+            log = server.log()
+            assert "file read() called" not in log, log[-4000:]
+            with shmwheel.attach(name) as wheel:
+                assert len(wheel) == 0
+            assert "request timed out" not in driver_log.read_text()
+            assert server.stop() == 0
+    finally:
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(WAIT) == 0

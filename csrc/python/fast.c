@@ -217,6 +217,7 @@ static PyObject *str_request_method, *str_script_name, *str_path_info, *str_requ
 static PyObject *str_method, *str_path, *str_headers, *str_running_loop;
 static PyObject *str_type, *str_more_body, *str_body_type, *str_zerocopy_type, *str_pathsend_type;
 static PyObject *str_ws_close, *str_http, *str_timer, *str_app, *str_timer_attr, *str_req_key;
+static PyObject *str_file_wrapper, *str_file_body;
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);
 
 static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
@@ -794,7 +795,7 @@ static PyObject *environ_ascii(PyObject *environ, PyObject *name, PyObject *othe
  * not a dict or has a field that is not an ASCII str. */
 static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *environ, *method, *script, *path, *rid, *key, *body, *result, *call[2];
+    PyObject *environ, *method, *script, *path, *rid, *key, *body, *wrapper, *result, *call[2];
     int64_t now;
     int r;
 
@@ -849,6 +850,27 @@ static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t
     call[1] = args[2];
     if (!(body = PyObject_Vectorcall(args[0], call, 2, NULL)))
         goto failed;
+    /* A file the server sends itself (its wsgi.file_wrapper, with sendfile):
+     * made again around a file whose close() ends the timer, so that the
+     * server still sends it itself (RequestTimer._file_body). */
+    wrapper = PyDict_GetItemWithError(environ, str_file_wrapper);
+    if (wrapper && PyType_Check(wrapper) && Py_IS_TYPE(body, (PyTypeObject *)wrapper)) {
+        Py_INCREF(wrapper);
+        result = PyObject_CallMethodObjArgs(self->owner, str_file_body, body, wrapper, key, NULL);
+        Py_DECREF(wrapper);
+        if (!result) {
+            Py_DECREF(body);
+            goto failed;
+        }
+        if (result != Py_None) {
+            Py_DECREF(body);
+            Py_DECREF(key);
+            return result;
+        }
+        Py_DECREF(result);
+    } else if (!wrapper && PyErr_Occurred()) {
+        PyErr_Clear();          /* a lookup that failed: the body as any other */
+    }
     result = Body_make(body, self->owner, key);
     Py_DECREF(body);
     if (!result)
@@ -2080,7 +2102,8 @@ static int fast_exec(PyObject *m)
         {&str_body_type, "http.response.body"}, {&str_zerocopy_type, "http.response.zerocopysend"},
         {&str_pathsend_type, "http.response.pathsend"}, {&str_ws_close, "websocket.close"}, {&str_http, "http"},
         {&str_timer, "_timer"}, {&str_app, "app"}, {&str_timer_attr, "timer"},
-        {&str_req_key, "shmwheel_timer"},
+        {&str_req_key, "shmwheel_timer"}, {&str_file_wrapper, "wsgi.file_wrapper"},
+        {&str_file_body, "_file_body"},
     };
     size_t k;
 

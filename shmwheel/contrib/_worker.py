@@ -491,6 +491,12 @@ class RequestTimer:
                 self._interrupted.discard(handle)
         self._finished(active)
 
+    def _file_body(self, body: Any, wrapper: type, handle: int) -> Any:
+        """For shmwheel._fast's Timer.wsgi: :func:`shmwheel.contrib.wsgi.timed_file`."""
+        from .wsgi import timed_file
+
+        return timed_file(body, wrapper, self, handle)
+
     def _finished(self, active: Active) -> None:
         """The rest of finish() for a request taken out of the table whose
         timer the C path did not cancel (also from shmwheel._fast.Body)."""

@@ -4,7 +4,9 @@
     application = TimeoutMiddleware(application, "myapp", timeout=30.0)
 
 The timer runs from the call of the application until the server closes
-the response, so a response body that streams slowly counts too.  The
+the response, so a response body that streams slowly counts too.  A file
+handed to the server's ``wsgi.file_wrapper`` stays one, which the server
+sends itself (with sendfile), its timer ended when the file is closed.  The
 middleware only adds and cancels timers; the wheel and its driver come from
 elsewhere: :class:`shmwheel.contrib.timeouts.DriverSupervisor` in the
 server's master process, or ``python -m shmwheel.contrib.timeouts NAME
@@ -102,6 +104,11 @@ class TimeoutMiddleware:
         except BaseException:
             timer.finish(handle)
             raise
+        wrapper = environ.get("wsgi.file_wrapper")
+        if isinstance(wrapper, type) and type(body) is wrapper:
+            timed = timed_file(body, wrapper, timer, handle)
+            if timed is not None:
+                return timed
         return _closing_body(body, timer, handle)
 
     def direct(self) -> WSGIApp:
@@ -259,6 +266,49 @@ class _ClosingBody:
         finally:
             handle, self._handle = self._handle, None
             self._timer.finish(handle)
+
+
+class _TimedFile:
+    """A file that the server sends itself, whose close() ends the
+    request's timer after the file's own close()."""
+
+    __slots__ = ("_file", "_timer", "_handle")
+
+    def __init__(self, file: Any, timer: RequestTimer, handle: int | None) -> None:
+        self._file = file
+        self._timer = timer
+        self._handle = handle
+
+    def __getattr__(self, name: str) -> Any:  # fileno(), read(), seek(), mode: the file's
+        return getattr(self._file, name)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._file, "close", None)
+            if close is not None:
+                close()
+        finally:
+            handle, self._handle = self._handle, None
+            self._timer.finish(handle)
+
+
+def timed_file(body: Any, wrapper: type, timer: RequestTimer, handle: int | None) -> Iterable[bytes] | None:
+    """``body``, made by the server's ``wsgi.file_wrapper`` (PEP 3333's way
+    for a server to send a file itself, with sendfile), made again around
+    the same file in a :class:`_TimedFile`: the server still sends it
+    itself, and its close() ends the timer.  None where the wrapper keeps
+    its file other than as Gunicorn's and wsgiref's do (``filelike``,
+    ``blksize``), or will not make another: the body then goes the way of
+    any other, iterated by the server."""
+    filelike = getattr(body, "filelike", None)
+    blksize = getattr(body, "blksize", None)
+    if filelike is None or type(blksize) is not int:
+        return None
+    try:
+        timed: Iterable[bytes] = wrapper(_TimedFile(filelike, timer, handle), blksize)
+    except Exception:  # noqa: BLE001 - the server's; its own body serves as well, iterated
+        return None
+    return timed
 
 
 #: The body the middleware gives back: shmwheel._fast's Body, the same in C
