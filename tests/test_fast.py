@@ -684,7 +684,7 @@ class _File(io.BytesIO):
         raise OSError("the file's close failed")
 
 
-@pytest.mark.parametrize("way", ["direct", "c", "python"])
+@pytest.mark.parametrize("way", ["direct", "c", "python", "interrupt"])
 @pytest.mark.parametrize("wrapper", [_Wrapper, _OtherWrapper, _RefusingWrapper])
 def test_a_body_of_the_servers_file_wrapper_stays_one_whose_close_ends_the_timer(make_wheel, way, wrapper) -> None:
     wheel = make_wheel(payload_size=256)
@@ -693,9 +693,10 @@ def test_a_body_of_the_servers_file_wrapper_stays_one_whose_close_ends_the_timer
     def app(environ: dict[str, Any], start_response: object) -> Any:
         return environ["wsgi.file_wrapper"](_File(b"abc" * 5000), 4096)
 
-    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+    kw: dict[str, Any] = {"interrupt": True} if way == "interrupt" else {"traceback_signal": None}
+    mw = TimeoutMiddleware(app, wheel.name, 30.0, **kw)
     assert mw.timer.prepare()
-    mw._plain = way != "python"
+    mw._plain = way in ("direct", "c")
     call = mw.direct() if way == "direct" else mw
     body = call({"REQUEST_METHOD": "GET", "PATH_INFO": "/f", "wsgi.file_wrapper": wrapper}, lambda *a: None)
     assert len(wheel) == 1

@@ -170,6 +170,9 @@ def _call_interruptible(
     except BaseException:
         in_app.discard(handle)
         raise
+    wrapper = environ.get("wsgi.file_wrapper")
+    if isinstance(wrapper, type) and type(body) is wrapper and not replaced[0]:
+        return body  # a file the server sends itself (sendfile): no code of the application's runs from here
     return _InterruptibleBody(body, start_response, timer, handle, replaced)
 
 
