@@ -653,17 +653,17 @@ class _Wrapper:
         self.filelike.close()
 
 
-class _OtherWrapper(_Wrapper):
+class _OtherWrapper:
     """One that keeps its file under another name: not made again."""
 
     def __init__(self, filelike: Any, blksize: int = 8192) -> None:
-        self.file, self.blksize = filelike, blksize
+        self.wrapped = _Wrapper(filelike, blksize)
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(lambda: self.file.read(self.blksize), b"")
+        return iter(self.wrapped)
 
     def close(self) -> None:
-        self.file.close()
+        self.wrapped.close()
 
 
 class _RefusingWrapper(_Wrapper):

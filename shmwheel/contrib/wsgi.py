@@ -104,11 +104,9 @@ class TimeoutMiddleware:
         except BaseException:
             timer.finish(handle)
             raise
-        wrapper = environ.get("wsgi.file_wrapper")
-        if isinstance(wrapper, type) and type(body) is wrapper:
-            timed = timed_file(body, wrapper, timer, handle)
-            if timed is not None:
-                return timed
+        wrapper = _file_wrapper_of(environ, body)
+        if wrapper is not None and (timed := timed_file(body, wrapper, timer, handle)) is not None:
+            return timed
         return _closing_body(body, timer, handle)
 
     def direct(self) -> WSGIApp:
@@ -170,8 +168,7 @@ def _call_interruptible(
     except BaseException:
         in_app.discard(handle)
         raise
-    wrapper = environ.get("wsgi.file_wrapper")
-    if isinstance(wrapper, type) and type(body) is wrapper and not replaced[0]:
+    if not replaced[0] and _file_wrapper_of(environ, body) is not None:
         return body  # a file the server sends itself (sendfile): no code of the application's runs from here
     return _InterruptibleBody(body, start_response, timer, handle, replaced)
 
@@ -271,28 +268,21 @@ class _ClosingBody:
             self._timer.finish(handle)
 
 
-class _TimedFile:
-    """A file that the server sends itself, whose close() ends the
-    request's timer after the file's own close()."""
+class _TimedFile(_ClosingBody):
+    """A file that the server sends itself: the file's own fileno(),
+    read(), seek() and mode, and a close() that ends the request's timer
+    after the file's own close()."""
 
-    __slots__ = ("_file", "_timer", "_handle")
+    __slots__ = ()
 
-    def __init__(self, file: Any, timer: RequestTimer, handle: int | None) -> None:
-        self._file = file
-        self._timer = timer
-        self._handle = handle
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._body, name)
 
-    def __getattr__(self, name: str) -> Any:  # fileno(), read(), seek(), mode: the file's
-        return getattr(self._file, name)
 
-    def close(self) -> None:
-        try:
-            close = getattr(self._file, "close", None)
-            if close is not None:
-                close()
-        finally:
-            handle, self._handle = self._handle, None
-            self._timer.finish(handle)
+def _file_wrapper_of(environ: Environ, body: object) -> type | None:
+    """The server's ``wsgi.file_wrapper`` if ``body`` is one it made, else None."""
+    wrapper = environ.get("wsgi.file_wrapper")
+    return wrapper if isinstance(wrapper, type) and type(body) is wrapper else None
 
 
 def timed_file(body: Any, wrapper: type, timer: RequestTimer, handle: int | None) -> Iterable[bytes] | None:
