@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import inspect
 import os
 import signal
 import subprocess
@@ -325,6 +326,120 @@ def test_the_c_way_files_what_the_middlewares_own_way_files(make_wheel) -> None:
     assert len(wheel) == 0 and wheel.stats().cancelled == 2
 
 
+def test_servers_see_a_coroutine_function_and_the_c_way_has_no_coroutine_of_the_middlewares(make_wheel) -> None:
+    """Uvicorn, Hypercorn, Starlette and asgiref tell ASGI 3 from ASGI 2 by
+    ``__call__`` being a coroutine function; the C ``__call__`` is one to
+    them all, and an HTTP request's call gives back the C awaitable, not a
+    coroutine of the middleware's own."""
+    from hypercorn.utils import is_asgi
+
+    from shmwheel._wheel import _fast_ext
+
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    done: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        done.append(scope["type"])
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+    own_way: list[object] = []
+    own = mw._call
+    mw._call = lambda *a: own_way.append(a) or own(*a)  # type: ignore[method-assign]
+    for call in (mw.__call__, TimeoutMiddleware.__call__):
+        assert inspect.iscoroutinefunction(call) and asyncio.iscoroutinefunction(call)
+    assert is_asgi(mw)
+    assert str(inspect.signature(mw)) == str(inspect.signature(TimeoutMiddleware._call).replace(
+        parameters=list(inspect.signature(TimeoutMiddleware._call).parameters.values())[1:]))  # fmt: skip
+    assert mw.__call__.__qualname__ == "TimeoutMiddleware.__call__"
+    assert mw.timer.prepare()
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        pass
+
+    async def main() -> None:
+        call = mw(http("/x"), receive, send)
+        assert (type(call).__name__ == "Then") == (_fast_ext is not None), type(call)
+        assert len(wheel) == 0, "the call started the request before it was awaited"
+        await call
+        assert own_way == [] and done == ["http"]
+        await mw({"type": "lifespan"}, receive, send)  # what the C way does not take: the method's own way
+        assert len(own_way) == 1 and done == ["http", "lifespan"]
+
+    asyncio.run(main())
+    assert len(wheel) == 0 and wheel.stats().cancelled == 1
+
+
+def test_a_call_closed_thrown_into_or_dropped_before_it_starts_starts_nothing(make_wheel) -> None:
+    """As a coroutine that has not run its first line: closed, it ends;
+    what is thrown into it is raised from it; dropped, Python warns."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    ran: list[object] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        ran.append(scope)
+
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+    assert mw.timer.prepare()
+    call = mw(http("/x"), app, app)
+    with pytest.raises(TypeError, match="just-started"):
+        call.send(1)
+    assert call.close() is None
+    with pytest.raises(RuntimeError):
+        call.send(None)  # closed: nothing to run any more
+    call = mw(http("/x"), app, app)
+    with pytest.raises(TypeError):
+        call.throw(1)  # not an exception: refused, and the call is left as it was
+    with pytest.raises(KeyError, match="thrown"):
+        call.throw(KeyError("thrown"))
+    with pytest.raises(RuntimeError):
+        call.send(None)
+    with pytest.warns(RuntimeWarning, match="coroutine 'TimeoutMiddleware.__call__' was never awaited"):
+        mw(http("/x"), app, app)
+        gc.collect()
+    assert ran == [] and len(wheel) == 0 and wheel.stats().added == 0
+
+
+def test_a_forked_child_times_its_requests_on_a_timer_of_its_own_and_the_c_way_again(make_wheel) -> None:
+    """The C way keeps the RequestTimer it read; in a forked child that is
+    the parent's, which serves no request there: the child's first request
+    takes the Python way, which makes the child's own, and the C way reads
+    that for the next."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
+    calls: list[object] = []
+    own = mw._call
+    mw._call = lambda *a: calls.append(a) or own(*a)  # type: ignore[method-assign]
+    assert mw.timer.prepare()
+    run(mw, http("/parent"))
+    assert calls == [], "the parent's request did not take the C way"
+    parent_timer = mw.timer
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest here, an exit status
+        status = 1
+        try:
+            run(mw, http("/child/1"))
+            run(mw, http("/child/2"))
+            run(mw, http("/child/3"))
+            ok = len(calls) == 1 and mw.timer is not parent_timer and not mw.timer._active
+            status = 0 if ok else 2
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's requests did not take the ways they should"
+    assert len(wheel) == 0 and wheel.stats().cancelled == 4
+
+
 def test_a_cancelled_last_send_reaches_the_server_and_ends_the_timer(make_wheel) -> None:
     """A task cancelled while the server sends the last body: the server's
     send sees the cancellation (Then.throw), and the timer ends."""
@@ -573,9 +688,16 @@ def test_a_stuck_requests_stack_goes_through_the_c_way_down_to_the_application(m
         return {"type": "http.disconnect"}
 
     async def main() -> list[str]:
-        task = asyncio.ensure_future(mw(http("/x"), receive, receive))
+        call = mw(http("/x"), receive, receive)
+        task = asyncio.ensure_future(call)
         await waiting.wait()
         chain = _await_chain(task.get_coro(), task)
+        # What asyncio and inspect read of a task's coroutine, and the
+        # refusal of a second await while the first holds it.
+        assert inspect.getcoroutinestate(call) == inspect.CORO_SUSPENDED
+        assert "TimeoutMiddleware.__call__" in repr(task)
+        with pytest.raises(RuntimeError, match="being awaited already"):
+            await call
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -583,6 +705,7 @@ def test_a_stuck_requests_stack_goes_through_the_c_way_down_to_the_application(m
 
     chain = "\n".join(asyncio.run(main()))
     assert "in stuck_in_the_application" in chain and "in sleep" in chain and "awaiting <Future" in chain
+    assert chain.count("in stuck_in_the_application") == 1
     assert len(wheel) == 0
 
 

@@ -35,7 +35,11 @@
  * Send     an ASGI request's send: messages go straight to the server's;
  *          the one that completes the response is awaited through a Then.
  * Then     an awaitable that ends the request's timer after another: the
- *          server's send of the last message, or the application's call.
+ *          server's send of the last message, or the application's call;
+ *          from a Coroutine, a call that starts at its first step.
+ * Coroutine  TimeoutMiddleware.__call__ (the ASGI one) in C, which servers
+ *          still take for a coroutine function: its call is a Then, so the
+ *          middleware has no coroutine of its own.
  *
  * No request asks the kernel for anything but the core's lock: a Timer
  * only serves the process that made it (the pid is kept here, set again in
@@ -231,7 +235,7 @@ static PyObject *str_request_method, *str_script_name, *str_path_info, *str_requ
 static PyObject *str_method, *str_path, *str_headers, *str_running_loop;
 static PyObject *str_type, *str_more_body, *str_body_type, *str_zerocopy_type, *str_pathsend_type;
 static PyObject *str_ws_close, *str_http, *str_timer, *str_app, *str_timer_attr, *str_req_key;
-static PyObject *str_file_wrapper, *str_file_body;
+static PyObject *str_file_wrapper, *str_file_body, *str_in_c;
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);
 
 static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
@@ -1524,11 +1528,20 @@ HELD_LAYOUT(SendObject, send, owner, key);
 typedef struct {
     PyObject_HEAD
     PyObject   *inner;          /* the iterator of the awaitable it stands for */
-    SendObject *send;           /* whose timer ends once that has returned */
+    SendObject *send;           /* whose timer ends once that has returned; NULL: none */
     int         whole;          /* the application's call: its timer ends however it ends */
+    int         stepped;        /* sent into, thrown into or closed once */
+    PyObject   *name;           /* its __qualname__: the function's, for a Coroutine's call; NULL: "Then" */
+    /* A Coroutine's call, to start at the first step (see Then_start);
+     * NULL once started, or for a Then made started. */
+    PyObject   *call[4];        /* the middleware, scope, receive and send */
+    PyObject   *func;           /* the coroutine function of the middleware's own path */
+    PyObject   *asgi;           /* the middleware's ASGI */
 } ThenObject;
 
-static PyTypeObject SendType, ThenType;
+static PyTypeObject SendType, ThenType, ASGIType;
+typedef struct ASGIObject ASGIObject;
+static int asgi_call(ASGIObject *self, PyObject *const *args, PyObject **inner, PyObject **send);
 
 /* End the request's timer, once. */
 static int Send_end(SendObject *self)
@@ -1663,8 +1676,84 @@ static PyObject *Then_make(PyObject *inner, SendObject *send, int whole)
     then->inner = inner;
     then->send = (SendObject *)Py_NewRef(send);
     then->whole = whole;
+    then->stepped = 0;
+    then->name = NULL;
+    memset(then->call, 0, sizeof then->call);
+    then->func = then->asgi = NULL;
     PyObject_GC_Track(then);
     return (PyObject *)then;
+}
+
+/* A Then of a call of ``func`` (a TimeoutMiddleware.__call__) with
+ * ``args`` (the middleware, scope, receive and send) that starts when it is
+ * first awaited, as the coroutine of a call starts: through ``asgi`` (the
+ * middleware's ASGI), or where that declines, through ``func``. */
+static PyObject *Then_pending(PyObject *func, PyObject *asgi, PyObject *const *args)
+{
+    ThenObject *then = PyObject_GC_New(ThenObject, &ThenType);
+    int k;
+
+    if (!then)
+        return NULL;
+    then->inner = NULL;
+    then->send = NULL;
+    then->whole = 0;
+    then->stepped = 0;
+    then->name = Py_NewRef(((PyFunctionObject *)func)->func_qualname);
+    for (k = 0; k < 4; k++)
+        then->call[k] = Py_NewRef(args[k]);
+    then->func = Py_NewRef(func);
+    then->asgi = Py_NewRef(asgi);
+    PyObject_GC_Track(then);
+    return (PyObject *)then;
+}
+
+/* Drop a call that has not started; whether there was one. */
+static int Then_drop_call(ThenObject *self)
+{
+    int k;
+
+    if (!self->call[0])
+        return 0;
+    for (k = 0; k < 4; k++)
+        Py_CLEAR(self->call[k]);
+    Py_CLEAR(self->func);
+    Py_CLEAR(self->asgi);
+    return 1;
+}
+
+/* The first step of a pending call: the request started and the
+ * application called (asgi_call), or the coroutine of the middleware's own
+ * path, which is then what this awaits (and ends no timer of its own).
+ * Here, not at the call, so that the task that runs the request is the one
+ * that awaits it (asyncio.run(app(...)), asyncio.wait_for(app(...)) and
+ * create_task(app(...)) call it outside that task).  0, or -1 with an
+ * exception, as a coroutine's first line raises it. */
+static int Then_start(ThenObject *self)
+{
+    PyObject *call[4], *func = self->func, *asgi = self->asgi, *inner = NULL, *send = NULL, *coro;
+    int k, r;
+
+    for (k = 0; k < 4; k++) {
+        call[k] = self->call[k];
+        self->call[k] = NULL;
+    }
+    self->func = self->asgi = NULL;
+    r = asgi_call((ASGIObject *)asgi, call + 1, &inner, &send);
+    if (r == 0) {
+        coro = PyObject_Vectorcall(func, call, 4, NULL);
+        r = coro && (inner = await_iter(coro, "TimeoutMiddleware.__call__")) ? 0 : -1;
+    } else if (r > 0) {
+        self->whole = 1;
+        r = 0;
+    }
+    for (k = 0; k < 4; k++)
+        Py_DECREF(call[k]);
+    Py_DECREF(func);
+    Py_DECREF(asgi);
+    self->inner = inner;
+    self->send = (SendObject *)send;
+    return r;
 }
 
 static PyObject *Send_vectorcall(SendObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
@@ -1719,8 +1808,15 @@ static PyTypeObject SendType = {
 
 static int Then_traverse(ThenObject *self, visitproc visit, void *arg)
 {
+    int k;
+
     Py_VISIT(self->inner);
     Py_VISIT(self->send);
+    for (k = 0; k < 4; k++)
+        Py_VISIT(self->call[k]);
+    Py_VISIT(self->func);
+    Py_VISIT(self->asgi);
+    Py_VISIT(self->name);
     return 0;
 }
 
@@ -1728,6 +1824,8 @@ static int Then_clear(ThenObject *self)
 {
     Py_CLEAR(self->inner);
     Py_CLEAR(self->send);
+    Py_CLEAR(self->name);
+    Then_drop_call(self);
     return 0;
 }
 
@@ -1737,7 +1835,18 @@ static int Then_clear(ThenObject *self)
 static void Then_finalize(ThenObject *self)
 {
     PyObject *t, *v, *tb;
+    int failed;
 
+    if (self->call[0]) {
+        /* A call never awaited: as Python warns of a coroutine's. */
+        PyErr_Fetch(&t, &v, &tb);
+        failed = PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "coroutine '%S' was never awaited",
+                                   ((PyFunctionObject *)self->func)->func_qualname) < 0;
+        if (failed)
+            PyErr_WriteUnraisable((PyObject *)self);
+        PyErr_Restore(t, v, tb);
+        return;
+    }
     if (!self->whole || !self->send || !self->send->key)
         return;
     PyErr_Fetch(&t, &v, &tb);
@@ -1758,7 +1867,9 @@ static void Then_dealloc(ThenObject *self)
 /* The inner awaitable has returned ``*result``: the timer ends. */
 static PySendResult Then_returned(ThenObject *self, PyObject **result)
 {
-    if (Send_end(self->send) < 0) {
+    if (self->whole)
+        Py_SETREF(*result, Py_NewRef(Py_None));    /* the middleware's call gives back None */
+    if (self->send && Send_end(self->send) < 0) {
         Py_CLEAR(*result);
         return PYGEN_ERROR;
     }
@@ -1797,6 +1908,18 @@ static PySendResult Then_am_send(ThenObject *self, PyObject *arg, PyObject **res
 {
     PySendResult r;
 
+    self->stepped = 1;
+    if (self->call[0]) {
+        if (arg != Py_None) {
+            PyErr_SetString(PyExc_TypeError, "can't send non-None value to a just-started coroutine");
+            *result = NULL;
+            return PYGEN_ERROR;
+        }
+        if (Then_start(self) < 0) {
+            *result = NULL;
+            return PYGEN_ERROR;
+        }
+    }
     if (!self->inner) {
         PyErr_SetString(PyExc_RuntimeError, "this awaitable has been cleared");
         *result = NULL;
@@ -1858,10 +1981,40 @@ static PyObject *Then_send(ThenObject *self, PyObject *arg)
 
 /* throw(...): into the inner awaitable (a cancellation, say); a return or
  * a raise there ends the timer as one from send() does. */
+/* Raise what throw() was given (the exception, or its type and value). */
+static void raise_thrown(PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "throw expected at least 1 argument, got 0");
+    } else if (PyExceptionInstance_Check(args[0])) {
+        PyErr_SetObject((PyObject *)Py_TYPE(args[0]), args[0]);
+    } else if (PyExceptionClass_Check(args[0])) {
+        if (nargs > 1 && args[1] != Py_None)
+            PyErr_SetObject(args[0], args[1]);
+        else
+            PyErr_SetNone(args[0]);
+    } else {
+        PyErr_SetString(PyExc_TypeError, "exceptions must derive from BaseException");
+    }
+}
+
 static PyObject *Then_throw(ThenObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *meth, *result, *value;
 
+    self->stepped = 1;
+    if (self->call[0] && nargs >= 1 && (PyExceptionInstance_Check(args[0]) || PyExceptionClass_Check(args[0]))) {
+        /* Into a call not started: raised from it, which ends it, as from
+         * a coroutine that has not run its first line (which bad arguments
+         * leave as it was). */
+        Then_drop_call(self);
+        raise_thrown(args, nargs);
+        return NULL;
+    }
+    if (self->call[0]) {
+        raise_thrown(args, nargs);
+        return NULL;
+    }
     if (!self->inner) {
         PyErr_SetString(PyExc_RuntimeError, "this awaitable has been cleared");
         return NULL;
@@ -1874,16 +2027,7 @@ static PyObject *Then_throw(ThenObject *self, PyObject *const *args, Py_ssize_t 
             return NULL;
         }
         PyErr_Clear();
-        if (PyExceptionInstance_Check(args[0])) {
-            PyErr_SetObject((PyObject *)Py_TYPE(args[0]), args[0]);
-        } else if (PyExceptionClass_Check(args[0])) {
-            if (nargs > 1 && args[1] != Py_None)
-                PyErr_SetObject(args[0], args[1]);
-            else
-                PyErr_SetNone(args[0]);
-        } else {
-            PyErr_SetString(PyExc_TypeError, "exceptions must derive from BaseException");
-        }
+        raise_thrown(args, nargs);
         Then_raised(self);
         return NULL;
     }
@@ -1919,8 +2063,8 @@ static PyObject *Then_close(ThenObject *self, PyObject *Py_UNUSED(ignored))
     PyObject *meth, *key, *exit, *r = NULL;
     int failed;
 
-    if (!self->inner)
-        Py_RETURN_NONE;
+    if (Then_drop_call(self) || !self->inner)
+        Py_RETURN_NONE;         /* a call not started ends with nothing to run */
     if (!(meth = PyObject_GetAttrString(self->inner, "close"))) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
             PyErr_Clear();
@@ -1954,9 +2098,60 @@ static PyObject *Then_close(ThenObject *self, PyObject *Py_UNUSED(ignored))
     return r;
 }
 
+/* await: itself; as a coroutine, refused while another await holds it
+ * suspended (two awaiters would resume the application in turn). */
 static PyObject *Then_await(ThenObject *self)
 {
+    PyObject *at;
+    int busy;
+
+    if (self->stepped && self->inner && PyCoro_CheckExact(self->inner)) {
+        if (!(at = PyObject_GetAttrString(self->inner, "cr_await")))
+            return NULL;
+        busy = at != Py_None;
+        Py_DECREF(at);
+        if (busy) {
+            PyErr_SetString(PyExc_RuntimeError, "coroutine is being awaited already");
+            return NULL;
+        }
+    }
     return Py_NewRef(self);
+}
+
+/* A coroutine's attribute of the awaitable it stands for, or ``otherwise``
+ * (before the start, after a clear, for an iterator without it). */
+static PyObject *inner_attr(ThenObject *self, const char *name, PyObject *otherwise)
+{
+    PyObject *r;
+
+    if (!self->inner)
+        return Py_NewRef(otherwise);
+    if ((r = PyObject_GetAttrString(self->inner, name)) || !PyErr_ExceptionMatches(PyExc_AttributeError))
+        return r;
+    PyErr_Clear();
+    return Py_NewRef(otherwise);
+}
+
+/* cr_running, cr_suspended and cr_frame, which inspect.getcoroutinestate()
+ * and asyncio's task repr read of a task's coroutine: the application's. */
+static PyObject *Then_get_cr_running(ThenObject *self, void *Py_UNUSED(closure))
+{
+    return inner_attr(self, "cr_running", Py_False);
+}
+
+static PyObject *Then_get_cr_suspended(ThenObject *self, void *Py_UNUSED(closure))
+{
+    return inner_attr(self, "cr_suspended", Py_False);
+}
+
+static PyObject *Then_get_cr_frame(ThenObject *self, void *Py_UNUSED(closure))
+{
+    return inner_attr(self, "cr_frame", Py_None);
+}
+
+static PyObject *Then_get_name(ThenObject *self, void *Py_UNUSED(closure))
+{
+    return self->name ? Py_NewRef(self->name) : PyUnicode_FromString("Then");
 }
 
 /* What it awaits, as a coroutine's cr_await: a timed-out request's stack
@@ -1968,6 +2163,11 @@ static PyObject *Then_get_cr_await(ThenObject *self, void *Py_UNUSED(closure))
 
 static PyGetSetDef Then_getset[] = {
     {"cr_await", (getter)Then_get_cr_await, NULL, "The awaitable it stands for.", NULL},
+    {"cr_running", (getter)Then_get_cr_running, NULL, "Whether the awaitable it stands for runs.", NULL},
+    {"cr_suspended", (getter)Then_get_cr_suspended, NULL, "Whether that is suspended (CPython 3.12 on).", NULL},
+    {"cr_frame", (getter)Then_get_cr_frame, NULL, "That's frame: this has none of its own.", NULL},
+    {"__name__", (getter)Then_get_name, NULL, NULL, NULL},
+    {"__qualname__", (getter)Then_get_name, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -2008,68 +2208,101 @@ static PyTypeObject ThenType = {
  * raises or is closed, if the last message has not ended it before.  None,
  * having started nothing, for what the middleware's own path takes: any
  * other scope, one timed already, a process without its Timer yet. */
-typedef struct {
+struct ASGIObject {
     PyObject_HEAD
-    PyObject *middleware;       /* the TimeoutMiddleware, whose app and _timer are read at each call */
-    PyObject *unheld[2];        /* the HeldObject's other two: NULL */
+    PyObject *middleware;       /* the TimeoutMiddleware, whose app is read at each call */
+    PyObject *timer;            /* its _timer as last read in this process; NULL: to read */
+    PyObject *unheld;           /* the HeldObject's third: NULL */
     vectorcallfunc vectorcall;
-} ASGIObject;
+    pid_t timer_pid;            /* the process that read it */
+};
 
-HELD_LAYOUT(ASGIObject, middleware, unheld[0], unheld[1]);
+HELD_LAYOUT(ASGIObject, middleware, timer, unheld);
 
-static PyTypeObject ASGIType;
-
-static PyObject *ASGI_vectorcall(ASGIObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+/* The call of ASGI(middleware) with ``args`` (scope, receive, send): 1
+ * with ``*inner``, the application's call as await takes it, and
+ * ``*send``, the Send whose request's timer it started; 0, having started
+ * nothing, for what the middleware's own path takes; -1 with an exception. */
+static int asgi_call(ASGIObject *self, PyObject *const *args, PyObject **inner, PyObject **send)
 {
-    PyObject *scope, *kind, *timer, *fast, *key, *app, *call[3], *coro, *inner, *then = NULL;
+    PyObject *scope, *kind, *timer, *fast, *key, *app, *call[3], *coro;
     PyObject *timed_scope = NULL, *timed_send = NULL;
     int r;
 
-    if (PyVectorcall_NARGS(nargsf) != 3 || kwnames) {
-        PyErr_SetString(PyExc_TypeError, "asgi(scope, receive, send)");
-        return NULL;
-    }
     if (!self->middleware) {
         PyErr_SetString(PyExc_ValueError, "the application has been cleared");
-        return NULL;
+        return -1;
     }
     scope = args[0];
     if (!PyDict_CheckExact(scope))
-        Py_RETURN_NONE;
+        return 0;
     if (!(kind = PyDict_GetItemWithError(scope, str_type)))
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        return PyErr_Occurred() ? -1 : 0;
     if (kind != str_http && (!PyUnicode_CheckExact(kind) || PyUnicode_Compare(kind, str_http) != 0))
-        Py_RETURN_NONE;         /* lifespan, a websocket, ...: two str compare without an error */
+        return 0;               /* lifespan, a websocket, ...: two str compare without an error */
     if ((r = PyDict_Contains(scope, str_environ_key)) != 0)
-        return r < 0 ? NULL : Py_NewRef(Py_None);
-    if (!(timer = PyObject_GetAttr(self->middleware, str_timer)))
-        return NULL;
-    fast = timer == Py_None ? NULL : PyObject_GetAttr(timer, str_fast);
-    Py_DECREF(timer);
-    if (!fast)
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    if (!Py_IS_TYPE(fast, &TimerType)) {
-        Py_DECREF(fast);
-        Py_RETURN_NONE;
+        return r < 0 ? -1 : 0;
+    /* The middleware's RequestTimer, read once in a process: it changes
+     * only when the middleware makes one for a new process, which the
+     * Python path does, after the C path has declined a request. */
+    if (!self->timer || self->timer_pid != current_pid) {
+        if (!(timer = PyObject_GetAttr(self->middleware, str_timer)))
+            return -1;
+        if (timer == Py_None) {
+            Py_DECREF(timer);
+            return 0;
+        }
+        Py_XSETREF(self->timer, timer);
+        self->timer_pid = current_pid;
     }
-    key = asgi_start((TimerObject *)fast, scope, args[2], &timed_scope, &timed_send);
+    if (!(fast = PyObject_GetAttr(self->timer, str_fast)))
+        return -1;
+    key = Py_IS_TYPE(fast, &TimerType) ? asgi_start((TimerObject *)fast, scope, args[2], &timed_scope, &timed_send)
+                                       : Py_NewRef(Py_None);
     Py_DECREF(fast);
-    if (!key || key == Py_None)
-        return key;
+    if (!key)
+        return -1;
+    if (key == Py_None) {
+        Py_DECREF(key);
+        Py_CLEAR(self->timer);  /* read again after the Python path, which may make another */
+        return 0;
+    }
     Py_DECREF(key);             /* the Send holds it */
+    *inner = NULL;
     if ((app = PyObject_GetAttr(self->middleware, str_app))) {
         call[0] = timed_scope;
         call[1] = args[1];
         call[2] = timed_send;
         coro = PyObject_Vectorcall(app, call, 3, NULL);
         Py_DECREF(app);
-        if (coro && (inner = await_iter(coro, "the application")))
-            then = Then_make(inner, (SendObject *)timed_send, 1);
+        if (coro)
+            *inner = await_iter(coro, "the application");
     }
-    if (!then)
-        Send_end_raising((SendObject *)timed_send);
     Py_DECREF(timed_scope);
-    Py_DECREF(timed_send);
+    if (!*inner) {
+        Send_end_raising((SendObject *)timed_send);
+        Py_DECREF(timed_send);
+        return -1;
+    }
+    *send = timed_send;
+    return 1;
+}
+
+static PyObject *ASGI_vectorcall(ASGIObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *inner, *send, *then;
+    int r;
+
+    if (PyVectorcall_NARGS(nargsf) != 3 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "asgi(scope, receive, send)");
+        return NULL;
+    }
+    if ((r = asgi_call(self, args, &inner, &send)) <= 0)
+        return r < 0 ? NULL : Py_NewRef(Py_None);
+    then = Then_make(inner, (SendObject *)send, 1);
+    if (!then)
+        Send_end_raising((SendObject *)send);
+    Py_DECREF(send);
     return then;
 }
 
@@ -2101,6 +2334,145 @@ static PyTypeObject ASGIType = {
     .tp_vectorcall_offset = offsetof(ASGIObject, vectorcall),
 };
 
+/* TimeoutMiddleware.__call__ itself, around the Python coroutine function
+ * it stands for: Coroutine(func)(middleware, scope, receive, send) gives
+ * back, for a middleware with an ASGI (its ``_in_c``), a Then that starts
+ * at its first step through that ASGI, or through ``func`` where the ASGI
+ * declines (Then_start); else the coroutine of ``func``.  The middleware's
+ * call then has no coroutine of its own, which costs an ASGI request
+ * about 100 ns.  Servers and frameworks tell an ASGI 3 application by its
+ * ``__call__`` being a coroutine function (inspect.iscoroutinefunction,
+ * asyncio's); inspect takes an object that has a function's attributes
+ * (__code__, __name__, __defaults__, __kwdefaults__, __annotations__) for
+ * one, so every attribute that the object does not have is ``func``'s,
+ * its __code__ with CO_COROUTINE among them, as a Cython coroutine
+ * function has them.  A descriptor as a function is: bound to an instance
+ * it is a method; a type's call slot calls it with the instance first. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *func;             /* the Python coroutine function */
+    vectorcallfunc vectorcall;
+} CoroutineObject;
+
+static PyTypeObject CoroutineType;
+
+static PyObject *Coroutine_vectorcall(CoroutineObject *self, PyObject *const *args, size_t nargsf,
+                                      PyObject *kwnames)
+{
+    PyObject *in_c, *r;
+
+    if (!self->func) {
+        PyErr_SetString(PyExc_ValueError, "the coroutine function has been cleared");
+        return NULL;
+    }
+    if (PyVectorcall_NARGS(nargsf) == 4 && !kwnames) {
+        if (!(in_c = PyObject_GetAttr(args[0], str_in_c))) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                return NULL;
+            PyErr_Clear();      /* a subclass's instance without one: the method's own way */
+        } else if (Py_IS_TYPE(in_c, &ASGIType)) {
+            r = Then_pending(self->func, in_c, args);
+            Py_DECREF(in_c);
+            return r;
+        } else {
+            Py_DECREF(in_c);
+        }
+    }
+    return PyObject_Vectorcall(self->func, args, nargsf, kwnames);
+}
+
+static PyObject *Coroutine_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
+{
+    PyObject *func;
+    CoroutineObject *self;
+    static char *names[] = {"func", NULL};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Coroutine", names, &func))
+        return NULL;
+    if (!PyFunction_Check(func) || !(((PyCodeObject *)PyFunction_GET_CODE(func))->co_flags & CO_COROUTINE)) {
+        PyErr_Format(PyExc_TypeError, "Coroutine(func): func must be an async def function, not %.100s",
+                     Py_TYPE(func)->tp_name);
+        return NULL;
+    }
+    if (!(self = PyObject_GC_New(CoroutineObject, &CoroutineType)))
+        return NULL;
+    self->func = Py_NewRef(func);
+    self->vectorcall = (vectorcallfunc)Coroutine_vectorcall;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+static int Coroutine_traverse(CoroutineObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->func);
+    return 0;
+}
+
+static int Coroutine_clear(CoroutineObject *self)
+{
+    Py_CLEAR(self->func);
+    return 0;
+}
+
+static void Coroutine_dealloc(CoroutineObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Coroutine_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Its own attributes, else the function's: __code__, __name__, __doc__... */
+static PyObject *Coroutine_getattro(CoroutineObject *self, PyObject *name)
+{
+    PyObject *r = PyObject_GenericGetAttr((PyObject *)self, name);
+
+    if (r || !self->func || !PyErr_ExceptionMatches(PyExc_AttributeError))
+        return r;
+    PyErr_Clear();
+    return PyObject_GetAttr(self->func, name);
+}
+
+static PyObject *Coroutine_get(CoroutineObject *self, PyObject *obj, PyObject *Py_UNUSED(type))
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New((PyObject *)self, obj);
+}
+
+static PyObject *Coroutine_get_wrapped(CoroutineObject *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->func ? self->func : Py_None);
+}
+
+static PyObject *Coroutine_get_doc(CoroutineObject *self, void *Py_UNUSED(closure))
+{
+    return self->func ? PyObject_GetAttrString(self->func, "__doc__") : Py_NewRef(Py_None);
+}
+
+static PyGetSetDef Coroutine_getset[] = {
+    {"__wrapped__", (getter)Coroutine_get_wrapped, NULL, "The coroutine function it stands for.", NULL},
+    {"__doc__", (getter)Coroutine_get_doc, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CoroutineType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmwheel._fast.Coroutine",
+    .tp_basicsize = sizeof(CoroutineObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "Coroutine(func): TimeoutMiddleware.__call__, which takes a plain HTTP request in C and gives "
+              "the rest to func, an async def function whose attributes it has.",
+    .tp_new = Coroutine_new,
+    .tp_traverse = (traverseproc)Coroutine_traverse,
+    .tp_clear = (inquiry)Coroutine_clear,
+    .tp_dealloc = (destructor)Coroutine_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(CoroutineObject, vectorcall),
+    .tp_getattro = (getattrofunc)Coroutine_getattro,
+    .tp_descr_get = (descrgetfunc)Coroutine_get,
+    .tp_getset = Coroutine_getset,
+};
+
 /* ---- the module ----------------------------------------------------------- */
 
 static int fast_exec(PyObject *m)
@@ -2117,7 +2489,7 @@ static int fast_exec(PyObject *m)
         {&str_pathsend_type, "http.response.pathsend"}, {&str_ws_close, "websocket.close"}, {&str_http, "http"},
         {&str_timer, "_timer"}, {&str_app, "app"}, {&str_timer_attr, "timer"},
         {&str_req_key, "shmwheel_timer"}, {&str_file_wrapper, "wsgi.file_wrapper"},
-        {&str_file_body, "_file_body"},
+        {&str_file_body, "_file_body"}, {&str_in_c, "_in_c"},
     };
     size_t k;
 
@@ -2135,7 +2507,7 @@ static int fast_exec(PyObject *m)
     }
     if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0
         || PyType_Ready(&SendType) < 0 || PyType_Ready(&ThenType) < 0 || PyType_Ready(&WSGIType) < 0
-        || PyType_Ready(&ASGIType) < 0 || PyType_Ready(&HooksType) < 0)
+        || PyType_Ready(&ASGIType) < 0 || PyType_Ready(&HooksType) < 0 || PyType_Ready(&CoroutineType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0
         || PyModule_AddObjectRef(m, "Timer", (PyObject *)&TimerType) < 0
@@ -2144,6 +2516,7 @@ static int fast_exec(PyObject *m)
         || PyModule_AddObjectRef(m, "WSGI", (PyObject *)&WSGIType) < 0
         || PyModule_AddObjectRef(m, "ASGI", (PyObject *)&ASGIType) < 0
         || PyModule_AddObjectRef(m, "Hooks", (PyObject *)&HooksType) < 0
+        || PyModule_AddObjectRef(m, "Coroutine", (PyObject *)&CoroutineType) < 0
         || PyModule_AddIntConstant(m, "HEAD_SIZE", HEAD_SIZE) < 0)
         return -1;
     return 0;

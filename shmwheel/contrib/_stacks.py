@@ -409,9 +409,11 @@ def _await_chain(coro: Any, task: Any = None) -> list[str]:
     while coro is not None and id(coro) not in seen and len(chain) < MAX_FRAMES:
         seen.add(id(coro))
         frame = _frame_of(coro)
-        if frame is None:
-            break
-        chain.append((frame, frame.f_lineno))
+        if frame is None:  # a task's coroutine without a frame (the C middleware's call, not started): through it
+            coro = getattr(coro, "cr_await", None)
+            continue
+        if not chain or chain[-1][0] is not frame:  # the C middleware's Then gives the frame it stands for
+            chain.append((frame, frame.f_lineno))
         inner = next((getattr(coro, a) for a in _AWAITS if getattr(coro, a, None) is not None), None)
         # An awaitable without a frame that stands for another (the C
         # middleware's Then, around the application's call): through it.

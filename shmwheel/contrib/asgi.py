@@ -204,16 +204,9 @@ class TimeoutMiddleware:
         return self._timer_on(name, auto)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The C way starts the timer, calls the application with the timed
-        # scope and a send that ends the timer after the last message, and
-        # gives back its call, which ends the timer however it ends.  It
-        # gives back None for the rest: another scope, one timed already, a
-        # process whose RequestTimer is not made yet or was made before a
-        # fork (its C Timer serves the process that made it).
-        if (in_c := self._in_c) is not None and (call := in_c(scope, receive, send)) is not None:
-            await call
-        else:
-            await self._call(scope, receive, send)
+        # With shmwheel._fast, a C Coroutine stands for this method (see
+        # below the class) and comes here only for what it does not take.
+        await self._call(scope, receive, send)
 
     async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Any scope: one to pass through, a websocket, an HTTP request to
@@ -291,6 +284,18 @@ class TimeoutMiddleware:
             if gated:
                 in_app.discard(mark)
             finish()
+
+
+# The C way: the call of an instance goes to shmwheel._fast.Coroutine,
+# which starts the timer, calls the application with the timed scope and a
+# send that ends the timer after the last message, and gives back its call
+# in an awaitable that ends the timer however the call ends; no coroutine
+# of the middleware's own.  What it does not take (another scope, one timed
+# already, a process whose RequestTimer is not made yet or was made before
+# a fork, a middleware without _in_c) goes to the method above.  Servers
+# still see a coroutine function: the C object has the method's __code__.
+if _fast_ext is not None:
+    TimeoutMiddleware.__call__ = _fast_ext.Coroutine(TimeoutMiddleware.__call__)  # type: ignore[method-assign]
 
 
 async def _send_504(send: Send) -> None:
