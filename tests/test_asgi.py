@@ -47,6 +47,14 @@ def run(app: Any, scope: dict[str, Any], incoming: list[Message] | None = None) 
     return sent
 
 
+def own_way_of(mw: TimeoutMiddleware) -> list[object]:
+    """The calls that take the middleware's own (Python) way from now on."""
+    calls: list[object] = []
+    own = mw._call
+    mw._call = lambda *a: calls.append(a) or own(*a)  # type: ignore[method-assign]
+    return calls
+
+
 def http(path: str = "/", headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
     return {"type": "http", "method": "GET", "path": path, "headers": headers or [], "query_string": b""}
 
@@ -311,9 +319,7 @@ def test_the_c_way_files_what_the_middlewares_own_way_files(make_wheel) -> None:
     mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
     assert mw.timer.prepare()
     headers = [(b"host", b"x"), (b"x-request-id", b"r-7"), (b"x-request-id", b"second")]
-    calls: list[object] = []
-    own = mw._call
-    mw._call = lambda *a: calls.append(a) or own(*a)  # type: ignore[method-assign]
+    calls = own_way_of(mw)
     run(mw, http("/a/b", headers))
     assert calls == [], "the request did not take the C way"
     mw._in_c = None
@@ -345,9 +351,7 @@ def test_servers_see_a_coroutine_function_and_the_c_way_has_no_coroutine_of_the_
             await send({"type": "http.response.body", "body": b""})
 
     mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
-    own_way: list[object] = []
-    own = mw._call
-    mw._call = lambda *a: own_way.append(a) or own(*a)  # type: ignore[method-assign]
+    own_way = own_way_of(mw)
     for call in (mw.__call__, TimeoutMiddleware.__call__):
         assert inspect.iscoroutinefunction(call) and asyncio.iscoroutinefunction(call)
     assert is_asgi(mw)
@@ -417,9 +421,7 @@ def test_a_forked_child_times_its_requests_on_a_timer_of_its_own_and_the_c_way_a
         await send({"type": "http.response.body", "body": b""})
 
     mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
-    calls: list[object] = []
-    own = mw._call
-    mw._call = lambda *a: calls.append(a) or own(*a)  # type: ignore[method-assign]
+    calls = own_way_of(mw)
     assert mw.timer.prepare()
     run(mw, http("/parent"))
     assert calls == [], "the parent's request did not take the C way"

@@ -1664,10 +1664,20 @@ static PyObject *await_iter(PyObject *awaitable, const char *what)
     return NULL;
 }
 
+/* A Then with every field empty, not yet tracked by the GC. */
+static ThenObject *Then_alloc(void)
+{
+    ThenObject *then = PyObject_GC_New(ThenObject, &ThenType);
+
+    if (then)
+        memset((char *)then + sizeof(PyObject), 0, sizeof *then - sizeof(PyObject));
+    return then;
+}
+
 /* A Then of ``inner`` (whose reference it takes) that ends ``send``'s timer. */
 static PyObject *Then_make(PyObject *inner, SendObject *send, int whole)
 {
-    ThenObject *then = PyObject_GC_New(ThenObject, &ThenType);
+    ThenObject *then = Then_alloc();
 
     if (!then) {
         Py_DECREF(inner);
@@ -1676,10 +1686,6 @@ static PyObject *Then_make(PyObject *inner, SendObject *send, int whole)
     then->inner = inner;
     then->send = (SendObject *)Py_NewRef(send);
     then->whole = whole;
-    then->stepped = 0;
-    then->name = NULL;
-    memset(then->call, 0, sizeof then->call);
-    then->func = then->asgi = NULL;
     PyObject_GC_Track(then);
     return (PyObject *)then;
 }
@@ -1690,15 +1696,11 @@ static PyObject *Then_make(PyObject *inner, SendObject *send, int whole)
  * middleware's ASGI), or where that declines, through ``func``. */
 static PyObject *Then_pending(PyObject *func, PyObject *asgi, PyObject *const *args)
 {
-    ThenObject *then = PyObject_GC_New(ThenObject, &ThenType);
+    ThenObject *then = Then_alloc();
     int k;
 
     if (!then)
         return NULL;
-    then->inner = NULL;
-    then->send = NULL;
-    then->whole = 0;
-    then->stepped = 0;
     then->name = Py_NewRef(((PyFunctionObject *)func)->func_qualname);
     for (k = 0; k < 4; k++)
         then->call[k] = Py_NewRef(args[k]);
@@ -1835,14 +1837,11 @@ static int Then_clear(ThenObject *self)
 static void Then_finalize(ThenObject *self)
 {
     PyObject *t, *v, *tb;
-    int failed;
 
     if (self->call[0]) {
         /* A call never awaited: as Python warns of a coroutine's. */
         PyErr_Fetch(&t, &v, &tb);
-        failed = PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "coroutine '%S' was never awaited",
-                                   ((PyFunctionObject *)self->func)->func_qualname) < 0;
-        if (failed)
+        if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "coroutine '%S' was never awaited", self->name) < 0)
             PyErr_WriteUnraisable((PyObject *)self);
         PyErr_Restore(t, v, tb);
         return;
@@ -2003,15 +2002,12 @@ static PyObject *Then_throw(ThenObject *self, PyObject *const *args, Py_ssize_t 
     PyObject *meth, *result, *value;
 
     self->stepped = 1;
-    if (self->call[0] && nargs >= 1 && (PyExceptionInstance_Check(args[0]) || PyExceptionClass_Check(args[0]))) {
+    if (self->call[0]) {
         /* Into a call not started: raised from it, which ends it, as from
          * a coroutine that has not run its first line (which bad arguments
          * leave as it was). */
-        Then_drop_call(self);
-        raise_thrown(args, nargs);
-        return NULL;
-    }
-    if (self->call[0]) {
+        if (nargs >= 1 && (PyExceptionInstance_Check(args[0]) || PyExceptionClass_Check(args[0])))
+            Then_drop_call(self);
         raise_thrown(args, nargs);
         return NULL;
     }
