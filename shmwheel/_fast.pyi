@@ -11,6 +11,26 @@ class Core:
     @property
     def closed(self) -> bool: ...
 
+class Active:
+    def __init__(
+        self, payload: bytes, deadline_ns: int, thread: int, task: Any, handle: int, timeout_ns: int, interrupt: bool
+    ) -> None: ...
+    @property
+    def payload(self) -> bytes: ...
+    @property
+    def deadline_ns(self) -> int: ...
+    @property
+    def thread(self) -> int: ...
+    @property
+    def task(self) -> Any: ...
+    @property
+    def handle(self) -> int: ...
+    @property
+    def timeout_ns(self) -> int: ...
+    @property
+    def interrupt(self) -> bool: ...
+    def _replace(self, **fields: Any) -> Active: ...
+
 class Timer:
     def __init__(
         self,
@@ -27,7 +47,6 @@ class Timer:
         interrupted: set[int],
         var: ContextVar[Any],
         owner: object,
-        active_type: type[tuple[Any, ...]],
         getcurrent: Any,
         interrupt: bool,
         warn_ns: int,

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -225,6 +226,43 @@ def test_a_closed_wheel_makes_the_fast_path_give_up(make_wheel, caplog) -> None:
     assert "closed" in caplog.text
 
 
+def test_an_active_reads_as_the_named_tuple_it_stands_for() -> None:
+    """The C Active: its fields by name, _replace(), == and repr as a NamedTuple's."""
+    task = object()
+    a = Active(b"\x00rec" * 20, 2**62, 2**64 - 1, task, 2**40 + 3, -5, True)
+    assert type(a) is _fast.Active
+    assert (a.payload, a.deadline_ns, a.thread, a.task, a.handle, a.timeout_ns, a.interrupt) == (
+        b"\x00rec" * 20, 2**62, 2**64 - 1, task, 2**40 + 3, -5, True
+    )  # fmt: skip
+    b = a._replace(payload=b"", handle=7, interrupt=False)
+    assert (b.payload, b.handle, b.interrupt, b.task, b.deadline_ns) == (b"", 7, False, task, 2**62)
+    assert a == a._replace() and a != b and b._replace(payload=a.payload, handle=a.handle, interrupt=True) == a
+    assert repr(b).startswith("Active(payload=b'', deadline_ns=4611686018427387904, thread=18446744073709551615")
+    with pytest.raises(TypeError, match="unexpected field name 'handel'"):
+        a._replace(handel=1)
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        a._replace(b"")
+    with pytest.raises(TypeError):
+        Active("text", 0, 0, None, 0, 0, False)  # a record is bytes
+    with pytest.raises(TypeError):
+        hash(a)  # unhashable, as a table's entry that compares by value need not be hashed
+
+
+def test_a_cycle_through_an_actives_task_is_collected() -> None:
+    """An Active's task is visited by the collector: a task that holds its
+    own table's entry (a loop dropped with its requests) is freed."""
+
+    class Task:
+        pass
+
+    task = Task()
+    task.table = {1: Active(b"r", 0, 0, task, 1, 0, False)}  # type: ignore[attr-defined]
+    gone = weakref.ref(task)
+    del task
+    gc.collect()
+    assert gone() is None
+
+
 def test_the_core_outlives_its_wheel_object_safely(make_wheel) -> None:
     """A Core keeps the struct and the mapping alive after its Wheel object is gone."""
     wheel = make_wheel()
@@ -236,7 +274,7 @@ def test_the_core_outlives_its_wheel_object_safely(make_wheel) -> None:
     head = HEAD.pack(KIND_REQUEST, 0, 0, 0, os.getpid(), 0, 0, 0, 0, 0, 0, MAGIC, 30_000)
     var: contextvars.ContextVar[object] = contextvars.ContextVar("request")
     timer = Timer(core, head, 30 * 10**9, 30 * 10**9, wheel.payload_size, MAX_METHOD, MAX_REQUEST_ID,
-                  TASK, GREENLET, active, set(), var, None, Active, None, False, 0, WARN, 10**9)  # fmt: skip
+                  TASK, GREENLET, active, set(), var, None, None, False, 0, WARN, 10**9)  # fmt: skip
     timer.look_at = 2**62  # no RequestTimer here to have the first request's look
     h = timer.start(time.monotonic_ns(), "GET", "/x", None, None)
     assert h is not None and set(active) == {h} and var.get() == (None, h)

@@ -81,11 +81,6 @@ typedef int (*try_cancel_fn)(shmw_t *w, int64_t handle);
 #define OFF_TASK      32    /* Q  the greenlet, id(), or 0 */
 #define OFF_TIMEOUT   44    /* I  the timeout, ms */
 
-/* The Active tuple's fields (_stacks.py): payload, due_ns, thread, task,
- * handle, timeout_ns, interrupt. */
-#define ACTIVE_FIELDS 7
-#define ACTIVE_HANDLE 4
-
 /* This process's pid: asked once, and again in a forked child. */
 static pid_t current_pid;
 
@@ -194,6 +189,230 @@ static PyTypeObject CoreType = {
     .tp_getset = Core_getset,
 };
 
+/* ---- Active --------------------------------------------------------------- */
+
+/* A request in progress, as its RequestTimer's table holds it: one object,
+ * its record inline, where a NamedTuple took five (the tuple, its record's
+ * bytes and three ints) and the generic dealloc of a tuple subclass.  Read
+ * as the NamedTuple was: by attribute, with _replace() and ==. */
+typedef struct {
+    PyObject_VAR_HEAD           /* ob_size: the record's length */
+    int64_t   deadline_ns;      /* when its timer fires: its warn_after stage, or its timeout */
+    int64_t   timeout_ns;       /* when it times out */
+    int64_t   handle;           /* its timer (extend() gives it a new one) */
+    uint64_t  thread;           /* its OS thread */
+    PyObject *task;             /* its asyncio or trio task, its greenlet, or None */
+    char      interrupt;        /* whether it is ended at its timeout */
+    char      payload[1];       /* its timer's record */
+} ActiveObject;
+
+static PyTypeObject ActiveType;
+
+#define ACTIVE_FIELDS "payload", "deadline_ns", "thread", "task", "handle", "timeout_ns", "interrupt"
+
+/* A new Active, untracked, with room for an ``n``-byte record and no task. */
+static ActiveObject *Active_alloc(Py_ssize_t n)
+{
+    ActiveObject *self = PyObject_GC_NewVar(ActiveObject, &ActiveType, n);
+
+    if (self)
+        self->task = NULL;
+    return self;
+}
+
+static int Active_traverse(ActiveObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->task);
+    return 0;
+}
+
+static int Active_clear(ActiveObject *self)
+{
+    Py_CLEAR(self->task);
+    return 0;
+}
+
+static void Active_dealloc(ActiveObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->task);
+    PyObject_GC_Del(self);
+}
+
+/* Active(payload, deadline_ns, thread, task, handle, timeout_ns, interrupt). */
+static PyObject *Active_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {ACTIVE_FIELDS, NULL};
+    ActiveObject *self;
+    Py_buffer payload;
+    PyObject *task;
+    long long deadline, handle, timeout;
+    unsigned long long thread;
+    int interrupt;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*LKOLLp:Active", names, &payload, &deadline, &thread, &task,
+                                     &handle, &timeout, &interrupt))
+        return NULL;
+    if (!(self = Active_alloc(payload.len))) {
+        PyBuffer_Release(&payload);
+        return NULL;
+    }
+    memcpy(self->payload, payload.buf, (size_t)payload.len);
+    PyBuffer_Release(&payload);
+    self->deadline_ns = deadline;
+    self->timeout_ns = timeout;
+    self->handle = handle;
+    self->thread = thread;
+    self->task = Py_NewRef(task);
+    self->interrupt = (char)interrupt;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+/* The fields as the constructor takes them, in its order. */
+static PyObject *Active_fields(ActiveObject *self)
+{
+    return Py_BuildValue("(y#LKOLLO)", self->payload, Py_SIZE(self), (long long)self->deadline_ns,
+                         (unsigned long long)self->thread, self->task, (long long)self->handle,
+                         (long long)self->timeout_ns, self->interrupt ? Py_True : Py_False);
+}
+
+/* _replace(**fields): a new Active with these fields changed, as a NamedTuple's. */
+static PyObject *Active_replace(ActiveObject *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *fields, *r;
+
+    if (PyTuple_GET_SIZE(args)) {
+        PyErr_SetString(PyExc_TypeError, "_replace() takes keyword arguments only");
+        return NULL;
+    }
+    if (!(fields = Active_fields(self)))
+        return NULL;
+    if (kwds) {
+        static const char *names[] = {ACTIVE_FIELDS};
+        PyObject *name, *value, *rest;
+        Py_ssize_t pos = 0, k;
+
+        if (!(rest = PyDict_Copy(kwds))) {
+            Py_DECREF(fields);
+            return NULL;
+        }
+        for (k = 0; k < (Py_ssize_t)(sizeof names / sizeof names[0]); k++) {
+            if (!(value = PyDict_GetItemString(rest, names[k])))
+                continue;
+            Py_DECREF(PyTuple_GET_ITEM(fields, k));
+            PyTuple_SET_ITEM(fields, k, Py_NewRef(value));
+            PyDict_DelItemString(rest, names[k]);
+        }
+        if (PyDict_Next(rest, &pos, &name, &value)) {
+            PyErr_Format(PyExc_TypeError, "_replace() got an unexpected field name %R", name);
+            Py_DECREF(rest);
+            Py_DECREF(fields);
+            return NULL;
+        }
+        Py_DECREF(rest);
+    }
+    r = Active_new(&ActiveType, fields, NULL);
+    Py_DECREF(fields);
+    return r;
+}
+
+static PyObject *Active_richcompare(PyObject *a, PyObject *b, int op)
+{
+    PyObject *x, *y, *r;
+
+    if (!Py_IS_TYPE(a, &ActiveType) || !Py_IS_TYPE(b, &ActiveType) || (op != Py_EQ && op != Py_NE))
+        Py_RETURN_NOTIMPLEMENTED;
+    if (!(x = Active_fields((ActiveObject *)a)))
+        return NULL;
+    if (!(y = Active_fields((ActiveObject *)b))) {
+        Py_DECREF(x);
+        return NULL;
+    }
+    r = PyObject_RichCompare(x, y, op);
+    Py_DECREF(x);
+    Py_DECREF(y);
+    return r;
+}
+
+static PyObject *Active_repr(ActiveObject *self)
+{
+    PyObject *fields = Active_fields(self), *r;
+
+    if (!fields)
+        return NULL;
+    r = PyUnicode_FromFormat("Active(payload=%R, deadline_ns=%R, thread=%R, task=%R, handle=%R, timeout_ns=%R, "
+                             "interrupt=%R)",
+                             PyTuple_GET_ITEM(fields, 0), PyTuple_GET_ITEM(fields, 1), PyTuple_GET_ITEM(fields, 2),
+                             PyTuple_GET_ITEM(fields, 3), PyTuple_GET_ITEM(fields, 4), PyTuple_GET_ITEM(fields, 5),
+                             PyTuple_GET_ITEM(fields, 6));
+    Py_DECREF(fields);
+    return r;
+}
+
+static PyObject *Active_get_payload(ActiveObject *self, void *Py_UNUSED(closure))
+{
+    return PyBytes_FromStringAndSize(self->payload, Py_SIZE(self));
+}
+
+static PyObject *Active_get_thread(ActiveObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong(self->thread);
+}
+
+static PyObject *Active_get_task(ActiveObject *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->task);
+}
+
+static PyObject *Active_get_interrupt(ActiveObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->interrupt);
+}
+
+static PyMemberDef Active_members[] = {
+    {"deadline_ns", T_LONGLONG, offsetof(ActiveObject, deadline_ns), READONLY,
+     "time.monotonic_ns() when its timer fires: at its warn_after stage, or its timeout"},
+    {"handle", T_LONGLONG, offsetof(ActiveObject, handle), READONLY, "its timer (extend() gives it a new one)"},
+    {"timeout_ns", T_LONGLONG, offsetof(ActiveObject, timeout_ns), READONLY,
+     "time.monotonic_ns() when it times out"},
+    {NULL},
+};
+
+static PyGetSetDef Active_getset[] = {
+    {"payload", (getter)Active_get_payload, NULL, "its timer's record", NULL},
+    {"thread", (getter)Active_get_thread, NULL,
+     "its OS thread, as _thread.get_ident() names it before any monkey-patching", NULL},
+    {"task", (getter)Active_get_task, NULL, "its asyncio or trio task, or its greenlet, or None", NULL},
+    {"interrupt", (getter)Active_get_interrupt, NULL, "whether it is ended at its timeout", NULL},
+    {NULL},
+};
+
+static PyMethodDef Active_methods[] = {
+    {"_replace", (PyCFunction)(void (*)(void))Active_replace, METH_VARARGS | METH_KEYWORDS,
+     "A new Active with the fields given changed."},
+    {NULL},
+};
+
+static PyTypeObject ActiveType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmwheel._fast.Active",
+    .tp_doc = "A request in progress, as its worker's table holds it.",
+    .tp_basicsize = offsetof(ActiveObject, payload),
+    .tp_itemsize = 1,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = Active_new,
+    .tp_dealloc = (destructor)Active_dealloc,
+    .tp_traverse = (traverseproc)Active_traverse,
+    .tp_clear = (inquiry)Active_clear,
+    .tp_repr = (reprfunc)Active_repr,
+    .tp_richcompare = Active_richcompare,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_members = Active_members,
+    .tp_getset = Active_getset,
+    .tp_methods = Active_methods,
+};
+
 /* ---- Timer ---------------------------------------------------------------- */
 
 typedef struct {
@@ -216,15 +435,12 @@ typedef struct {
     PyObject   *interrupted;    /* set: their handles, once interrupted */
     PyObject   *var;            /* ContextVar: the request in progress here */
     PyObject   *owner;          /* the RequestTimer, for the context's (owner, handle) */
-    PyTypeObject *active_type;  /* Active, a tuple subclass */
     PyObject   *getcurrent;     /* greenlet.getcurrent, or None */
-    PyObject   *interrupt;      /* the Active's interrupt field */
+    char        interrupt;      /* the Active's interrupt field */
     PyObject   *current_tasks;  /* asyncio's {loop: task running}, or None */
     PyObject   *current_task;   /* asyncio.current_task */
     PyObject   *loop;           /* the loop last found running, or NULL */
     PyObject   *holder;         /* asyncio's running-loop holder it was found under, or NULL */
-    PyObject   *thread;         /* the int of the thread that started the last request, or NULL */
-    uint64_t    thread_id;      /* its value */
 } TimerObject;
 
 static PyTypeObject TimerType;
@@ -246,9 +462,7 @@ static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
     Py_VISIT(self->interrupted);
     Py_VISIT(self->var);
     Py_VISIT(self->owner);
-    Py_VISIT(self->active_type);
     Py_VISIT(self->getcurrent);
-    Py_VISIT(self->interrupt);
     Py_VISIT(self->current_tasks);
     Py_VISIT(self->current_task);
     Py_VISIT(self->loop);
@@ -271,14 +485,11 @@ static int Timer_clear(TimerObject *self)
     Py_CLEAR(self->interrupted);
     Py_CLEAR(self->var);
     Py_CLEAR(self->owner);
-    Py_CLEAR(self->active_type);
     Py_CLEAR(self->getcurrent);
-    Py_CLEAR(self->interrupt);
     Py_CLEAR(self->current_tasks);
     Py_CLEAR(self->current_task);
     Py_CLEAR(self->loop);
     Py_CLEAR(self->holder);
-    Py_CLEAR(self->thread);
     return 0;
 }
 
@@ -293,18 +504,19 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"core", "head", "due_ns", "timeout_ns", "size", "max_method",
                             "max_request_id", "task_flag", "greenlet_flag", "active", "interrupted", "var", "owner",
-                            "active_type", "getcurrent", "interrupt", "warn_ns", "warn_flag", "look_ns",
+                            "getcurrent", "interrupt", "warn_ns", "warn_flag", "look_ns",
                             "current_tasks", "current_task", NULL};
-    PyObject *core, *head, *active, *interrupted, *var, *owner, *active_type, *getcurrent, *interrupt;
+    PyObject *core, *head, *active, *interrupted, *var, *owner, *getcurrent;
     PyObject *current_tasks = Py_None, *current_task = Py_None;
     long long due, timeout, warn, look;
     Py_ssize_t size, max_method, max_request_id;
     unsigned char task_flag, greenlet_flag, warn_flag;
+    int interrupt;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SLLnnnbbO!O!OOO!OOLbL|OO:Timer", names,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SLLnnnbbO!O!OOOpLbL|OO:Timer", names,
                                      &CoreType, &core, &head, &due, &timeout, &size, &max_method,
                                      &max_request_id, &task_flag, &greenlet_flag, &PyDict_Type, &active,
-                                     &PySet_Type, &interrupted, &var, &owner, &PyType_Type, &active_type,
+                                     &PySet_Type, &interrupted, &var, &owner,
                                      &getcurrent, &interrupt, &warn, &warn_flag, &look, &current_tasks,
                                      &current_task))
         return -1;
@@ -314,11 +526,6 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     }
     if (!PyContextVar_CheckExact(var)) {
         PyErr_SetString(PyExc_TypeError, "var must be a ContextVar");
-        return -1;
-    }
-    if (!PyType_IsSubtype((PyTypeObject *)active_type, &PyTuple_Type)
-        || ((PyTypeObject *)active_type)->tp_basicsize != PyTuple_Type.tp_basicsize) {
-        PyErr_SetString(PyExc_TypeError, "active_type must be a tuple subclass without slots");
         return -1;
     }
     if (size < HEAD_SIZE || size > (Py_ssize_t)SHMW_MAX_PAYLOAD || max_method < 0 || max_method > 255
@@ -346,9 +553,8 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     self->interrupted = Py_NewRef(interrupted);
     self->var = Py_NewRef(var);
     self->owner = Py_NewRef(owner);
-    self->active_type = (PyTypeObject *)Py_NewRef(active_type);
     self->getcurrent = Py_NewRef(getcurrent);
-    self->interrupt = Py_NewRef(interrupt);
+    self->interrupt = (char)interrupt;
     self->current_tasks = PyDict_Check(current_tasks) ? Py_NewRef(current_tasks) : Py_NewRef(Py_None);
     self->current_task = Py_NewRef(current_task);
     return 0;
@@ -469,7 +675,8 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
                                const char *p1, Py_ssize_t l1, const char *p2, Py_ssize_t l2, PyObject *request_id,
                                PyObject *task)
 {
-    PyObject *payload, *current = NULL, *active = NULL, *key = NULL, *context = NULL, *token;
+    PyObject *current = NULL, *key = NULL, *context = NULL, *token;
+    ActiveObject *active;
     const char *rid;
     Py_ssize_t mlen, rlen, n;
     uint64_t thread, timeout_ms = 0;
@@ -524,11 +731,18 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     }
     thread = (uint64_t)PyThread_get_thread_ident();
 
-    if (!(payload = PyBytes_FromStringAndSize(NULL, n))) {
+    /* The request's Active, its record written in place. */
+    if (!(active = Active_alloc(n))) {
         Py_XDECREF(current);
         return NULL;
     }
-    buf = PyBytes_AS_STRING(payload);
+    active->deadline_ns = due;
+    active->timeout_ns = started + timeout;
+    active->thread = thread;
+    active->task = Py_NewRef(task);
+    active->interrupt = self->interrupt;
+    Py_XDECREF(current);        /* the Active holds it, if it is the task */
+    buf = active->payload;
     memcpy(buf, PyBytes_AS_STRING(self->head), HEAD_SIZE);
     buf[OFF_MLEN] = (char)mlen;
     buf[OFF_RLEN] = (char)rlen;
@@ -548,35 +762,19 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     handle = self->core->add_at(w, (double)(due > now ? due : now) / 1e9, buf, (uint32_t)n,
                                 SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK);
     if (handle < 0) {
-        Py_DECREF(payload);
-        Py_XDECREF(current);
+        Py_DECREF(active);
         Py_RETURN_NONE;
     }
+    active->handle = handle;
+    PyObject_GC_Track(active);
 
     /* Filed as RequestTimer.start files it.  A failure here (memory) takes
      * the timer out again, so that no timer outlives an unfiled request. */
     if (!(key = PyLong_FromLongLong(handle)))
         goto undo;
-    if (!(active = self->active_type->tp_alloc(self->active_type, ACTIVE_FIELDS)))
-        goto undo;
-    PyTuple_SET_ITEM(active, 0, payload);       /* the tuple takes these references */
-    payload = NULL;
-    PyTuple_SET_ITEM(active, 1, PyLong_FromLongLong(due));
-    /* The thread's int, kept: a thread serves request after request. */
-    if (!self->thread || self->thread_id != thread) {
-        Py_XSETREF(self->thread, PyLong_FromUnsignedLongLong(thread));
-        self->thread_id = thread;
-    }
-    PyTuple_SET_ITEM(active, 2, Py_XNewRef(self->thread));
-    PyTuple_SET_ITEM(active, 3, Py_NewRef(task));
-    PyTuple_SET_ITEM(active, ACTIVE_HANDLE, Py_NewRef(key));
-    PyTuple_SET_ITEM(active, 5, PyLong_FromLongLong(started + timeout));
-    PyTuple_SET_ITEM(active, 6, Py_NewRef(self->interrupt));
-    if (!PyTuple_GET_ITEM(active, 1) || !PyTuple_GET_ITEM(active, 2) || !PyTuple_GET_ITEM(active, 5))
-        goto undo;
     if (!(context = PyTuple_Pack(2, self->owner, key)))
         goto undo;
-    if (PyDict_SetItem(self->active, key, active) < 0)
+    if (PyDict_SetItem(self->active, key, (PyObject *)active) < 0)
         goto undo;
     if (!(token = PyContextVar_Set(self->var, context))) {
         PyDict_DelItem(self->active, key);
@@ -585,7 +783,6 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     Py_DECREF(token);
     Py_DECREF(context);
     Py_DECREF(active);
-    Py_XDECREF(current);
     return key;
 
 undo:
@@ -604,11 +801,9 @@ undo:
         Py_XDECREF(r);
         PyErr_Restore(t, v, tb);
     }
-    Py_XDECREF(payload);
-    Py_XDECREF(active);
+    Py_DECREF(active);
     Py_XDECREF(key);
     Py_XDECREF(context);
-    Py_XDECREF(current);
     return NULL;
 }
 
@@ -684,7 +879,6 @@ static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_
 static PyObject *finish_request(TimerObject *self, PyObject *key)
 {
     PyObject *active;
-    long long handle;
     shmw_t *w = self->core->w;
 
     if (!(active = PyDict_GetItemWithError(self->active, key))) {
@@ -698,14 +892,9 @@ static PyObject *finish_request(TimerObject *self, PyObject *key)
         Py_DECREF(active);
         return NULL;
     }
-    if (!w || !PyTuple_Check(active) || PyTuple_GET_SIZE(active) != ACTIVE_FIELDS)
+    if (!w || !Py_IS_TYPE(active, &ActiveType))
         return active;
-    handle = as_int64(PyTuple_GET_ITEM(active, ACTIVE_HANDLE));
-    if (handle == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return active;
-    }
-    if (self->core->try_cancel(w, handle) == 1) {
+    if (self->core->try_cancel(w, ((ActiveObject *)active)->handle) == 1) {
         Py_DECREF(active);
         Py_RETURN_TRUE;
     }
@@ -2501,11 +2690,12 @@ static int fast_exec(PyObject *m)
         }
         once = 1;
     }
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&ActiveType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0
         || PyType_Ready(&SendType) < 0 || PyType_Ready(&ThenType) < 0 || PyType_Ready(&WSGIType) < 0
         || PyType_Ready(&ASGIType) < 0 || PyType_Ready(&HooksType) < 0 || PyType_Ready(&CoroutineType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0
+        || PyModule_AddObjectRef(m, "Active", (PyObject *)&ActiveType) < 0
         || PyModule_AddObjectRef(m, "Timer", (PyObject *)&TimerType) < 0
         || PyModule_AddObjectRef(m, "Body", (PyObject *)&BodyType) < 0
         || PyModule_AddObjectRef(m, "Send", (PyObject *)&SendType) < 0

@@ -52,6 +52,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._binding import lib
+from .._wheel import _fast_ext
 from ._record import RequestRecord, decode_request, signal_name
 
 if TYPE_CHECKING:
@@ -69,16 +70,24 @@ SLACK_NS = 5_000_000  # a request this close to its deadline counts as past it (
 MAX_FRAMES = 200  # of one stack: a runaway recursion is not written out whole
 
 
-class Active(NamedTuple):
-    """A request in progress, as its worker's table holds it."""
+if TYPE_CHECKING or _fast_ext is None:
 
-    payload: bytes  #: its timer's record
-    deadline_ns: int  #: time.monotonic_ns() when its timer fires: at its warn_after stage, or its timeout
-    thread: int  #: its OS thread, as _thread.get_ident() names it before any monkey-patching
-    task: Any  #: its asyncio or trio task, or its greenlet, or None
-    handle: int  #: its timer (extend() gives it a new one)
-    timeout_ns: int  #: time.monotonic_ns() when it times out
-    interrupt: bool  #: whether it is ended at its timeout
+    class Active(NamedTuple):
+        """A request in progress, as its worker's table holds it.
+
+        With shmwheel._fast, its ``Active``: the same fields in one object,
+        the record inline, which the C path makes for each request."""
+
+        payload: bytes  #: its timer's record
+        deadline_ns: int  #: time.monotonic_ns() when its timer fires: at its warn_after stage, or its timeout
+        thread: int  #: its OS thread, as _thread.get_ident() names it before any monkey-patching
+        task: Any  #: its asyncio or trio task, or its greenlet, or None
+        handle: int  #: its timer (extend() gives it a new one)
+        timeout_ns: int  #: time.monotonic_ns() when it times out
+        interrupt: bool  #: whether it is ended at its timeout
+
+else:
+    Active = _fast_ext.Active
 
 
 def writes_somewhere(logger: logging.Logger | None) -> bool:

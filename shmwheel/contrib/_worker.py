@@ -91,7 +91,6 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
-_new_active = tuple.__new__  # Active(...) without NamedTuple's keyword handling: half the cost
 _monotonic_ns = time.monotonic_ns
 _pack = HEAD.pack
 
@@ -245,7 +244,7 @@ class RequestTimer:
 
         return Timer(
             core, head, self._warn_ns if warn else self._timeout_ns, self._timeout_ns, self._size,
-            MAX_METHOD, MAX_REQUEST_ID, TASK, GREENLET, self._active, self._interrupted, _current, self, Active,
+            MAX_METHOD, MAX_REQUEST_ID, TASK, GREENLET, self._active, self._interrupted, _current, self,
             self._getcurrent, self.interrupt, self._warn_ns, WARN, LOOK_INTERVAL_NS,
             getattr(asyncio.tasks, "_current_tasks", None), asyncio.current_task,
         )  # fmt: skip
@@ -388,9 +387,7 @@ class RequestTimer:
             return None
         if handle is None:
             return None
-        self._active[handle] = _new_active(
-            Active, (payload, due, thread, task, handle, started + timeout_ns, self.interrupt)
-        )
+        self._active[handle] = Active(payload, due, thread, task, handle, started + timeout_ns, self.interrupt)
         _current.set((self, handle))
         return handle
 
