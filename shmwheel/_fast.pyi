@@ -1,7 +1,7 @@
 # The worker's request timer on a path that keeps the GIL (csrc/python/fast.c).
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, ClassVar
 
 HEAD_SIZE: int
 
@@ -12,6 +12,9 @@ class Core:
     def closed(self) -> bool: ...
 
 class Active:
+    """A request in progress, as its worker's table holds it."""
+
+    __hash__: ClassVar[None]  # type: ignore[assignment]
     def __init__(
         self, payload: bytes, deadline_ns: int, thread: int, task: Any, handle: int, timeout_ns: int, interrupt: bool
     ) -> None: ...

@@ -238,12 +238,14 @@ def test_an_active_reads_as_the_named_tuple_it_stands_for() -> None:
     assert (b.payload, b.handle, b.interrupt, b.task, b.deadline_ns) == (b"", 7, False, task, 2**62)
     assert a == a._replace() and a != b and b._replace(payload=a.payload, handle=a.handle, interrupt=True) == a
     assert repr(b).startswith("Active(payload=b'', deadline_ns=4611686018427387904, thread=18446744073709551615")
-    with pytest.raises(TypeError, match="unexpected field name 'handel'"):
+    with pytest.raises(ValueError, match="unexpected field name 'handel'"):
         a._replace(handel=1)
     with pytest.raises(TypeError, match="keyword arguments only"):
         a._replace(b"")
     with pytest.raises(TypeError):
         Active("text", 0, 0, None, 0, 0, False)  # a record is bytes
+    with pytest.raises(OverflowError):
+        Active(b"", 0, -1, None, 0, 0, False)  # a thread's id is unsigned, and not cut to fit
     with pytest.raises(TypeError):
         hash(a)  # unhashable, as a table's entry that compares by value need not be hashed
 

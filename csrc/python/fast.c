@@ -192,9 +192,11 @@ static PyTypeObject CoreType = {
 /* ---- Active --------------------------------------------------------------- */
 
 /* A request in progress, as its RequestTimer's table holds it: one object,
- * its record inline, where a NamedTuple took five (the tuple, its record's
- * bytes and three ints) and the generic dealloc of a tuple subclass.  Read
- * as the NamedTuple was: by attribute, with _replace() and ==. */
+ * its record inline, where a NamedTuple took four (the tuple, its record's
+ * bytes and its two deadlines' ints) and the generic dealloc of a tuple
+ * subclass.  Read as the NamedTuple was: by attribute, with _replace() and
+ * ==.  Like a tuple it has no tp_clear: what it holds cannot change, so a
+ * cycle through it runs through its task, which the collector clears. */
 typedef struct {
     PyObject_VAR_HEAD           /* ob_size: the record's length */
     int64_t   deadline_ns;      /* when its timer fires: its warn_after stage, or its timeout */
@@ -210,25 +212,24 @@ static PyTypeObject ActiveType;
 
 #define ACTIVE_FIELDS "payload", "deadline_ns", "thread", "task", "handle", "timeout_ns", "interrupt"
 
-/* A new Active, untracked, with room for an ``n``-byte record and no task. */
+/* A new Active, untracked, with room for an ``n``-byte record, its
+ * fields zero and no task. */
 static ActiveObject *Active_alloc(Py_ssize_t n)
 {
     ActiveObject *self = PyObject_GC_NewVar(ActiveObject, &ActiveType, n);
 
-    if (self)
+    if (self) {
+        self->deadline_ns = self->timeout_ns = self->handle = 0;
+        self->thread = 0;
         self->task = NULL;
+        self->interrupt = 0;
+    }
     return self;
 }
 
 static int Active_traverse(ActiveObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->task);
-    return 0;
-}
-
-static int Active_clear(ActiveObject *self)
-{
-    Py_CLEAR(self->task);
     return 0;
 }
 
@@ -245,14 +246,19 @@ static PyObject *Active_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObj
     static char *names[] = {ACTIVE_FIELDS, NULL};
     ActiveObject *self;
     Py_buffer payload;
-    PyObject *task;
+    PyObject *thread_id, *task;
     long long deadline, handle, timeout;
     unsigned long long thread;
     int interrupt;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*LKOLLp:Active", names, &payload, &deadline, &thread, &task,
-                                     &handle, &timeout, &interrupt))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*LO!OLLp:Active", names, &payload, &deadline, &PyLong_Type,
+                                     &thread_id, &task, &handle, &timeout, &interrupt))
         return NULL;
+    thread = PyLong_AsUnsignedLongLong(thread_id);
+    if (thread == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyBuffer_Release(&payload);
+        return NULL;
+    }
     if (!(self = Active_alloc(payload.len))) {
         PyBuffer_Release(&payload);
         return NULL;
@@ -298,14 +304,23 @@ static PyObject *Active_replace(ActiveObject *self, PyObject *args, PyObject *kw
             return NULL;
         }
         for (k = 0; k < (Py_ssize_t)(sizeof names / sizeof names[0]); k++) {
-            if (!(value = PyDict_GetItemString(rest, names[k])))
-                continue;
-            Py_DECREF(PyTuple_GET_ITEM(fields, k));
-            PyTuple_SET_ITEM(fields, k, Py_NewRef(value));
-            PyDict_DelItemString(rest, names[k]);
+            PyObject *key = PyUnicode_FromString(names[k]);
+
+            value = key ? PyDict_GetItemWithError(rest, key) : NULL;
+            if (value) {
+                Py_DECREF(PyTuple_GET_ITEM(fields, k));
+                PyTuple_SET_ITEM(fields, k, Py_NewRef(value));
+            }
+            if (!key || (!value && PyErr_Occurred()) || (value && PyDict_DelItem(rest, key) < 0)) {
+                Py_XDECREF(key);
+                Py_DECREF(rest);
+                Py_DECREF(fields);
+                return NULL;
+            }
+            Py_DECREF(key);
         }
         if (PyDict_Next(rest, &pos, &name, &value)) {
-            PyErr_Format(PyExc_TypeError, "_replace() got an unexpected field name %R", name);
+            PyErr_Format(PyExc_ValueError, "_replace() got an unexpected field name %R", name);
             Py_DECREF(rest);
             Py_DECREF(fields);
             return NULL;
@@ -404,7 +419,6 @@ static PyTypeObject ActiveType = {
     .tp_new = Active_new,
     .tp_dealloc = (destructor)Active_dealloc,
     .tp_traverse = (traverseproc)Active_traverse,
-    .tp_clear = (inquiry)Active_clear,
     .tp_repr = (reprfunc)Active_repr,
     .tp_richcompare = Active_richcompare,
     .tp_hash = PyObject_HashNotImplemented,

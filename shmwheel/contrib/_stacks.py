@@ -70,13 +70,13 @@ SLACK_NS = 5_000_000  # a request this close to its deadline counts as past it (
 MAX_FRAMES = 200  # of one stack: a runaway recursion is not written out whole
 
 
-if TYPE_CHECKING or _fast_ext is None:
+if TYPE_CHECKING or _fast_ext is not None:
+    from .._fast import Active
+else:  # pragma: no cover - a build without shmwheel._fast
 
     class Active(NamedTuple):
-        """A request in progress, as its worker's table holds it.
-
-        With shmwheel._fast, its ``Active``: the same fields in one object,
-        the record inline, which the C path makes for each request."""
+        """A request in progress, as its worker's table holds it: with
+        shmwheel._fast, its ``Active``, the same fields in one object."""
 
         payload: bytes  #: its timer's record
         deadline_ns: int  #: time.monotonic_ns() when its timer fires: at its warn_after stage, or its timeout
@@ -85,9 +85,6 @@ if TYPE_CHECKING or _fast_ext is None:
         handle: int  #: its timer (extend() gives it a new one)
         timeout_ns: int  #: time.monotonic_ns() when it times out
         interrupt: bool  #: whether it is ended at its timeout
-
-else:
-    Active = _fast_ext.Active
 
 
 def writes_somewhere(logger: logging.Logger | None) -> bool:
