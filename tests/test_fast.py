@@ -748,3 +748,110 @@ def test_a_body_of_the_servers_file_wrapper_stays_one_whose_close_ends_the_timer
     with pytest.raises(OSError, match="close failed"):
         body.close()  # type: ignore[attr-defined]
     assert len(wheel) == 0 and not mw.timer._active
+
+
+class _FunctionWrapperServer:
+    """A server whose wsgi.file_wrapper is a function, as uWSGI's is: it
+    hands back the file it is given, and sends a file itself (sendfile)
+    only if the body is the object it was last given."""
+
+    def __init__(self) -> None:
+        self.given: Any = None
+
+    def file_wrapper(self, filelike: Any, blksize: int = 8192) -> Any:
+        if not hasattr(filelike, "read"):
+            raise AttributeError("object has no attribute 'read'")
+        self.given = filelike
+        return filelike
+
+
+@pytest.mark.parametrize("way", ["direct", "c", "python", "interrupt"])
+def test_a_file_handed_to_a_function_file_wrapper_is_the_body_and_its_close_ends_the_timer(make_wheel, way) -> None:
+    wheel = make_wheel(payload_size=256)
+    server = _FunctionWrapperServer()
+    files: list[_File] = []
+
+    def app(environ: dict[str, Any], start_response: object) -> Any:
+        files.append(_File(b"abc" * 5000))
+        return environ["wsgi.file_wrapper"](files[-1], 4096)
+
+    kw: dict[str, Any] = {"interrupt": True} if way == "interrupt" else {"traceback_signal": None}
+    mw = TimeoutMiddleware(app, wheel.name, 30.0, **kw)
+    assert mw.timer.prepare()
+    mw._plain = way in ("direct", "c")
+    call = mw.direct() if way == "direct" else mw
+    file_wrapper = server.file_wrapper  # one object, as uWSGI's is
+    for _ in range(2):  # the second through the stand-in kept for the server's wrapper
+        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/f", "wsgi.file_wrapper": file_wrapper}
+        body = call(environ, lambda *a: None)
+        assert body is server.given and type(body) is wsgi._TimedFile  # the server sends it itself
+        assert body.read(3) == b"abc" and body.seek(0) == 0  # the file's own, as the server reads it
+        assert len(wheel) == 1 and len(mw.timer._active) == 1
+        with pytest.raises(OSError, match="close failed"):
+            body.close()  # type: ignore[attr-defined]
+        assert files[-1].closed and len(wheel) == 0 and not mw.timer._active
+
+
+@pytest.mark.parametrize("way", ["direct", "c", "python"])
+def test_a_file_the_application_closes_before_it_answers_leaves_the_request_its_timer(make_wheel, way) -> None:
+    """What the stand-in wrapper hands out ends the timer only once it is
+    the body: closed by the application before then, the rest of the
+    request still has its timer."""
+    wheel = make_wheel(payload_size=256)
+    server = _FunctionWrapperServer()
+    seen: list[int] = []
+
+    def app(environ: dict[str, Any], start_response: object) -> Any:
+        environ["wsgi.file_wrapper"](io.BytesIO(b"read here")).close()
+        seen.append(len(wheel))
+        return environ["wsgi.file_wrapper"](io.BytesIO(b"sent"))
+
+    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+    assert mw.timer.prepare()
+    mw._plain = way != "python"
+    call = mw.direct() if way == "direct" else mw
+    body = call({"REQUEST_METHOD": "GET", "PATH_INFO": "/f", "wsgi.file_wrapper": server.file_wrapper}, lambda *a: None)
+    assert seen == [1] and body is server.given and len(wheel) == 1
+    body.close()
+    assert len(wheel) == 0 and not mw.timer._active
+
+
+@pytest.mark.parametrize("way", ["direct", "c", "python"])
+def test_a_function_file_wrapper_whose_file_is_not_the_body_leaves_the_body_to_end_the_timer(make_wheel, way) -> None:
+    """The application gave the wrapper a file, then answered otherwise: the
+    server iterates the body, whose close() ends the timer (the file's
+    second end, should it be closed too, changes nothing)."""
+    wheel = make_wheel(payload_size=256)
+    server = _FunctionWrapperServer()
+
+    def app(environ: dict[str, Any], start_response: object) -> Any:
+        timed = environ["wsgi.file_wrapper"](io.BytesIO(b"unused"))
+        return [b"other", timed.read()]
+
+    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+    assert mw.timer.prepare()
+    mw._plain = way != "python"
+    call = mw.direct() if way == "direct" else mw
+    body = call({"REQUEST_METHOD": "GET", "PATH_INFO": "/f", "wsgi.file_wrapper": server.file_wrapper}, lambda *a: None)
+    assert type(body) in (_fast.Body, wsgi._ClosingBody) and b"".join(body) == b"otherunused"
+    assert len(wheel) == 1
+    body.close()
+    assert len(wheel) == 0 and not mw.timer._active
+    server.given.close()
+    assert len(wheel) == 0
+
+
+def test_a_request_without_a_timer_hands_the_server_its_file_as_it_is(make_wheel) -> None:
+    wheel = make_wheel(payload_size=256)
+    server = _FunctionWrapperServer()
+    file = io.BytesIO(b"free")
+
+    def app(environ: dict[str, Any], start_response: object) -> Any:
+        return environ["wsgi.file_wrapper"](file)
+
+    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None, routes={"/free": None})
+    assert mw.timer.prepare()
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/free", "wsgi.file_wrapper": server.file_wrapper}
+    body = mw(environ, lambda *a: None)
+    assert body is file is server.given and environ["wsgi.file_wrapper"] == server.file_wrapper
+    assert len(wheel) == 0

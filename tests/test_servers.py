@@ -970,16 +970,19 @@ application = middleware.direct() if {direct!r} else middleware
 """
 
 
+@pytest.mark.parametrize("server_name", ["gunicorn", "uwsgi"])
 @pytest.mark.parametrize(
     ("plain", "direct"), [(True, True), (True, False), (False, False)], ids=["direct", "c", "python"]
 )
-def test_the_wsgi_middleware_keeps_gunicorns_sendfile_and_times_the_file_until_it_is_sent(
-    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch, plain: bool, direct: bool
+def test_the_wsgi_middleware_keeps_the_servers_sendfile_and_times_the_file_until_it_is_sent(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch, plain: bool, direct: bool, server_name: str
 ) -> None:
     """A file the application hands to the server's wsgi.file_wrapper is
-    still sent by Gunicorn itself, with sendfile (the file is never read in
-    Python), and the request's timer ends when the server closes it: no
-    timeout fires after a response that was sent in time."""
+    still sent by the server itself, with sendfile (the file is never read
+    in Python), and the request's timer ends when the server closes it: no
+    timeout fires after a response that was sent in time.  Gunicorn's
+    wrapper is a class, whose body the middleware makes again; uWSGI's is
+    a function, which sends the file only if the body is what it was given."""
     content = tmp_path / "content.txt"
     content.write_bytes(b"0123456789abcdef" * 8192)
     (tmp_path / "file_app.py").write_text(FILE_APP.format(path=str(content), plain=plain, direct=direct))
@@ -993,8 +996,13 @@ def test_the_wsgi_middleware_keeps_gunicorns_sendfile_and_times_the_file_until_i
             assert driver.poll() is None and time.monotonic() < give_up, driver_log.read_text()
             time.sleep(0.05)
         port = free_port()
-        cmd = [str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--pythonpath", str(tmp_path)]
-        with serve([*cmd, "--no-control-socket", "file_app:application"], port, tmp_path, "gunicorn") as server:
+        if server_name == "gunicorn":
+            cmd = [str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--pythonpath", str(tmp_path)]
+            cmd += ["--no-control-socket", "file_app:application"]
+        else:
+            cmd = [str(BIN / "uwsgi"), "--http-socket", f"127.0.0.1:{port}", "--pythonpath", str(tmp_path)]
+            cmd += ["--module", "file_app:application", "--need-app", "--master", "--die-on-term"]
+        with serve(cmd, port, tmp_path, server_name) as server:
             for _ in range(3):
                 status, body = get(port, "/")
                 assert (status, body) == (200, content.read_text())

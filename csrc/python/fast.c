@@ -455,6 +455,9 @@ typedef struct {
     PyObject   *current_task;   /* asyncio.current_task */
     PyObject   *loop;           /* the loop last found running, or NULL */
     PyObject   *holder;         /* asyncio's running-loop holder it was found under, or NULL */
+    PyObject   *server_wrapper; /* the last wsgi.file_wrapper seen that is no class, or NULL */
+    PyObject   *timing_wrapper; /* what stands for it in the environ, or None: it is left */
+    PyObject   *timed_file_type; /* the type of the file that stand-in hands the server, or NULL */
 } TimerObject;
 
 static PyTypeObject TimerType;
@@ -465,7 +468,8 @@ static PyObject *str_request_method, *str_script_name, *str_path_info, *str_requ
 static PyObject *str_method, *str_path, *str_headers, *str_running_loop;
 static PyObject *str_type, *str_more_body, *str_body_type, *str_zerocopy_type, *str_pathsend_type;
 static PyObject *str_ws_close, *str_http, *str_timer, *str_app, *str_timer_attr, *str_req_key;
-static PyObject *str_file_wrapper, *str_file_body, *str_in_c;
+static PyObject *str_file_wrapper, *str_file_body, *str_in_c, *str_timing_file_wrapper, *str_file_type;
+static PyObject *str_handle, *str_for;
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);
 
 static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
@@ -481,6 +485,9 @@ static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
     Py_VISIT(self->current_task);
     Py_VISIT(self->loop);
     Py_VISIT(self->holder);
+    Py_VISIT(self->server_wrapper);
+    Py_VISIT(self->timing_wrapper);
+    Py_VISIT(self->timed_file_type);
     /* A 3.11 holder is not tracked by the GC, and holds self->loop (the two
      * are kept together, holds_loop).  Once its thread has let go of it,
      * this Timer holds it alone, and its reference to the loop is this
@@ -504,6 +511,9 @@ static int Timer_clear(TimerObject *self)
     Py_CLEAR(self->current_task);
     Py_CLEAR(self->loop);
     Py_CLEAR(self->holder);
+    Py_CLEAR(self->server_wrapper);
+    Py_CLEAR(self->timing_wrapper);
+    Py_CLEAR(self->timed_file_type);
     return 0;
 }
 
@@ -1007,10 +1017,81 @@ static PyObject *environ_ascii(PyObject *environ, PyObject *name, PyObject *othe
     return PyUnicode_CheckExact(v) && PyUnicode_IS_ASCII(v) ? v : NULL;
 }
 
+/* Puts in the environ what stands for the server's wsgi.file_wrapper where
+ * that is a function, uWSGI's (RequestTimer._timing_file_wrapper, asked
+ * once for the last one seen): the file goes to the server as a timed one.
+ * 1 if it did, 0 if the wrapper is left as it is, -1 with an exception. */
+static int timing_file_wrapper(TimerObject *self, PyObject *environ)
+{
+    PyObject *wrapper = PyDict_GetItemWithError(environ, str_file_wrapper), *timing, *type = NULL;
+    int r = 0;
+
+    if (!wrapper)
+        return PyErr_Occurred() ? -1 : 0;
+    if (PyType_Check(wrapper))
+        return 0;               /* a class: its body is made again afterwards (_file_body) */
+    if (wrapper == self->server_wrapper) {
+        timing = self->timing_wrapper;
+    } else {
+        PyObject *old[3];
+
+        Py_INCREF(wrapper);
+        timing = PyObject_CallMethodOneArg(self->owner, str_timing_file_wrapper, wrapper);
+        if (!timing || (timing != Py_None && !(type = PyObject_GetAttr(timing, str_file_type)))) {
+            Py_XDECREF(timing);
+            Py_DECREF(wrapper);
+            return -1;
+        }
+        /* All three set before any old one goes: a finalizer that runs
+         * then may hand the GIL to a thread that reads them. */
+        old[0] = self->server_wrapper;
+        old[1] = self->timing_wrapper;
+        old[2] = self->timed_file_type;
+        self->server_wrapper = wrapper;
+        self->timing_wrapper = timing;
+        self->timed_file_type = type;
+        if (timing != Py_None)
+            r = PyDict_SetItem(environ, str_file_wrapper, timing);
+        Py_XDECREF(old[0]);
+        Py_XDECREF(old[1]);
+        Py_XDECREF(old[2]);
+        return timing == Py_None ? 0 : r < 0 ? -1 : 1;
+    }
+    if (!timing || timing == Py_None)
+        return 0;
+    return PyDict_SetItem(environ, str_file_wrapper, timing) < 0 ? -1 : 1;
+}
+
+/* Whether ``body`` is the timed file this request's stand-in wrapper handed
+ * the server, which then ends the timer when closed (wsgi._is_timed_file):
+ * 1, 0, or -1 with an exception. */
+static int is_timed_file(TimerObject *self, PyObject *body, PyObject *key)
+{
+    PyObject *value;
+    int r;
+
+    if (!self->timed_file_type || !Py_IS_TYPE(body, (PyTypeObject *)self->timed_file_type))
+        return 0;
+    if (!(value = PyObject_GetAttr(body, str_timer)))
+        return -1;
+    r = value == self->owner;
+    Py_DECREF(value);
+    if (!r)
+        return 0;
+    if (!(value = PyObject_GetAttr(body, str_for)))
+        return -1;
+    r = PyObject_RichCompareBool(value, key, Py_EQ);
+    Py_DECREF(value);
+    /* From here its close() ends the timer. */
+    return r <= 0 ? r : PyObject_SetAttr(body, str_handle, key) < 0 ? -1 : 1;
+}
+
 /* wsgi(app, environ, start_response): TimeoutMiddleware's call, start to
  * body: the request's timer started from the environ, its handle put in it
  * as ``shmwheel.timer``, the application called, and its body given back
- * in a Body; the timer finished if the application raises.
+ * in a Body (a file handed to a server's wrapper that is a function: the
+ * timed file that wrapper was given); the timer finished if the
+ * application raises.
  * NotImplemented, having called nothing, where the middleware's own path
  * takes the request: what start() gives back None for, an environ that is
  * not a dict or has a field that is not an ASCII str. */
@@ -1018,7 +1099,7 @@ static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t
 {
     PyObject *environ, *method, *script, *path, *rid, *key, *body, *wrapper, *result, *call[2];
     int64_t now;
-    int r;
+    int r, swapped = 0;
 
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "wsgi(app, environ, start_response)");
@@ -1065,12 +1146,22 @@ static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t
         Py_DECREF(key);
         Py_RETURN_NOTIMPLEMENTED;
     }
-    if (PyDict_SetItem(environ, str_environ_key, key) < 0)
+    if (PyDict_SetItem(environ, str_environ_key, key) < 0 || (swapped = timing_file_wrapper(self, environ)) < 0)
         goto failed;
     call[0] = environ;
     call[1] = args[2];
     if (!(body = PyObject_Vectorcall(args[0], call, 2, NULL)))
         goto failed;
+    /* A file the stand-in wrapper handed the server: the server sends it
+     * itself only if it is the body, and its close() ends the timer. */
+    if (swapped && (r = is_timed_file(self, body, key)) != 0) {
+        if (r < 0) {
+            Py_DECREF(body);
+            goto failed;
+        }
+        Py_DECREF(key);
+        return body;
+    }
     /* A file the server sends itself (its wsgi.file_wrapper, with sendfile):
      * made again around a file whose close() ends the timer, so that the
      * server still sends it itself (RequestTimer._file_body). */
@@ -2689,6 +2780,8 @@ static int fast_exec(PyObject *m)
         {&str_timer, "_timer"}, {&str_app, "app"}, {&str_timer_attr, "timer"},
         {&str_req_key, "shmwheel_timer"}, {&str_file_wrapper, "wsgi.file_wrapper"},
         {&str_file_body, "_file_body"}, {&str_in_c, "_in_c"},
+        {&str_timing_file_wrapper, "_timing_file_wrapper"}, {&str_file_type, "file_type"}, {&str_handle, "_handle"},
+        {&str_for, "_for"},
     };
     size_t k;
 

@@ -152,6 +152,8 @@ class RequestTimer:
         self._routes = compile_routes(routes, round(self.timeout * 1e9))
         self._warn_ns = 0 if self.warn_after is None else round(self.warn_after * 1e9)
         self._interrupted: set[int] = set()  # handles of the requests interrupted
+        # The server's wsgi.file_wrapper last seen, and what stands for it (see _timing_file_wrapper).
+        self._file_wrapper: tuple[object, Any] = (None, None)
         #: Handles of the requests whose code is the application's right now,
         #: kept by the adapters that answer an interrupted request (``gated``):
         #: a request only ever sees its interrupt there, never in the
@@ -487,6 +489,19 @@ class RequestTimer:
             if self._interrupted:
                 self._interrupted.discard(handle)
         self._finished(active)
+
+    def _timing_file_wrapper(self, wrapper: object) -> Any:
+        """The stand-in for a server's ``wsgi.file_wrapper`` that is a
+        function (:func:`shmwheel.contrib.wsgi.file_wrapper_for`), made once
+        for the last one seen; None to leave it.  Also for shmwheel._fast's
+        Timer.wsgi."""
+        seen, timing = self._file_wrapper
+        if wrapper is not seen:
+            from .wsgi import file_wrapper_for
+
+            timing = file_wrapper_for(wrapper, self)
+            self._file_wrapper = (wrapper, timing)
+        return timing
 
     def _file_body(self, body: Any, wrapper: type, handle: int) -> Any:
         """For shmwheel._fast's Timer.wsgi: :func:`shmwheel.contrib.wsgi.timed_file`."""

@@ -97,6 +97,8 @@ class TimeoutMiddleware:
         )
         environ["shmwheel.timer"] = handle
         try:
+            if handle is not None:
+                timing_file_wrapper(environ, timer)
             if timer.interrupt and handle is not None:
                 body = _call_interruptible(self.app, environ, start_response, timer, handle)
             else:
@@ -104,6 +106,8 @@ class TimeoutMiddleware:
         except BaseException:
             timer.finish(handle)
             raise
+        if handle is None or _is_timed_file(body, timer, handle):
+            return body  # nothing to end, or a file the server sends itself that ends the timer
         wrapper = _file_wrapper_of(environ, body)
         if wrapper is not None and (timed := timed_file(body, wrapper, timer, handle)) is not None:
             return timed
@@ -168,7 +172,7 @@ def _call_interruptible(
     except BaseException:
         in_app.discard(handle)
         raise
-    if not replaced[0] and _file_wrapper_of(environ, body) is not None:
+    if not replaced[0] and (_file_wrapper_of(environ, body) is not None or _is_timed_file(body, timer, handle)):
         return body  # a file the server sends itself (sendfile): no code of the application's runs from here
     return _InterruptibleBody(body, start_response, timer, handle, replaced)
 
@@ -271,9 +275,17 @@ class _ClosingBody:
 class _TimedFile(_ClosingBody):
     """A file that the server sends itself: the file's own fileno(),
     read(), seek() and mode, and a close() that ends the request's timer
-    after the file's own close()."""
+    after the file's own close().  One made for the application, by a
+    :class:`_TimingFileWrapper`, ends nothing until the middleware has it
+    back as the body (``_for`` is its request's handle until then): closed
+    by the application before, it would leave the rest of the request
+    without a timer."""
 
-    __slots__ = ()
+    __slots__ = ("_for",)
+
+    def __init__(self, body: Any, timer: RequestTimer, handle: int | None, for_handle: int | None = None) -> None:
+        super().__init__(body, timer, handle)
+        self._for = for_handle
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._body, name)
@@ -283,6 +295,62 @@ def _file_wrapper_of(environ: Environ, body: object) -> type | None:
     """The server's ``wsgi.file_wrapper`` if ``body`` is one it made, else None."""
     wrapper = environ.get("wsgi.file_wrapper")
     return wrapper if isinstance(wrapper, type) and type(body) is wrapper else None
+
+
+class _TimingFileWrapper:
+    """A server's ``wsgi.file_wrapper`` that is a function, uWSGI's, as the
+    middleware hands it to the application: the file goes to the server in
+    a :class:`_TimedFile`.  uWSGI sends the file itself (sendfile) only if
+    the body is the very object its wrapper was last given, so the file
+    cannot be made a timed one afterwards, as a wrapper that is a class is
+    made again (:func:`timed_file`).  A request without a timer hands the
+    server its file as it is."""
+
+    __slots__ = ("wrapper", "timer")
+
+    #: The type of what it hands the server; shmwheel._fast's Timer.wsgi reads it.
+    file_type = _TimedFile
+
+    def __init__(self, wrapper: Callable[..., Any], timer: RequestTimer) -> None:
+        self.wrapper = wrapper
+        self.timer = timer
+
+    def __call__(self, filelike: Any, *args: Any, **kwargs: Any) -> Any:
+        handle = current_handle(self.timer)
+        if handle is not None:
+            filelike = _TimedFile(filelike, self.timer, None, handle)
+        return self.wrapper(filelike, *args, **kwargs)
+
+
+def timing_file_wrapper(environ: Environ, timer: RequestTimer) -> None:
+    """Put in ``environ`` the :class:`_TimingFileWrapper` of the server's
+    ``wsgi.file_wrapper`` if that is a function (a class is left, its
+    bodies made again afterwards by :func:`timed_file`)."""
+    wrapper = environ.get("wsgi.file_wrapper")
+    if wrapper is not None:
+        timing = timer._timing_file_wrapper(wrapper)
+        if timing is not None:
+            environ["wsgi.file_wrapper"] = timing
+
+
+def file_wrapper_for(wrapper: object, timer: RequestTimer) -> _TimingFileWrapper | None:
+    """The :class:`_TimingFileWrapper` that stands for ``wrapper``, or None
+    where the server's wrapper is left as it is."""
+    if isinstance(wrapper, _TimingFileWrapper):  # the environ has been through this middleware
+        return wrapper if wrapper.timer is timer else None
+    if isinstance(wrapper, type) or not callable(wrapper):
+        return None
+    return _TimingFileWrapper(wrapper, timer)
+
+
+def _is_timed_file(body: object, timer: RequestTimer, handle: int) -> bool:
+    """Whether ``body`` is the file a :class:`_TimingFileWrapper` handed the
+    server for this request: then the server sends it itself, and from here
+    its close() ends the timer."""
+    if type(body) is not _TimedFile or body._timer is not timer or body._for != handle:
+        return False
+    body._handle = handle
+    return True
 
 
 def timed_file(body: Any, wrapper: type, timer: RequestTimer, handle: int | None) -> Iterable[bytes] | None:
