@@ -1023,18 +1023,16 @@ static PyObject *environ_ascii(PyObject *environ, PyObject *name, PyObject *othe
  * 1 if it did, 0 if the wrapper is left as it is, -1 with an exception. */
 static int timing_file_wrapper(TimerObject *self, PyObject *environ)
 {
-    PyObject *wrapper = PyDict_GetItemWithError(environ, str_file_wrapper), *timing, *type = NULL;
-    int r = 0;
+    PyObject *wrapper = PyDict_GetItemWithError(environ, str_file_wrapper), *timing, *type = NULL, *old[3];
+    int r;
 
     if (!wrapper)
         return PyErr_Occurred() ? -1 : 0;
     if (PyType_Check(wrapper))
         return 0;               /* a class: its body is made again afterwards (_file_body) */
     if (wrapper == self->server_wrapper) {
-        timing = self->timing_wrapper;
+        timing = Py_XNewRef(self->timing_wrapper);
     } else {
-        PyObject *old[3];
-
         Py_INCREF(wrapper);
         timing = PyObject_CallMethodOneArg(self->owner, str_timing_file_wrapper, wrapper);
         if (!timing || (timing != Py_None && !(type = PyObject_GetAttr(timing, str_file_type)))) {
@@ -1048,18 +1046,15 @@ static int timing_file_wrapper(TimerObject *self, PyObject *environ)
         old[1] = self->timing_wrapper;
         old[2] = self->timed_file_type;
         self->server_wrapper = wrapper;
-        self->timing_wrapper = timing;
+        self->timing_wrapper = Py_NewRef(timing);
         self->timed_file_type = type;
-        if (timing != Py_None)
-            r = PyDict_SetItem(environ, str_file_wrapper, timing);
         Py_XDECREF(old[0]);
         Py_XDECREF(old[1]);
         Py_XDECREF(old[2]);
-        return timing == Py_None ? 0 : r < 0 ? -1 : 1;
     }
-    if (!timing || timing == Py_None)
-        return 0;
-    return PyDict_SetItem(environ, str_file_wrapper, timing) < 0 ? -1 : 1;
+    r = !timing || timing == Py_None ? 0 : PyDict_SetItem(environ, str_file_wrapper, timing) < 0 ? -1 : 1;
+    Py_XDECREF(timing);
+    return r;
 }
 
 /* Whether ``body`` is the timed file this request's stand-in wrapper handed
