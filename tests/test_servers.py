@@ -669,7 +669,15 @@ def test_uwsgi_group_shutdown_never_leaks_the_wheel(tmp_path: Path) -> None:
             # lands there is the KeyboardInterrupt uWSGI swallows.
             time.sleep(0.3)
             signal_group(server.proc.pid, signum, order, mule)
-            assert server.proc.wait(WAIT) == 0, server.log()[-3000:]
+            try:
+                code = server.proc.wait(WAIT)
+            except subprocess.TimeoutExpired:
+                pytest.fail(
+                    f"run {run}: uWSGI still up {WAIT:g} s after {signal.Signals(signum).name} "
+                    f"(die-on-term {die_on_term}, {order}); processes {live_members(server.proc.pid)}:\n"
+                    + server.log()[-4000:]
+                )
+            assert code == 0, server.log()[-3000:]
             give_up = time.monotonic() + WAIT
             while live_members(server.proc.pid):  # the wheel's remover, if any, on its way out
                 assert time.monotonic() < give_up, "processes of the server outlived it"
