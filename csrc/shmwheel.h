@@ -168,6 +168,9 @@ int32_t shmw_lock_holder(shmw_t *w);
  * wheel without a driver, fires what is due into `records`. */
 int64_t shmw_add(shmw_t *w, double delay_s, const char *payload, uint32_t len, uint32_t flags);
 int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t len, uint32_t flags);
+/* shmw_add_at for a deadline in nanoseconds on CLOCK_MONOTONIC, as a
+ * caller that reads the clock itself has it: no conversion from seconds. */
+int64_t shmw_add_at_ns(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags);
 int     shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
                       const char *payloads, const uint32_t *lens, int64_t *handles);
 int     shmw_cancel(shmw_t *w, int64_t handle);

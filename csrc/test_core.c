@@ -114,11 +114,14 @@ static void model_run(void)
             int level = (int)(rnd() % 10);
             int64_t ticks = (rnd() & 1) ? (int64_t)(rnd() % (1ULL << 40))
                                         : (int64_t)(1LL << (4 * level)) + (int64_t)(rnd() % 5) - 2;
-            double at = (double)(now_ns + ticks * 1000000LL + (int64_t)(rnd() % 1000000)) / 1e9;
-            int64_t h = shmw_add_at(w, at, "payload", 7, 0);
+            /* Half in seconds, half in nanoseconds (as shmwheel._fast adds). */
+            int64_t at_ns = now_ns + ticks * 1000000LL + (int64_t)(rnd() % 1000000);
+            double at = (double)at_ns / 1e9;
+            int by_ns = (int)(rnd() & 1);
+            int64_t h = by_ns ? shmw_add_at_ns(w, at_ns, "payload", 7, 0) : shmw_add_at(w, at, "payload", 7, 0);
             EXPECT(h > 0, "add_at failed: %lld", (long long)h);
             m.handle[m.n] = h;
-            m.deadline_ns[m.n++] = to_ns(at);
+            m.deadline_ns[m.n++] = by_ns ? at_ns : to_ns(at);
         } else if (r < 60 && m.n > 0) {
             int k = (int)(rnd() % (uint64_t)m.n);
             EXPECT(shmw_cancel(w, m.handle[k]) == 1, "cancel of a pending timer failed");
@@ -183,7 +186,7 @@ static void scribble_run(void)
         int k, more, params_hit = 0, rc;
         int64_t handles[8];
         for (k = 0; k < 8; k++)
-            handles[k] = shmw_add_at(w, (double)(now_ns + (1LL << (3 * k)) * 1000000LL) / 1e9, "x", 1, 0);
+            handles[k] = shmw_add_at_ns(w, now_ns + (1LL << (3 * k)) * 1000000LL, "x", 1, 0);
         for (k = 0; k < 1 + (int)(rnd() % 6); k++) {
             uint64_t off = rnd() % size;
             if (off >= mutex_lo && off < mutex_hi)

@@ -92,7 +92,7 @@ except ImportError:  # pragma: no cover - built beside the cffi module by setup.
     _fast_ext = None
 # The fast path calls the core of this very cffi module, by address: it links no copy of its own.
 _FAST_ENTRIES = (
-    int(ffi.cast("uintptr_t", ffi.addressof(lib, "shmw_add_at"))),
+    int(ffi.cast("uintptr_t", ffi.addressof(lib, "shmw_add_at_ns"))),
     int(ffi.cast("uintptr_t", ffi.addressof(lib, "shmw_try_cancel"))),
 )
 #: Seconds a Wheel waits before it asks again for a producer id the

@@ -402,6 +402,23 @@ def test_delay_beyond_the_maximum_names_it(wheel: shmwheel.Wheel) -> None:
     assert len(wheel) == 0
 
 
+def test_an_add_in_nanoseconds_checks_its_deadline_and_keeps_it_to_the_nanosecond(wheel: shmwheel.Wheel) -> None:
+    # shmw_add_at_ns is the worker's path's add (shmwheel._fast): no Python
+    # wrapper checks its argument, so the core must.
+    now_ns = to_ns(clock(wheel))
+    assert lib.shmw_add_at_ns(wheel._w, -1, ffi.NULL, 0, 0) == lib.SHMW_ETIME
+    far = now_ns + lib.SHMW_MAX_DELAY_NS + 10**9
+    assert lib.shmw_add_at_ns(wheel._w, far, ffi.NULL, 0, 0) == lib.SHMW_ERANGE
+    assert lib.shmw_add_at_ns(wheel._w, now_ns + 1, b"x" * 100_000, 100_000, 0) == lib.SHMW_EPAYLOAD
+    assert lib.shmw_add_at_ns(wheel._w, now_ns + 1, ffi.NULL, 0, 1 << 30) == lib.SHMW_EINVAL
+    assert len(wheel) == 0
+    deadline_ns = now_ns + 123_456_789
+    h = lib.shmw_add_at_ns(wheel._w, deadline_ns, b"ns", 2, 0)
+    assert h > 0
+    (f,) = wheel.poll(seconds_at_least(now_ns + 10**9))
+    assert (f.handle, f.deadline_ns, f.payload) == (h, deadline_ns, b"ns")
+
+
 @pytest.mark.parametrize(
     "huge, words",
     [(2**1024, "maximum delay of 4611686018 s"), (10**400, "maximum"), (-(2**1024), "non-negative")],

@@ -204,19 +204,16 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
     return SHMW_OK;
 }
 
-/* The deadline `seconds` names: a delay from now, or (absolute) a time on
+/* The deadline `ns` names: a delay from now, or (absolute) a time on
  * CLOCK_MONOTONIC; either way at most SHMW_MAX_DELAY_NS ahead.  *now_ns is
  * the clock's reading, made here on first need (-1: not read yet) and
  * kept for the caller's next deadline.  An absolute time below
  * SHMW_MAX_DELAY_NS is never too far ahead, so a caller that has read the
  * clock itself (shmwheel._fast) does not pay for a second read.  No lock. */
-static int deadline_of(double seconds, int absolute, int64_t *now_ns, int64_t *deadline_ns)
+static int deadline_of_ns(int64_t ns, int absolute, int64_t *now_ns, int64_t *deadline_ns)
 {
-    int64_t ns;
-    int rc = shmw_seconds_to_ns(seconds, &ns);
-
-    if (rc)
-        return rc;
+    if (ns < 0)
+        return SHMW_ETIME;
     if (!absolute || ns > SHMW_MAX_DELAY_NS) {
         if (*now_ns < 0)
             *now_ns = shmw_now_ns();
@@ -232,19 +229,26 @@ static int deadline_of(double seconds, int absolute, int64_t *now_ns, int64_t *d
     return SHMW_OK;
 }
 
+/* deadline_of_ns for a deadline in seconds, as the public calls take it. */
+static int deadline_of(double seconds, int absolute, int64_t *now_ns, int64_t *deadline_ns)
+{
+    int64_t ns;
+    int rc = shmw_seconds_to_ns(seconds, &ns);
+
+    return rc ? rc : deadline_of_ns(ns, absolute, now_ns, deadline_ns);
+}
+
 static void wake_clock(shmw_t *w)
 {
     shmw__futex_wake_all(&w->hdr->wake_word);
 }
 
-static int64_t add_checked(shmw_t *w, double seconds, int absolute, const char *payload, uint32_t len,
-                           uint32_t flags)
+/* An add of a deadline already checked by deadline_of[_ns]. */
+static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags)
 {
-    int64_t handle = 0, deadline_ns, now_ns = -1;
+    int64_t handle = 0;
     int rc, wake = 0;
 
-    if ((rc = deadline_of(seconds, absolute, &now_ns, &deadline_ns)))
-        return rc;
     if (!w)
         return SHMW_ECLOSED;
     if (len > w->payload_size)
@@ -266,14 +270,31 @@ static int64_t add_checked(shmw_t *w, double seconds, int absolute, const char *
     return rc ? rc : handle;
 }
 
+static int64_t add_seconds(shmw_t *w, double seconds, int absolute, const char *payload, uint32_t len,
+                           uint32_t flags)
+{
+    int64_t deadline_ns, now_ns = -1;
+    int rc = deadline_of(seconds, absolute, &now_ns, &deadline_ns);
+
+    return rc ? rc : add_checked(w, deadline_ns, payload, len, flags);
+}
+
 int64_t shmw_add(shmw_t *w, double delay_s, const char *payload, uint32_t len, uint32_t flags)
 {
-    return add_checked(w, delay_s, 0, payload, len, flags);
+    return add_seconds(w, delay_s, 0, payload, len, flags);
 }
 
 int64_t shmw_add_at(shmw_t *w, double deadline_s, const char *payload, uint32_t len, uint32_t flags)
 {
-    return add_checked(w, deadline_s, 1, payload, len, flags);
+    return add_seconds(w, deadline_s, 1, payload, len, flags);
+}
+
+int64_t shmw_add_at_ns(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags)
+{
+    int64_t now_ns = -1;
+    int rc = deadline_of_ns(deadline_ns, 1, &now_ns, &deadline_ns);
+
+    return rc ? rc : add_checked(w, deadline_ns, payload, len, flags);
 }
 
 int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,

@@ -7,7 +7,7 @@
  * GIL goes to another thread, and getting it back is a context switch or
  * two.  This module makes the request's add and cancel as plain C calls
  * that keep the GIL, into the SAME core the cffi module holds: it links
- * none of csrc/core; the cffi module hands over the addresses of shmw_add_at
+ * none of csrc/core; the cffi module hands over the addresses of shmw_add_at_ns
  * and shmw_try_cancel and the Wheel's shmw_t * (shmwheel/_wheel.py,
  * Wheel.fast_core).  Keeping the GIL while waiting for the lock would stall
  * every thread of the process, so the path only ever tries the lock
@@ -66,7 +66,7 @@
 
 #include "shmwheel.h"
 
-typedef int64_t (*add_at_fn)(shmw_t *w, double deadline_s, const char *payload, uint32_t len, uint32_t flags);
+typedef int64_t (*add_at_fn)(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags);
 typedef int (*try_cancel_fn)(shmw_t *w, int64_t handle);
 
 /* The request record's head (_record.py's HEAD, "<BBBBIQqQQBBHI"): the
@@ -116,7 +116,7 @@ static inline int64_t monotonic_ns(void)
 typedef struct {
     PyObject_HEAD
     shmw_t        *w;           /* NULL once closed: every call gives up */
-    add_at_fn      add_at;      /* shmw_add_at: the deadline from the clock read here, not read again */
+    add_at_fn      add_at;      /* shmw_add_at_ns: the deadline from the clock read here, not read again */
     try_cancel_fn  try_cancel;
     PyObject      *keep;        /* the cffi objects that own *w and its mapping */
 } CoreObject;
@@ -783,7 +783,7 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
         memcpy(buf + HEAD_SIZE + mlen + rlen + l1, p2, (size_t)l2);
 
     /* The one call under the segment's lock: a try, which the GIL allows. */
-    handle = self->core->add_at(w, (double)(due > now ? due : now) / 1e9, buf, (uint32_t)n,
+    handle = self->core->add_at(w, due > now ? due : now, buf, (uint32_t)n,
                                 SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK);
     if (handle < 0) {
         Py_DECREF(active);
