@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,22 @@ def live_members(pgid: int) -> list[int]:
             if fields[0] != b"Z" and int(fields[2]) == pgid:
                 pids.append(int(stat.parent.name))
     return pids
+
+
+def where_they_wait(pids: list[int]) -> str:
+    """Each thread of ``pids``: its name, state, the kernel function it
+    sleeps in and its system call, for a test that found a process that
+    would not exit."""
+    lines = []
+    for pid in pids:
+        for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda t: int(t.name)):
+            with contextlib.suppress(OSError):
+                name = (task / "comm").read_text().strip()
+                state = (task / "stat").read_bytes().rsplit(b")", 1)[1].split()[0].decode()
+                wchan = (task / "wchan").read_text().strip() or "-"
+                call = (task / "syscall").read_text().split()[0]  # its number, or "running"
+                lines.append(f"  {pid}/{task.name} {name} {state} {wchan} syscall {call}")
+    return "\n".join(lines)
 
 
 def assert_nothing_left(server: Server) -> None:
@@ -642,16 +659,30 @@ def signal_group(pgid: int, signum: int, order: str, mule: int) -> None:
                 os.kill(pid, signum)
 
 
+# How long uWSGI's master waits for a worker it told to stop before it
+# kills it (worker-reload-mercy, 60 s unless set): well under WAIT.
+WORKER_MERCY = 8
+NO_MERCY = re.compile(r"worker \d+ \(pid: (\d+)\) is taking too much time to die\.\.\.NO MERCY")
+
+
 def test_uwsgi_group_shutdown_never_leaks_the_wheel(tmp_path: Path) -> None:
     """A signal to the whole process group (systemd's KillMode=control-group,
     timeout(1)) reaches the mule as well as the master, in any order; twenty
-    shutdowns in a row leave no wheel behind."""
-    leaked = []
+    shutdowns in a row leave no wheel behind.
+
+    A worker that a SIGINT catches in Python code (closing a response, on
+    a busy machine) may not exit (uWSGI's exit() runs its Python exit hooks
+    from the signal handler); its master kills it after worker-reload-mercy,
+    and the wheel must not outlive that either.  Such a shutdown is
+    reported as a warning with the worker's threads; a mule (the driver,
+    shmwheel's own code) that does not exit fails the test."""
+    leaked, slow = [], []
     for run in range(20):
         signum, die_on_term = GROUP_SHUTDOWNS[run % len(GROUP_SHUTDOWNS)]
         order = ("killpg", "master first", "mule first")[run % 3]
+        what = f"run {run}: {signal.Signals(signum).name} (die-on-term {die_on_term}, {order})"
         port = free_port()
-        ini = uwsgi_ini(tmp_path, port, **{"die-on-term": die_on_term})
+        ini = uwsgi_ini(tmp_path, port, **{"die-on-term": die_on_term, "worker-reload-mercy": str(WORKER_MERCY)})
         with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
             mule = int(server.wait_for(r"driver (\d+): running on wheel").group(1))
             # Both workers past their postfork hooks: a SIGINT that lands in
@@ -665,26 +696,38 @@ def test_uwsgi_group_shutdown_never_leaks_the_wheel(tmp_path: Path) -> None:
                 if status == 200:
                     answered.add(body)
             # Past the end of their last request too: a worker closes a
-            # response in Python after the client has it, and a SIGINT that
-            # lands there is the KeyboardInterrupt uWSGI swallows.
+            # response in Python after the client has it.
             time.sleep(0.3)
             signal_group(server.proc.pid, signum, order, mule)
+            threads = ""
             try:
-                code = server.proc.wait(WAIT)
+                code = server.proc.wait(WORKER_MERCY / 2)
             except subprocess.TimeoutExpired:
-                pytest.fail(
-                    f"run {run}: uWSGI still up {WAIT:g} s after {signal.Signals(signum).name} "
-                    f"(die-on-term {die_on_term}, {order}); processes {live_members(server.proc.pid)}:\n"
-                    + server.log()[-4000:]
-                )
-            assert code == 0, server.log()[-3000:]
+                threads = where_they_wait(live_members(server.proc.pid))
+                try:
+                    code = server.proc.wait(WAIT)
+                except subprocess.TimeoutExpired:
+                    pytest.fail(
+                        f"{what}: uWSGI still up {WAIT + WORKER_MERCY / 2:g} s after the signal; mule {mule}; "
+                        f"threads {WORKER_MERCY / 2:g} s after it:\n{threads}\nnow:\n"
+                        f"{where_they_wait(live_members(server.proc.pid))}\n" + server.log()[-4000:]
+                    )
+            log = server.log()
+            assert code == 0, log[-3000:]
+            killed = NO_MERCY.findall(log)
+            if killed:
+                slow.append(f"{what}: uWSGI killed worker(s) {', '.join(killed)}; threads:\n{threads}")
             give_up = time.monotonic() + WAIT
             while live_members(server.proc.pid):  # the wheel's remover, if any, on its way out
                 assert time.monotonic() < give_up, "processes of the server outlived it"
                 time.sleep(0.02)
             if not no_segment(server.wheel):
-                leaked.append(f"{signal.Signals(signum).name} (die-on-term {die_on_term}, {order})")
+                leaked.append(what)
     assert not leaked, f"{len(leaked)} of 20 group shutdowns left the wheel: {leaked}"
+    if slow:
+        warnings.warn(
+            f"{len(slow)} of 20 group shutdowns waited for uWSGI to kill a worker:\n" + "\n".join(slow), stacklevel=1
+        )
 
 
 def test_uwsgi_without_the_driver_mule_says_so_and_leaves_no_wheel(tmp_path: Path) -> None:
