@@ -14,6 +14,10 @@
 
 #define SHMW_MAGIC          0x6c656568776d6873ULL  /* a segment's first 8 bytes: "shmwheel", little-endian */
 #define SHMW_LAYOUT_VERSION 6                      /* the 4 bytes after them */
+/* The functions' signatures, one more each time one changes: shmwheel._fast
+ * calls the cffi module's functions by address, and refuses to load beside
+ * a module built from another version of this header. */
+#define SHMW_API_VERSION    2
 
 /* What create accepts. */
 #define SHMW_MIN_WHEEL_BITS 4                 /* 16 buckets a level */

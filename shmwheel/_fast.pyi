@@ -4,6 +4,7 @@ from contextvars import ContextVar
 from typing import Any, ClassVar
 
 HEAD_SIZE: int
+API_VERSION: int
 
 class Core:
     def __init__(self, w: int, add_at: int, try_cancel: int, keep: object) -> None: ...

@@ -90,6 +90,13 @@ try:  # the worker's path that keeps the GIL (csrc/python/fast.c); a build witho
     from . import _fast as _fast_ext
 except ImportError:  # pragma: no cover - built beside the cffi module by setup.py
     _fast_ext = None
+if _fast_ext is not None and getattr(_fast_ext, "API_VERSION", None) != lib.SHMW_API_VERSION:
+    # It would call this module's functions with another signature.
+    raise ImportError(
+        f"shmwheel: shmwheel._fast and shmwheel._shmwheel in {os.path.dirname(__file__)} were built from different "
+        "versions of the C sources; build them again together (pip install --force-reinstall shmwheel, or "
+        "pip install -e . in a checkout)"
+    )
 # The fast path calls the core of this very cffi module, by address: it links no copy of its own.
 _FAST_ENTRIES = (
     int(ffi.cast("uintptr_t", ffi.addressof(lib, "shmw_add_at_ns"))),

@@ -9,6 +9,7 @@ import ctypes
 import gc
 import io
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -60,6 +61,19 @@ CASES = [
     ("GÉT", "/x", "r"),  # replaced characters: encode_request's way
     ("GET", "/" + "p" * 300, "r"),  # cut to fit
 ]
+
+
+def test_the_fast_module_refuses_to_load_beside_a_core_built_from_other_sources() -> None:
+    # _fast calls the cffi module's functions by address: a stale build of
+    # either one would call them with the wrong arguments.
+    assert _fast.API_VERSION == lib.SHMW_API_VERSION
+    stale = "import sys, types; sys.modules['shmwheel._fast'] = types.SimpleNamespace(API_VERSION=1); import shmwheel"
+    run = subprocess.run([sys.executable, "-c", stale], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert run.stderr.splitlines()[-1].startswith("ImportError: shmwheel: shmwheel._fast and shmwheel._shmwheel in "), (
+        run.stderr
+    )
+    assert "were built from different versions of the C sources" in run.stderr
 
 
 def _timer(wheel: shmwheel.Wheel, **kw: object) -> RequestTimer:

@@ -68,6 +68,10 @@
 
 typedef int64_t (*add_at_fn)(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags);
 typedef int (*try_cancel_fn)(shmw_t *w, int64_t handle);
+/* The core's own prototypes: a change there is a compile error here (and
+ * SHMW_API_VERSION tells a stale build of either module at import). */
+_Static_assert(__builtin_types_compatible_p(add_at_fn, __typeof__(&shmw_add_at_ns)), "add_at_fn: shmw_add_at_ns");
+_Static_assert(__builtin_types_compatible_p(try_cancel_fn, __typeof__(&shmw_try_cancel)), "try_cancel_fn: shmw_try_cancel");
 
 /* The request record's head (_record.py's HEAD, "<BBBBIQqQQBBHI"): the
  * offsets of the fields that change from one request to the next.  The
@@ -2805,7 +2809,8 @@ static int fast_exec(PyObject *m)
         || PyModule_AddObjectRef(m, "ASGI", (PyObject *)&ASGIType) < 0
         || PyModule_AddObjectRef(m, "Hooks", (PyObject *)&HooksType) < 0
         || PyModule_AddObjectRef(m, "Coroutine", (PyObject *)&CoroutineType) < 0
-        || PyModule_AddIntConstant(m, "HEAD_SIZE", HEAD_SIZE) < 0)
+        || PyModule_AddIntConstant(m, "HEAD_SIZE", HEAD_SIZE) < 0
+        || PyModule_AddIntConstant(m, "API_VERSION", SHMW_API_VERSION) < 0)
         return -1;
     return 0;
 }
