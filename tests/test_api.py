@@ -407,16 +407,23 @@ def test_an_add_in_nanoseconds_checks_its_deadline_and_keeps_it_to_the_nanosecon
     # wrapper checks its argument, so the core must.
     now_ns = to_ns(clock(wheel))
     assert lib.shmw_add_at_ns(wheel._w, -1, ffi.NULL, 0, 0) == lib.SHMW_ETIME
-    far = now_ns + lib.SHMW_MAX_DELAY_NS + 10**9
+    assert lib.shmw_add_at_ns(wheel._w, -(2**63), ffi.NULL, 0, 0) == lib.SHMW_ETIME
+    # Too far ahead is judged on the real clock, as shmw_add_at judges it.
+    far = time.monotonic_ns() + lib.SHMW_MAX_DELAY_NS + 10**9
     assert lib.shmw_add_at_ns(wheel._w, far, ffi.NULL, 0, 0) == lib.SHMW_ERANGE
+    assert lib.shmw_add_at_ns(wheel._w, 2**63 - 1, ffi.NULL, 0, 0) == lib.SHMW_ERANGE
     assert lib.shmw_add_at_ns(wheel._w, now_ns + 1, b"x" * 100_000, 100_000, 0) == lib.SHMW_EPAYLOAD
     assert lib.shmw_add_at_ns(wheel._w, now_ns + 1, ffi.NULL, 0, 1 << 30) == lib.SHMW_EINVAL
     assert len(wheel) == 0
-    deadline_ns = now_ns + 123_456_789
-    h = lib.shmw_add_at_ns(wheel._w, deadline_ns, b"ns", 2, 0)
-    assert h > 0
-    (f,) = wheel.poll(seconds_at_least(now_ns + 10**9))
-    assert (f.handle, f.deadline_ns, f.payload) == (h, deadline_ns, b"ns")
+    furthest = lib.shmw_add_at_ns(wheel._w, time.monotonic_ns() + lib.SHMW_MAX_DELAY_NS, ffi.NULL, 0, 0)
+    assert furthest > 0 and wheel.cancel(furthest)
+    # Exact where seconds in a double are not: 2**60 ns is 36 years, and a
+    # double of that many seconds is good to about 240 ns.
+    for deadline_ns in (now_ns + 123_456_789, now_ns + 2**60 + 1):
+        h = lib.shmw_add_at_ns(wheel._w, deadline_ns, b"ns", 2, 0)
+        assert h > 0
+        (f,) = wheel.poll(seconds_at_least(deadline_ns + 10**9))
+        assert (f.handle, f.deadline_ns, f.payload) == (h, deadline_ns, b"ns")
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,15 +131,24 @@ def where_they_wait(pids: list[int]) -> str:
     """Each thread of ``pids``: its name, state, the kernel function it
     sleeps in and its system call, for a test that found a process that
     would not exit."""
+
+    def read(path: Path, part: Callable[[str], str] = str.strip) -> str:
+        try:
+            return part(path.read_text(errors="replace")) or "-"
+        except (OSError, IndexError):  # gone meanwhile, or not ours to read
+            return "?"
+
     lines = []
     for pid in pids:
-        for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda t: int(t.name)):
-            with contextlib.suppress(OSError):
-                name = (task / "comm").read_text().strip()
-                state = (task / "stat").read_bytes().rsplit(b")", 1)[1].split()[0].decode()
-                wchan = (task / "wchan").read_text().strip() or "-"
-                call = (task / "syscall").read_text().split()[0]  # its number, or "running"
-                lines.append(f"  {pid}/{task.name} {name} {state} {wchan} syscall {call}")
+        try:
+            tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        except OSError:  # exited meanwhile
+            continue
+        for tid in tids:
+            task = Path(f"/proc/{pid}/task/{tid}")
+            state = read(task / "stat", lambda s: s.rsplit(")", 1)[1].split()[0])
+            call = read(task / "syscall", lambda s: s.split()[0])  # its number, or "running"
+            lines.append(f"  {pid}/{tid} {read(task / 'comm')} {state} {read(task / 'wchan')} syscall {call}")
     return "\n".join(lines)
 
 
@@ -660,8 +669,11 @@ def signal_group(pgid: int, signum: int, order: str, mule: int) -> None:
 
 
 # How long uWSGI's master waits for a worker it told to stop before it
-# kills it (worker-reload-mercy, 60 s unless set): well under WAIT.
+# kills it (worker-reload-mercy, 60 s unless set): well under WAIT.  And
+# how many of the twenty shutdowns may need that: about one in a hundred
+# did (a full run in four) before it was set; more is a pattern, not luck.
 WORKER_MERCY = 8
+WORKER_KILLS_TAKEN = 2
 NO_MERCY = re.compile(r"worker \d+ \(pid: (\d+)\) is taking too much time to die\.\.\.NO MERCY")
 
 
@@ -674,8 +686,9 @@ def test_uwsgi_group_shutdown_never_leaks_the_wheel(tmp_path: Path) -> None:
     a busy machine) may not exit (uWSGI's exit() runs its Python exit hooks
     from the signal handler); its master kills it after worker-reload-mercy,
     and the wheel must not outlive that either.  Such a shutdown is
-    reported as a warning with the worker's threads; a mule (the driver,
-    shmwheel's own code) that does not exit fails the test."""
+    reported as a warning with the worker's threads, and more than
+    WORKER_KILLS_TAKEN of them fail the test; a mule (the driver,
+    shmwheel's own code) that does not exit fails it at once."""
     leaked, slow = [], []
     for run in range(20):
         signum, die_on_term = GROUP_SHUTDOWNS[run % len(GROUP_SHUTDOWNS)]
@@ -725,9 +738,9 @@ def test_uwsgi_group_shutdown_never_leaks_the_wheel(tmp_path: Path) -> None:
                 leaked.append(what)
     assert not leaked, f"{len(leaked)} of 20 group shutdowns left the wheel: {leaked}"
     if slow:
-        warnings.warn(
-            f"{len(slow)} of 20 group shutdowns waited for uWSGI to kill a worker:\n" + "\n".join(slow), stacklevel=1
-        )
+        said = f"{len(slow)} of 20 group shutdowns waited for uWSGI to kill a worker:\n" + "\n".join(slow)
+        assert len(slow) <= WORKER_KILLS_TAKEN, said
+        warnings.warn(said, stacklevel=1)
 
 
 def test_uwsgi_without_the_driver_mule_says_so_and_leaves_no_wheel(tmp_path: Path) -> None:
