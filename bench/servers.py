@@ -64,6 +64,12 @@ is said): a worker that got every connection halves a server's throughput
 whatever the timer.  The machine is shared and noisy: compare only ratios
 within one run.
 
+``--build NAME=PATH`` runs every shmwheel variant chosen a second time
+with the shmwheel package found in the checkout at PATH (its built
+extensions beside its sources) first on ``PYTHONPATH``, as
+``SERVER/shmwheel@NAME``, interleaved with the rest: two builds compared
+within one run, each against the same round's "off".  Repeat it for more.
+
 ``--quick`` is a smoke test for CI (about 20 s): one round of 1 s runs of
 a few variants.  The exit status is 1 if any run had a non-2xx response, a
 socket error, no response at all, a server that did not start, a shmwheel
@@ -77,7 +83,7 @@ extra (``pip install -e '.[test]'``).
 Usage::
 
     python bench/servers.py [--quick] [--rounds N] [--duration S] [--connections N] [--close]
-                            [--threads N] [--only REGEX] [--json FILE]
+                            [--threads N] [--only REGEX] [--build NAME=PATH]... [--json FILE]
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import http.client
 import importlib.metadata
 import json
@@ -131,10 +138,11 @@ class Variant:
     server: str  # "gunicorn-sync", "gunicorn-gthread", "uwsgi", "uvicorn"
     timer: str  # "off", "shmwheel", ...
     label: str  # what the table calls it
+    build: str = ""  # the --build whose shmwheel it runs; "" for this checkout's
 
     @property
     def key(self) -> str:
-        return f"{self.server}/{self.timer}"
+        return f"{self.server}/{self.timer}" + (f"@{self.build}" if self.build else "")
 
     @property
     def shmwheel(self) -> bool:
@@ -170,6 +178,7 @@ VARIANTS = [
     Variant("uvicorn", "shmwheel", "shmwheel TimeoutMiddleware"),
     *([Variant("uvicorn", "asyncio", "asyncio.timeout middleware")] if hasattr(asyncio, "timeout") else []),
 ]
+BUILDS: dict[str, str] = {}  # --build: name, the checkout whose shmwheel its variants run
 QUICK_VARIANTS = (
     "gunicorn-sync/off",
     "gunicorn-sync/shmwheel",
@@ -437,8 +446,10 @@ def serve(variant: Variant, tmp: Path, problems: list[str], wheels: list[str]) -
     forced goes to ``problems``)."""
     port = free_port()
     cmd, prefix, stop_signal = command(variant, port, tmp)
-    log_path = tmp / f"{variant.server}-{variant.timer}-{port}.log"
+    log_path = tmp / f"{variant.server}-{variant.timer}{variant.build and '-' + variant.build}-{port}.log"
     env = {**os.environ, "SHMWHEEL_BENCH_TIMEOUT": str(TIMEOUT), "PYTHONUNBUFFERED": "1"}
+    if variant.build:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (BUILDS[variant.build], env.get("PYTHONPATH"))))
     if variant.server == "uvicorn":
         env["SHMWHEEL_BENCH_NODELAY"] = "1"  # see _servers_app.py: Uvicorn --workers loses TCP_NODELAY
     with open(log_path, "wb") as out:
@@ -738,8 +749,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=THREADS, help=f"threads a worker, gthread and uWSGI (default {THREADS})"
     )
+    parser.add_argument(
+        "--build",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also run each shmwheel variant with the shmwheel of the checkout at PATH, as SERVER/shmwheel@NAME",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write every run to FILE as JSON")
     args = parser.parse_args(argv)
+    for build in args.build:
+        name, sep, path = build.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in BUILDS:
+            parser.error(f"--build {build!r}: NAME=PATH, NAME a word of its own")
+        if not os.path.isfile(os.path.join(path, "shmwheel", "__init__.py")):
+            parser.error(f"--build {build!r}: {path} has no shmwheel package")
+        BUILDS[name] = os.path.abspath(path)
     if args.threads < 1:
         parser.error("--threads must be at least 1")
     if args.rounds is not None and args.rounds < 1:
@@ -757,6 +782,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     duration = args.duration or (QUICK_DURATION if args.quick else DURATION)
     warmup = WARMUP
     variants = [v for v in VARIANTS if not args.quick or v.key in QUICK_VARIANTS]
+    variants += [
+        dataclasses.replace(v, build=name, label=f"{v.label} ({name})")
+        for name in BUILDS
+        for v in variants
+        if v.shmwheel
+    ]
     if args.only:
         variants = [v for v in variants if re.search(args.only, v.key)]
     if not variants:
@@ -817,6 +848,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(f"- CPU: {machine['cpu']}, {machine['cpus']} logical CPUs; {machine['os']}")
     print(f"- {machine['python']}, shmwheel {machine['shmwheel']}; {server_versions}; wrk {machine['wrk']}")
+    for name, path in BUILDS.items():
+        print(f"- `@{name}`: the shmwheel of {path}")
     print(
         f"- wrk -t1 -c{args.connections} -d{duration:g}s --latency"
         + (" with Connection: close" if args.close else "")
