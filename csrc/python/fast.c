@@ -19,12 +19,16 @@
  * Core     one open segment: the shmw_t *, the two entry points, and the
  *          cffi objects that keep the struct and its mapping alive.
  *          close() (from Wheel.close) makes every later call give up.
+ * Active   a request in progress, as Python reads it from the table.
+ * Table    a RequestTimer's requests in progress in one process, with no
+ *          object made per request; and beside it, here, the request a
+ *          plain thread runs, in a thread-local slot.
  * Timer    one RequestTimer's constants in one process: start() packs the
  *          request record (shmwheel/contrib/_record.py, byte for byte:
  *          tests/test_fast.py compares), adds it, and files the request
- *          in the RequestTimer's table and context; finish() takes it out
- *          and cancels its timer; wsgi() is the WSGI middleware's call,
- *          from the environ to the Body.
+ *          in the RequestTimer's table, and in its thread's slot or its
+ *          context; finish() takes it out and cancels its timer; wsgi() is
+ *          the WSGI middleware's call, from the environ to the Body.
  * WSGI     a plain TimeoutMiddleware as a C callable: the server's call
  *          reaches Timer.wsgi with no Python frame (uWSGI's application).
  * Body     a WSGI response body whose close() ends its request's timer
@@ -431,6 +435,507 @@ static PyTypeObject ActiveType = {
     .tp_methods = Active_methods,
 };
 
+/* ---- Table ---------------------------------------------------------------- */
+
+/* A RequestTimer's requests in progress in this process, by the handle its
+ * start() gave each (the key: extend() gives a request a new timer, never a
+ * new key).  What was a dict of Actives, without an object or a dict entry
+ * made per request: open addressing on the key (linear probing, deletion
+ * by backward shift, so no tombstones), at most half full, each slot
+ * keeping its record's buffer from one request to the next.  A start
+ * writes its record into the table's spare buffer, and once the add has
+ * given the key, swaps that buffer with the free slot's.  Python reads the
+ * table as a mapping of handles to Actives, made when asked for: the
+ * reporter thread, extend(), a finish whose timer has fired.
+ *
+ * Every change bumps ``version``: code that makes a Python object while it
+ * reads a slot (an allocation may run the collector, and a finalizer any
+ * Python) finds the slot again, or starts over, if it changed. */
+typedef struct {
+    int64_t   key;              /* the handle start() gave */
+    int64_t   handle;           /* its timer now */
+    int64_t   deadline_ns;      /* when its timer fires: its warn_after stage, or its timeout */
+    int64_t   timeout_ns;       /* when it times out */
+    uint64_t  thread;           /* its OS thread */
+    PyObject *task;             /* its task or greenlet, or None; NULL: the slot is free */
+    char     *payload;          /* its record; the buffer stays with the slot when it is freed */
+    uint32_t  len;              /* the record's length */
+    uint32_t  room;             /* the buffer's */
+    char      interrupt;        /* whether it is ended at its timeout */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Slot      *slots;           /* NULL until the first request */
+    Py_ssize_t mask;            /* the number of slots less one (a power of two less one) */
+    Py_ssize_t used;
+    char      *spare;           /* where the next start writes its record */
+    uint32_t   spare_room;
+    uint64_t   version;
+} TableObject;
+
+static PyTypeObject TableType;
+
+#define TABLE_MIN 16
+
+static inline Py_ssize_t home_of(int64_t key, Py_ssize_t mask)
+{
+    return (Py_ssize_t)(((uint64_t)key * UINT64_C(0x9E3779B97F4A7C15)) >> 32) & mask;
+}
+
+/* The slot of ``key``, or NULL. */
+static Slot *Table_find(TableObject *t, int64_t key)
+{
+    Py_ssize_t i;
+
+    if (!t->slots)
+        return NULL;
+    for (i = home_of(key, t->mask);; i = (i + 1) & t->mask) {
+        Slot *s = &t->slots[i];
+
+        if (!s->task)
+            return NULL;
+        if (s->key == key)
+            return s;
+    }
+}
+
+/* Room for one more request without growing: 0, or -1 with MemoryError.
+ * Plain C, like every change below: no Python runs while slots move. */
+static int Table_reserve(TableObject *t)
+{
+    Py_ssize_t n = t->slots ? t->mask + 1 : 0, m, k, i;
+    Slot *slots;
+
+    if (t->slots && (t->used + 1) * 2 <= n)
+        return 0;
+    m = n ? n * 2 : TABLE_MIN;
+    if (m > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(Slot) || !(slots = PyMem_Calloc((size_t)m, sizeof(Slot)))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (k = 0; k < n; k++) {
+        Slot *s = &t->slots[k];
+
+        if (!s->task) {
+            PyMem_Free(s->payload);     /* a free slot's buffer: the new slots make their own */
+            continue;
+        }
+        for (i = home_of(s->key, m - 1); slots[i].task; i = (i + 1) & (m - 1))
+            ;
+        slots[i] = *s;
+    }
+    PyMem_Free(t->slots);
+    t->slots = slots;
+    t->mask = m - 1;
+    t->version++;
+    return 0;
+}
+
+/* A buffer of at least ``n`` bytes at *buf, whose size is *room: 0, or -1
+ * with MemoryError. */
+static int room_for(char **buf, uint32_t *room, Py_ssize_t n)
+{
+    char *p;
+
+    if ((Py_ssize_t)*room >= n)
+        return 0;
+    if (n > (Py_ssize_t)SHMW_MAX_PAYLOAD) {
+        PyErr_Format(PyExc_ValueError, "a record is at most %u bytes", SHMW_MAX_PAYLOAD);
+        return -1;
+    }
+    if (!(p = PyMem_Realloc(*buf, (size_t)n))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *buf = p;
+    *room = (uint32_t)n;
+    return 0;
+}
+
+/* The free slot for ``key``, which is not in the table, after a
+ * Table_reserve(): its buffer swapped with the spare one, which holds the
+ * record.  The caller fills in the rest, the task last (non-NULL). */
+static Slot *Table_put(TableObject *t, int64_t key, uint32_t len)
+{
+    Py_ssize_t i;
+    Slot *s;
+    char *buf;
+    uint32_t room;
+
+    for (i = home_of(key, t->mask); t->slots[i].task; i = (i + 1) & t->mask)
+        ;
+    s = &t->slots[i];
+    buf = s->payload;
+    room = s->room;
+    s->payload = t->spare;
+    s->room = t->spare_room;
+    t->spare = buf;
+    t->spare_room = room;
+    s->key = key;
+    s->len = len;
+    t->used++;
+    t->version++;
+    return s;
+}
+
+/* Frees slot ``s``, its task given to the caller, and closes the gap by
+ * moving back the slots after it that may sit there. */
+static PyObject *Table_take(TableObject *t, Slot *s)
+{
+    Py_ssize_t i = s - t->slots, j = i, home;
+    PyObject *task = s->task;
+    Slot hole;
+
+    s->task = NULL;
+    hole = *s;
+    for (;;) {
+        j = (j + 1) & t->mask;
+        if (!t->slots[j].task)
+            break;
+        home = home_of(t->slots[j].key, t->mask);
+        /* It stays if its home lies cyclically in (i, j]. */
+        if (i <= j ? (i < home && home <= j) : (i < home || home <= j))
+            continue;
+        t->slots[i] = t->slots[j];
+        t->slots[j] = hole;
+        i = j;
+    }
+    t->used--;
+    t->version++;
+    return task;
+}
+
+/* The Active of ``key`` as the table holds it now; NULL, without an
+ * exception, if it holds none. */
+static PyObject *Table_active(TableObject *t, int64_t key)
+{
+    for (;;) {
+        Slot *s = Table_find(t, key);
+        uint64_t version = t->version;
+        ActiveObject *a;
+
+        if (!s)
+            return NULL;
+        if (!(a = Active_alloc(s->len)))
+            return NULL;
+        if (version != t->version) {    /* changed by what the allocation ran */
+            Py_DECREF(a);
+            continue;
+        }
+        memcpy(a->payload, s->payload, s->len);
+        a->deadline_ns = s->deadline_ns;
+        a->timeout_ns = s->timeout_ns;
+        a->handle = s->handle;
+        a->thread = s->thread;
+        a->task = Py_NewRef(s->task);
+        a->interrupt = s->interrupt;
+        PyObject_GC_Track(a);
+        return (PyObject *)a;
+    }
+}
+
+/* A key as the table takes it: 1 and *out, or 0 for one it cannot hold (not
+ * an int, or past 64 bits), or -1 with an exception. */
+static int key_of(PyObject *o, int64_t *out)
+{
+    int overflow;
+    long long v;
+
+    if (!PyLong_Check(o))
+        return 0;
+    v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return !overflow;
+}
+
+static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "Table() takes no arguments");
+        return NULL;
+    }
+    return type->tp_alloc(type, 0);     /* zeroed: no slots yet */
+}
+
+static int Table_traverse(TableObject *self, visitproc visit, void *arg)
+{
+    Py_ssize_t k;
+
+    if (self->slots)
+        for (k = 0; k <= self->mask; k++)
+            Py_VISIT(self->slots[k].task);
+    return 0;
+}
+
+/* Empties the table; its tasks let go once it is consistent again. */
+static int Table_clear(TableObject *self)
+{
+    Slot *slots = self->slots;
+    Py_ssize_t k, n = slots ? self->mask + 1 : 0;
+
+    self->slots = NULL;
+    self->mask = 0;
+    self->used = 0;
+    self->version++;
+    for (k = 0; k < n; k++) {
+        Py_XDECREF(slots[k].task);
+        PyMem_Free(slots[k].payload);
+    }
+    PyMem_Free(slots);
+    return 0;
+}
+
+static void Table_dealloc(TableObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Table_clear(self);
+    PyMem_Free(self->spare);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t Table_length(TableObject *self)
+{
+    return self->used;
+}
+
+static int Table_contains(TableObject *self, PyObject *key)
+{
+    int64_t k;
+    int r = key_of(key, &k);
+
+    return r <= 0 ? r : Table_find(self, k) != NULL;
+}
+
+static PyObject *Table_subscript(TableObject *self, PyObject *key)
+{
+    int64_t k;
+    int r = key_of(key, &k);
+    PyObject *a = r > 0 ? Table_active(self, k) : NULL;
+
+    if (!a && !PyErr_Occurred())
+        PyErr_SetObject(PyExc_KeyError, key);
+    return a;
+}
+
+/* table[key] = active: the request filed as ``active`` says (extend()'s new
+ * timer); del table[key]: taken out. */
+static int Table_ass_subscript(TableObject *self, PyObject *key, PyObject *value)
+{
+    ActiveObject *a = (ActiveObject *)value;
+    PyObject *old;
+    int64_t k;
+    int r = key_of(key, &k);
+    Slot *s;
+
+    if (r < 0)
+        return -1;
+    if (!value) {
+        if (!r || !(s = Table_find(self, k))) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        Py_DECREF(Table_take(self, s));
+        return 0;
+    }
+    if (!r) {
+        PyErr_SetString(PyExc_TypeError, "a table's keys are handles: ints of 64 bits");
+        return -1;
+    }
+    if (!Py_IS_TYPE(value, &ActiveType)) {
+        PyErr_Format(PyExc_TypeError, "a table holds Actives, not %.100s", Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    if (!(s = Table_find(self, k))) {
+        if (Table_reserve(self) < 0 || room_for(&self->spare, &self->spare_room, Py_SIZE(a)) < 0)
+            return -1;
+        memcpy(self->spare, a->payload, (size_t)Py_SIZE(a));
+        s = Table_put(self, k, (uint32_t)Py_SIZE(a));
+        old = NULL;
+    } else {
+        if (room_for(&s->payload, &s->room, Py_SIZE(a)) < 0)
+            return -1;
+        memcpy(s->payload, a->payload, (size_t)Py_SIZE(a));
+        s->len = (uint32_t)Py_SIZE(a);
+        old = s->task;
+        self->version++;
+    }
+    s->handle = a->handle;
+    s->deadline_ns = a->deadline_ns;
+    s->timeout_ns = a->timeout_ns;
+    s->thread = a->thread;
+    s->interrupt = a->interrupt;
+    s->task = Py_NewRef(a->task);
+    Py_XDECREF(old);
+    return 0;
+}
+
+/* The table's keys and Actives, as a dict (``as_dict``) or a list of keys:
+ * copied out of the slots first, so that no Python runs while they are read. */
+static PyObject *Table_snapshot(TableObject *self, int as_dict)
+{
+    Py_ssize_t n = self->used, k, m = 0, size = 0;
+    Slot *copy;
+    char *bytes = NULL, *p;
+    PyObject *out = NULL;
+
+    if (!(copy = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Slot))))
+        return PyErr_NoMemory();
+    for (k = 0; self->slots && k <= self->mask; k++)
+        if (self->slots[k].task)
+            size += self->slots[k].len;
+    if (as_dict && !(bytes = PyMem_Malloc((size_t)(size ? size : 1)))) {
+        PyMem_Free(copy);
+        return PyErr_NoMemory();
+    }
+    for (k = 0, p = bytes; self->slots && k <= self->mask; k++) {
+        Slot *s = &self->slots[k];
+
+        if (!s->task || m == n)
+            continue;
+        copy[m] = *s;
+        Py_INCREF(s->task);
+        if (as_dict) {
+            memcpy(p, s->payload, s->len);
+            copy[m].payload = p;
+            p += s->len;
+        }
+        m++;
+    }
+    /* From here Python may run, and the table change: the copy stands. */
+    if (!(out = as_dict ? PyDict_New() : PyList_New(0)))
+        goto done;
+    for (k = 0; k < m; k++) {
+        PyObject *key = PyLong_FromLongLong(copy[k].key);
+        ActiveObject *a = NULL;
+        int r;
+
+        if (key && as_dict && (a = Active_alloc(copy[k].len))) {
+            memcpy(a->payload, copy[k].payload, copy[k].len);
+            a->deadline_ns = copy[k].deadline_ns;
+            a->timeout_ns = copy[k].timeout_ns;
+            a->handle = copy[k].handle;
+            a->thread = copy[k].thread;
+            a->task = Py_NewRef(copy[k].task);
+            a->interrupt = copy[k].interrupt;
+            PyObject_GC_Track(a);
+        }
+        r = !key || (as_dict && !a) ? -1
+            : as_dict ? PyDict_SetItem(out, key, (PyObject *)a) : PyList_Append(out, key);
+        Py_XDECREF(key);
+        Py_XDECREF(a);
+        if (r < 0) {
+            Py_CLEAR(out);
+            break;
+        }
+    }
+done:
+    for (k = 0; k < m; k++)
+        Py_DECREF(copy[k].task);
+    PyMem_Free(copy);
+    PyMem_Free(bytes);
+    return out;
+}
+
+static PyObject *Table_copy(TableObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return Table_snapshot(self, 1);
+}
+
+static PyObject *Table_keys(TableObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return Table_snapshot(self, 0);
+}
+
+static PyObject *Table_iter(TableObject *self)
+{
+    PyObject *keys = Table_snapshot(self, 0), *it;
+
+    if (!keys)
+        return NULL;
+    it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+/* get(key, default=None) */
+static PyObject *Table_get(TableObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t k;
+    int r;
+    PyObject *a;
+
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    if ((r = key_of(args[0], &k)) < 0)
+        return NULL;
+    if (r && (a = Table_active(self, k)))
+        return a;
+    return PyErr_Occurred() ? NULL : Py_NewRef(nargs > 1 ? args[1] : Py_None);
+}
+
+/* pop(key[, default]) */
+static PyObject *Table_pop(TableObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t k;
+    int r;
+    PyObject *a = NULL;
+    Slot *s;
+
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    if ((r = key_of(args[0], &k)) < 0)
+        return NULL;
+    if (r && (a = Table_active(self, k)) && (s = Table_find(self, k)))
+        Py_DECREF(Table_take(self, s));     /* still there: Table_active made the Active last */
+    if (a || PyErr_Occurred())
+        return a;
+    if (nargs > 1)
+        return Py_NewRef(args[1]);
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+static PyMappingMethods Table_mapping = {
+    .mp_length = (lenfunc)Table_length,
+    .mp_subscript = (binaryfunc)Table_subscript,
+    .mp_ass_subscript = (objobjargproc)Table_ass_subscript,
+};
+
+static PySequenceMethods Table_sequence = {
+    .sq_contains = (objobjproc)Table_contains,
+};
+
+static PyMethodDef Table_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))Table_get, METH_FASTCALL, "get(handle, default=None): its Active."},
+    {"pop", (PyCFunction)(void (*)(void))Table_pop, METH_FASTCALL, "pop(handle[, default]): its Active, taken out."},
+    {"copy", (PyCFunction)Table_copy, METH_NOARGS, "A dict of the requests in progress: {handle: Active}."},
+    {"keys", (PyCFunction)Table_keys, METH_NOARGS, "A list of the handles of the requests in progress."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmwheel._fast.Table",
+    .tp_doc = "Table(): a RequestTimer's requests in progress, as a mapping of handles to Actives.",
+    .tp_basicsize = sizeof(TableObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = Table_new,
+    .tp_dealloc = (destructor)Table_dealloc,
+    .tp_traverse = (traverseproc)Table_traverse,
+    .tp_clear = (inquiry)Table_clear,
+    .tp_iter = (getiterfunc)Table_iter,
+    .tp_as_mapping = &Table_mapping,
+    .tp_as_sequence = &Table_sequence,
+    .tp_methods = Table_methods,
+};
+
 /* ---- Timer ---------------------------------------------------------------- */
 
 typedef struct {
@@ -449,7 +954,7 @@ typedef struct {
     uint8_t     task_flag;      /* _record.TASK */
     uint8_t     greenlet_flag;  /* _record.GREENLET */
     uint8_t     warn_flag;      /* _record.WARN */
-    PyObject   *active;         /* dict: the RequestTimer's requests in progress */
+    TableObject *table;         /* the RequestTimer's requests in progress */
     PyObject   *interrupted;    /* set: their handles, once interrupted */
     PyObject   *var;            /* ContextVar: the request in progress here */
     PyObject   *owner;          /* the RequestTimer, for the context's (owner, handle) */
@@ -480,7 +985,7 @@ static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->core);
     Py_VISIT(self->head);
-    Py_VISIT(self->active);
+    Py_VISIT(self->table);
     Py_VISIT(self->interrupted);
     Py_VISIT(self->var);
     Py_VISIT(self->owner);
@@ -506,7 +1011,7 @@ static int Timer_clear(TimerObject *self)
 {
     Py_CLEAR(self->core);
     Py_CLEAR(self->head);
-    Py_CLEAR(self->active);
+    Py_CLEAR(self->table);
     Py_CLEAR(self->interrupted);
     Py_CLEAR(self->var);
     Py_CLEAR(self->owner);
@@ -531,10 +1036,10 @@ static void Timer_dealloc(TimerObject *self)
 static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"core", "head", "due_ns", "timeout_ns", "size", "max_method",
-                            "max_request_id", "task_flag", "greenlet_flag", "active", "interrupted", "var", "owner",
+                            "max_request_id", "task_flag", "greenlet_flag", "table", "interrupted", "var", "owner",
                             "getcurrent", "interrupt", "warn_ns", "warn_flag", "look_ns",
                             "current_tasks", "current_task", NULL};
-    PyObject *core, *head, *active, *interrupted, *var, *owner, *getcurrent;
+    PyObject *core, *head, *table, *interrupted, *var, *owner, *getcurrent;
     PyObject *current_tasks = Py_None, *current_task = Py_None;
     long long due, timeout, warn, look;
     Py_ssize_t size, max_method, max_request_id;
@@ -543,7 +1048,7 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SLLnnnbbO!O!OOOpLbL|OO:Timer", names,
                                      &CoreType, &core, &head, &due, &timeout, &size, &max_method,
-                                     &max_request_id, &task_flag, &greenlet_flag, &PyDict_Type, &active,
+                                     &max_request_id, &task_flag, &greenlet_flag, &TableType, &table,
                                      &PySet_Type, &interrupted, &var, &owner,
                                      &getcurrent, &interrupt, &warn, &warn_flag, &look, &current_tasks,
                                      &current_task))
@@ -577,7 +1082,7 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     self->task_flag = task_flag;
     self->greenlet_flag = greenlet_flag;
     self->warn_flag = warn_flag;
-    self->active = Py_NewRef(active);
+    self->table = (TableObject *)Py_NewRef(table);
     self->interrupted = Py_NewRef(interrupted);
     self->var = Py_NewRef(var);
     self->owner = Py_NewRef(owner);
@@ -690,27 +1195,66 @@ static int ready(TimerObject *self, int64_t now)
     return r == (PyObject *)self;
 }
 
+/* The request in progress in this thread, where a plain thread runs it (no
+ * asyncio or trio task, no greenlet but its thread's own): what extend()
+ * and no_timeout() find (shmwheel._fast.here()).  A request in a task or a
+ * greenlet sets the RequestTimer's context variable instead, whose set
+ * makes three objects (a mapping, its node and a token), where this makes
+ * none.  Filled at the request's start, emptied at its finish if that comes
+ * in this thread; one whose finish comes in another thread, or never, is
+ * left here until the thread's next, so whoever reads this checks that the
+ * table still holds it.  It holds a reference to the RequestTimer, which a
+ * thread that ends mid-request keeps. */
+static __thread struct {
+    PyObject *owner;            /* the RequestTimer, or NULL */
+    int64_t   key;              /* the request's handle */
+} here;
+
+/* Files the request of ``key`` as this thread's.  May run Python (the
+ * previous one's last reference), so the caller is done with the table. */
+static void here_enter(PyObject *owner, int64_t key)
+{
+    PyObject *old = here.owner;
+
+    here.owner = Py_NewRef(owner);
+    here.key = key;
+    Py_XDECREF(old);
+}
+
+/* Empties this thread's slot if it holds the request of ``key``. */
+static void here_leave(PyObject *owner, int64_t key)
+{
+    PyObject *old = here.owner;
+
+    if (old == owner && here.key == key) {
+        here.owner = NULL;
+        Py_DECREF(old);
+    }
+}
+
 /* The request's timer added and the request filed: the record packed from
  * the Timer's head and the request's method, id and path (two pieces, the
  * second may be empty), started at ``started`` and due ``timeout`` ns after
- * it.  Returns the handle; None, having changed nothing, for the caller's
- * own path to take the request (a record to cut, a method to replace
- * characters of, the segment's lock held by another, the wheel closed,
- * removed or full: anything but the plain case); NULL with an exception.
- * It may run Python (greenlet's getcurrent), so the caller holds what the
- * pieces' pointers and ``request_id`` point into. */
+ * it, into the table's spare buffer, which becomes its slot's.  Returns the
+ * handle; None, having changed nothing, for the caller's own path to take
+ * the request (a record to cut, a method to replace characters of, the
+ * segment's lock held by another, the wheel closed, removed or full:
+ * anything but the plain case); NULL with an exception.  It may run Python
+ * (greenlet's getcurrent) before it writes the record, so the caller holds
+ * what the pieces' pointers and ``request_id`` point into. */
 static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, int64_t timeout, PyObject *method,
                                const char *p1, Py_ssize_t l1, const char *p2, Py_ssize_t l2, PyObject *request_id,
                                PyObject *task)
 {
-    PyObject *current = NULL, *key = NULL, *context = NULL, *token;
-    ActiveObject *active;
+    PyObject *current = NULL, *key = NULL, *context = NULL, *token, *held = NULL;
+    TableObject *table = self->table;
     const char *rid;
     Py_ssize_t mlen, rlen, n;
     uint64_t thread, timeout_ms = 0;
     int64_t handle, due;
     char *buf;
     uint8_t flags;
+    Slot *slot;
     shmw_t *w = self->core->w;
 
     if (!w || !PyUnicode_CheckExact(method) || !PyUnicode_IS_ASCII(method))
@@ -759,18 +1303,13 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     }
     thread = (uint64_t)PyThread_get_thread_ident();
 
-    /* The request's Active, its record written in place. */
-    if (!(active = Active_alloc(n))) {
+    /* Room for the request in the table, and its record written into the
+     * spare buffer.  From here until it is filed no Python runs. */
+    if (Table_reserve(table) < 0 || room_for(&table->spare, &table->spare_room, n) < 0) {
         Py_XDECREF(current);
         return NULL;
     }
-    active->deadline_ns = due;
-    active->timeout_ns = started + timeout;
-    active->thread = thread;
-    active->task = Py_NewRef(task);
-    active->interrupt = self->interrupt;
-    Py_XDECREF(current);        /* the Active holds it, if it is the task */
-    buf = active->payload;
+    buf = table->spare;
     memcpy(buf, PyBytes_AS_STRING(self->head), HEAD_SIZE);
     buf[OFF_MLEN] = (char)mlen;
     buf[OFF_RLEN] = (char)rlen;
@@ -790,30 +1329,36 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     handle = self->core->add_at(w, due > now ? due : now, buf, (uint32_t)n,
                                 SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK);
     if (handle < 0) {
-        Py_DECREF(active);
+        Py_XDECREF(current);
         Py_RETURN_NONE;
     }
-    active->handle = handle;
-    PyObject_GC_Track(active);
+    slot = Table_put(table, handle, (uint32_t)n);
+    slot->handle = handle;
+    slot->deadline_ns = due;
+    slot->timeout_ns = started + timeout;
+    slot->thread = thread;
+    slot->interrupt = self->interrupt;
+    slot->task = Py_NewRef(task);
 
-    /* Filed as RequestTimer.start files it.  A failure here (memory) takes
-     * the timer out again, so that no timer outlives an unfiled request. */
+    /* This thread's, or the context's, as RequestTimer.start files it.  A
+     * failure here (memory) takes the request out again, so that no timer
+     * outlives an unfiled request. */
     if (!(key = PyLong_FromLongLong(handle)))
         goto undo;
-    if (!(context = PyTuple_Pack(2, self->owner, key)))
-        goto undo;
-    if (PyDict_SetItem(self->active, key, (PyObject *)active) < 0)
-        goto undo;
-    if (!(token = PyContextVar_Set(self->var, context))) {
-        PyDict_DelItem(self->active, key);
-        goto undo;
+    if (task == Py_None) {
+        here_enter(self->owner, handle);
+    } else {
+        if (!(context = PyTuple_Pack(2, self->owner, key)) || !(token = PyContextVar_Set(self->var, context)))
+            goto undo;
+        Py_DECREF(token);
+        Py_DECREF(context);
     }
-    Py_DECREF(token);
-    Py_DECREF(context);
-    Py_DECREF(active);
+    Py_XDECREF(current);
     return key;
 
 undo:
+    if ((slot = Table_find(table, handle)))
+        held = Table_take(table, slot);
     if (self->core->try_cancel(w, handle) != 1) {
         /* The lock held elsewhere: cancelled the waiting way (the GIL let
          * go), so that no timer outlives an unfiled request. */
@@ -829,7 +1374,8 @@ undo:
         Py_XDECREF(r);
         PyErr_Restore(t, v, tb);
     }
-    Py_DECREF(active);
+    Py_XDECREF(held);
+    Py_XDECREF(current);
     Py_XDECREF(key);
     Py_XDECREF(context);
     return NULL;
@@ -906,26 +1452,32 @@ static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_
  * another, a timer in a wheel replaced since, one that has fired). */
 static PyObject *finish_request(TimerObject *self, PyObject *key)
 {
+    TableObject *table = self->table;
     PyObject *active;
     shmw_t *w = self->core->w;
+    Slot *s;
+    int64_t k;
+    int r;
 
-    if (!(active = PyDict_GetItemWithError(self->active, key))) {
-        if (PyErr_Occurred())
-            return NULL;
+    if ((r = key_of(key, &k)) <= 0)
+        return r < 0 ? NULL : Py_NewRef(Py_None);
+    if (!Table_find(table, k))
         Py_RETURN_NONE;
-    }
-    Py_INCREF(active);
-    if (PyDict_DelItem(self->active, key) < 0
-        || (PySet_GET_SIZE(self->interrupted) && PySet_Discard(self->interrupted, key) < 0)) {
-        Py_DECREF(active);
+    if (PySet_GET_SIZE(self->interrupted) && PySet_Discard(self->interrupted, key) < 0)
         return NULL;
-    }
-    if (!w || !Py_IS_TYPE(active, &ActiveType))
-        return active;
-    if (self->core->try_cancel(w, ((ActiveObject *)active)->handle) == 1) {
-        Py_DECREF(active);
+    /* Found again: nothing above runs Python, but a set is not the table. */
+    if (!(s = Table_find(table, k)))
+        Py_RETURN_NONE;
+    if (w && self->core->try_cancel(w, s->handle) == 1) {
+        Py_DECREF(Table_take(table, s));
+        here_leave(self->owner, k);
         Py_RETURN_TRUE;
     }
+    if (!(active = Table_active(table, k)))
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    if ((s = Table_find(table, k)))
+        Py_DECREF(Table_take(table, s));
+    here_leave(self->owner, k);
     return active;
 }
 
@@ -2764,6 +3316,56 @@ static PyTypeObject CoroutineType = {
 
 /* ---- the module ----------------------------------------------------------- */
 
+/* here(): (RequestTimer, handle) of the request this thread's slot holds,
+ * or None. */
+static PyObject *fast_here(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored))
+{
+    if (!here.owner)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(OL)", here.owner, (long long)here.key);
+}
+
+/* enter(timer, handle) and leave(timer, handle): RequestTimer's own path
+ * filing a request in this thread's slot, and taking it out. */
+static PyObject *fast_slot(PyObject *const *args, Py_ssize_t nargs, const char *usage, int enter)
+{
+    int64_t key;
+    int r;
+
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    if ((r = key_of(args[1], &key)) <= 0) {
+        if (!r)
+            PyErr_SetString(PyExc_TypeError, "a handle is an int of 64 bits");
+        return NULL;
+    }
+    if (enter)
+        here_enter(args[0], key);
+    else
+        here_leave(args[0], key);
+    Py_RETURN_NONE;
+}
+
+static PyObject *fast_enter(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    return fast_slot(args, nargs, "enter(timer, handle)", 1);
+}
+
+static PyObject *fast_leave(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    return fast_slot(args, nargs, "leave(timer, handle)", 0);
+}
+
+static PyMethodDef fast_functions[] = {
+    {"here", (PyCFunction)fast_here, METH_NOARGS, "here(): (timer, handle) of this thread's request, or None."},
+    {"enter", (PyCFunction)(void (*)(void))fast_enter, METH_FASTCALL, "enter(timer, handle): this thread's request."},
+    {"leave", (PyCFunction)(void (*)(void))fast_leave, METH_FASTCALL,
+     "leave(timer, handle): no longer this thread's request, if it was."},
+    {NULL, NULL, 0, NULL},
+};
+
 static int fast_exec(PyObject *m)
 {
     static int once;
@@ -2796,12 +3398,14 @@ static int fast_exec(PyObject *m)
         }
         once = 1;
     }
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&ActiveType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&ActiveType) < 0 || PyType_Ready(&TableType) < 0
+        || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0
         || PyType_Ready(&SendType) < 0 || PyType_Ready(&ThenType) < 0 || PyType_Ready(&WSGIType) < 0
         || PyType_Ready(&ASGIType) < 0 || PyType_Ready(&HooksType) < 0 || PyType_Ready(&CoroutineType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0
         || PyModule_AddObjectRef(m, "Active", (PyObject *)&ActiveType) < 0
+        || PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0
         || PyModule_AddObjectRef(m, "Timer", (PyObject *)&TimerType) < 0
         || PyModule_AddObjectRef(m, "Body", (PyObject *)&BodyType) < 0
         || PyModule_AddObjectRef(m, "Send", (PyObject *)&SendType) < 0
@@ -2825,6 +3429,7 @@ static struct PyModuleDef fast_module = {
     .m_name = "shmwheel._fast",
     .m_doc = "A worker's request timer on a path that keeps the GIL (csrc/python/fast.c).",
     .m_size = 0,
+    .m_methods = fast_functions,
     .m_slots = fast_slots,
 };
 

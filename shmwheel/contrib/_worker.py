@@ -21,13 +21,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._checks import check_flag, check_seconds
 from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, one_line
 from .._process import start_time
 from .._segment import segment_name
-from .._wheel import Wheel, attach
+from .._wheel import Wheel, _fast_ext, attach
 from ._interrupt import interrupt
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
@@ -56,6 +56,9 @@ from ._record import (
 from ._routes import Routes, compile_routes
 from ._stacks import SLACK_NS, Active, listen, real, server_log, server_logger
 from ._supervisor import AutoDriver
+
+if TYPE_CHECKING:
+    from .._fast import Table
 
 __all__ = ["RequestTimer", "current_handle", "extend", "no_timeout", "queued_ns", "timed_apps"]
 
@@ -93,6 +96,18 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 _monotonic_ns = time.monotonic_ns
 _pack = HEAD.pack
+
+# A request that a plain thread runs (no task, no greenlet but the thread's
+# own) is filed in the thread's slot in shmwheel._fast, not in the context:
+# see _here().  Without the extension, every request is in the context.
+_enter = None if _fast_ext is None else _fast_ext.enter
+_leave = None if _fast_ext is None else _fast_ext.leave
+
+
+def _new_table() -> dict[int, Active] | Table:
+    """A table of requests in progress, by handle: shmwheel._fast's, which
+    makes nothing per request, or a dict."""
+    return {} if _fast_ext is None else _fast_ext.Table()
 
 
 class RequestTimer:
@@ -180,7 +195,7 @@ class RequestTimer:
         self._flags = INTERRUPT if interrupt else 0  # the record's flags every request of this timer has
         self._stack_signal = 0  # the signals this process listens on, as its records name them
         self._dump_signal = 0
-        self._active: dict[int, Active] = {}  # handle: a request of this process in progress
+        self._active = _new_table()  # handle: a request of this process in progress
         self._getcurrent: Any = None  # greenlet.getcurrent, once greenlets are in use here
         # The OS thread's id, as faulthandler and sys._current_frames() name
         # it: under gevent's or eventlet's monkey-patching threading.get_ident()
@@ -207,7 +222,7 @@ class RequestTimer:
                 self._wheel = None
                 self._fast = None
                 self._old = []
-                self._active = {}
+                self._active = _new_table()
                 self._interrupted = set()
                 self.in_app = set()
                 self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
@@ -242,7 +257,9 @@ class RequestTimer:
             KIND_REQUEST, 0, 0, self._flags | (WARN if warn else 0), self._pid, self._start, 0, 0, 0,
             self._stack_signal, self._dump_signal, MAGIC, self._timeout_ms,
         )  # fmt: skip
-        from .._fast import Timer  # there: the wheel made a Core of it
+        from .._fast import Table, Timer  # there: the wheel made a Core of it
+
+        assert isinstance(self._active, Table)  # made with the extension there
 
         return Timer(
             core, head, self._warn_ns if warn else self._timeout_ns, self._timeout_ns, self._size,
@@ -390,7 +407,10 @@ class RequestTimer:
         if handle is None:
             return None
         self._active[handle] = Active(payload, due, thread, task, handle, started + timeout_ns, self.interrupt)
-        _current.set((self, handle))
+        if task is None and _enter is not None:
+            _enter(self, handle)
+        else:
+            _current.set((self, handle))
         return handle
 
     def _look(self, now: int) -> None:
@@ -484,6 +504,8 @@ class RequestTimer:
                 return
         else:
             active = self._active.pop(handle, None)
+            if _leave is not None:
+                _leave(self, handle)
             if active is None:  # exempted by no_timeout(), or finished already
                 return
             if self._interrupted:
@@ -598,9 +620,24 @@ _current: contextvars.ContextVar[tuple[RequestTimer, int] | None] = contextvars.
 )
 
 
-def current_handle(timer: RequestTimer) -> int | None:
-    """The handle of ``timer``'s request in progress in this context, if any."""
+def _here() -> tuple[RequestTimer, int] | None:
+    """The request in progress here, and its timer: the one this thread
+    runs itself, if this is no greenlet but the thread's own; else the one
+    of this context (its task's, its greenlet's, or one that a copy of the
+    context was taken in).  None if neither is in progress."""
+    if _fast_ext is not None:
+        here: tuple[RequestTimer, int] | None = _fast_ext.here()
+        if here is not None and here[1] in here[0]._active:
+            greenlet = sys.modules.get("greenlet")
+            if greenlet is None or greenlet.getcurrent().parent is None:
+                return here
     current = _current.get()
+    return current if current is not None and current[1] in current[0]._active else None
+
+
+def current_handle(timer: RequestTimer) -> int | None:
+    """The handle of ``timer``'s request in progress here, if any."""
+    current = _here()
     return current[1] if current is not None and current[0] is timer else None
 
 
@@ -612,15 +649,47 @@ def extend(seconds: float) -> bool:
     (none is in progress here, its route has none, it was exempted) or if
     it has timed out already: too late."""
     seconds = check_seconds(seconds, "seconds", positive=True)
-    current = _current.get()
-    return current is not None and current[0].rearm(current[1], seconds)
+    current = _here()
+    if current is None:
+        _none_here("extend")
+        return False
+    return current[0].rearm(current[1], seconds)
 
 
 def no_timeout() -> bool:
     """Exempt the request in progress from its timeout; False if it had no
     timer, or has timed out already (too late)."""
-    current = _current.get()
-    return current is not None and current[0].rearm(current[1], None)
+    current = _here()
+    if current is None:
+        _none_here("no_timeout")
+        return False
+    return current[0].rearm(current[1], None)
+
+
+_told_none_here = False
+
+
+def _none_here(what: str) -> None:
+    """extend() or no_timeout() was called where no request is in progress:
+    said once a process, in the server's log, if a request that a plain
+    thread runs is in progress in another thread, which only that thread
+    reaches (the call may come from code the request handed to a thread of
+    its own: an async view under asgiref)."""
+    global _told_none_here
+    if _told_none_here or _fast_ext is None:
+        return
+    me = real("_thread", "get_ident")()
+    for timer in list(_request_timers):
+        for active in timer.active().values():
+            if active.task is None and active.thread != me:
+                _told_none_here = True
+                server_logger().warning(
+                    "shmwheel: %s() was called in thread 0x%016x, which runs no request, while thread 0x%016x "
+                    "runs one: under a threaded WSGI server a request is its thread's, and code it runs in another "
+                    "thread (an async view, which asgiref runs in a thread of its own) cannot reach it",
+                    what, me, active.thread,
+                )  # fmt: skip
+                return
 
 
 #: How long a request may have queued by its X-Request-Start header: a
