@@ -606,6 +606,20 @@ static PyObject *Table_take(TableObject *t, Slot *s)
     return task;
 }
 
+/* ``a``, made with room for the slot's record, filled from the slot and tracked. */
+static PyObject *Active_fill(ActiveObject *a, const Slot *s)
+{
+    memcpy(a->payload, s->payload, s->len);
+    a->deadline_ns = s->deadline_ns;
+    a->timeout_ns = s->timeout_ns;
+    a->handle = s->handle;
+    a->thread = s->thread;
+    a->task = Py_NewRef(s->task);
+    a->interrupt = s->interrupt;
+    PyObject_GC_Track(a);
+    return (PyObject *)a;
+}
+
 /* The Active of ``key`` as the table holds it now; NULL, without an
  * exception, if it holds none. */
 static PyObject *Table_active(TableObject *t, int64_t key)
@@ -623,15 +637,7 @@ static PyObject *Table_active(TableObject *t, int64_t key)
             Py_DECREF(a);
             continue;
         }
-        memcpy(a->payload, s->payload, s->len);
-        a->deadline_ns = s->deadline_ns;
-        a->timeout_ns = s->timeout_ns;
-        a->handle = s->handle;
-        a->thread = s->thread;
-        a->task = Py_NewRef(s->task);
-        a->interrupt = s->interrupt;
-        PyObject_GC_Track(a);
-        return (PyObject *)a;
+        return Active_fill(a, s);
     }
 }
 
@@ -812,16 +818,8 @@ static PyObject *Table_snapshot(TableObject *self, int as_dict)
         ActiveObject *a = NULL;
         int r;
 
-        if (key && as_dict && (a = Active_alloc(copy[k].len))) {
-            memcpy(a->payload, copy[k].payload, copy[k].len);
-            a->deadline_ns = copy[k].deadline_ns;
-            a->timeout_ns = copy[k].timeout_ns;
-            a->handle = copy[k].handle;
-            a->thread = copy[k].thread;
-            a->task = Py_NewRef(copy[k].task);
-            a->interrupt = copy[k].interrupt;
-            PyObject_GC_Track(a);
-        }
+        if (key && as_dict && (a = Active_alloc(copy[k].len)))
+            Active_fill(a, &copy[k]);
         r = !key || (as_dict && !a) ? -1
             : as_dict ? PyDict_SetItem(out, key, (PyObject *)a) : PyList_Append(out, key);
         Py_XDECREF(key);
@@ -1461,13 +1459,15 @@ static PyObject *finish_request(TimerObject *self, PyObject *key)
 
     if ((r = key_of(key, &k)) <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
-    if (!Table_find(table, k))
-        Py_RETURN_NONE;
-    if (PySet_GET_SIZE(self->interrupted) && PySet_Discard(self->interrupted, key) < 0)
-        return NULL;
-    /* Found again: nothing above runs Python, but a set is not the table. */
     if (!(s = Table_find(table, k)))
         Py_RETURN_NONE;
+    if (PySet_GET_SIZE(self->interrupted)) {
+        if (PySet_Discard(self->interrupted, key) < 0)
+            return NULL;
+        /* Found again: an int's hash and == run no Python, but a set is not the table. */
+        if (!(s = Table_find(table, k)))
+            Py_RETURN_NONE;
+    }
     if (w && self->core->try_cancel(w, s->handle) == 1) {
         Py_DECREF(Table_take(table, s));
         here_leave(self->owner, k);

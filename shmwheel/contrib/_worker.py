@@ -648,36 +648,30 @@ def extend(seconds: float) -> bool:
     dropped.  Returns False, changing nothing, if this request has no timer
     (none is in progress here, its route has none, it was exempted) or if
     it has timed out already: too late."""
-    seconds = check_seconds(seconds, "seconds", positive=True)
-    current = _here()
-    if current is None:
-        _none_here("extend")
-        return False
-    return current[0].rearm(current[1], seconds)
+    return _rearm_here("extend", check_seconds(seconds, "seconds", positive=True))
 
 
 def no_timeout() -> bool:
     """Exempt the request in progress from its timeout; False if it had no
     timer, or has timed out already (too late)."""
-    current = _here()
-    if current is None:
-        _none_here("no_timeout")
-        return False
-    return current[0].rearm(current[1], None)
+    return _rearm_here("no_timeout", None)
 
 
 _told_none_here = False
 
 
-def _none_here(what: str) -> None:
-    """extend() or no_timeout() was called where no request is in progress:
-    said once a process, in the server's log, if a request that a plain
-    thread runs is in progress in another thread, which only that thread
-    reaches (the call may come from code the request handed to a thread of
-    its own: an async view under asgiref)."""
+def _rearm_here(what: str, seconds: float | None) -> bool:
+    """extend() and no_timeout() on the request in progress here.  Where
+    none is, said once a process in the server's log if a request that a
+    plain thread runs is in progress in another thread, which only that
+    thread reaches (the call may come from code the request handed to a
+    thread of its own: an async view under asgiref)."""
     global _told_none_here
+    current = _here()
+    if current is not None:
+        return current[0].rearm(current[1], seconds)
     if _told_none_here or _fast_ext is None:
-        return
+        return False
     me = real("_thread", "get_ident")()
     for timer in list(_request_timers):
         for active in timer.active().values():
@@ -689,7 +683,8 @@ def _none_here(what: str) -> None:
                     "thread (an async view, which asgiref runs in a thread of its own) cannot reach it",
                     what, me, active.thread,
                 )  # fmt: skip
-                return
+                return False
+    return False
 
 
 #: How long a request may have queued by its X-Request-Start header: a
