@@ -1733,8 +1733,11 @@ static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t
     }
     /* A file the server sends itself (its wsgi.file_wrapper, with sendfile):
      * made again around a file whose close() ends the timer, so that the
-     * server still sends it itself (RequestTimer._file_body). */
-    wrapper = PyDict_GetItemWithError(environ, str_file_wrapper);
+     * server still sends it itself (RequestTimer._file_body).  Looked up
+     * again, as a server whose wrapper is a class does (Gunicorn's
+     * isinstance); not where the wrapper is a function that the stand-in
+     * took the place of, whose server knows its files by themselves. */
+    wrapper = swapped ? NULL : PyDict_GetItemWithError(environ, str_file_wrapper);
     if (wrapper && PyType_Check(wrapper) && Py_IS_TYPE(body, (PyTypeObject *)wrapper)) {
         Py_INCREF(wrapper);
         result = PyObject_CallMethodObjArgs(self->owner, str_file_body, body, wrapper, key, NULL);
