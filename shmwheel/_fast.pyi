@@ -78,6 +78,9 @@ class Timer:
         current_task: Callable[[], Any] | None = None,
     ) -> None: ...
     look_at: int
+    @property
+    def retired(self) -> bool: ...
+    def retire(self) -> None: ...
     def start(
         self,
         now_ns: int,

@@ -348,6 +348,20 @@ ENVIRONS = [
 ]
 
 
+def _count_detours(mw: TimeoutMiddleware) -> list[object]:
+    """The requests that direct()'s C call hands back to the middleware
+    itself from now on (by their PATH_INFO)."""
+    taken: list[object] = []
+
+    class Counting(type(mw)):  # type: ignore[misc]
+        def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+            taken.append(environ.get("PATH_INFO"))
+            return super().__call__(environ, start_response)
+
+    mw.__class__ = Counting
+    return taken
+
+
 def _recording_middleware(wheel: shmwheel.Wheel) -> tuple[TimeoutMiddleware, list[int]]:
     """A middleware around an app that answers "ok" and keeps each request's handle."""
     handles: list[int] = []
@@ -420,19 +434,30 @@ def test_a_body_closes_the_applications_then_ends_the_timer_whatever_happens(mak
     body.close()
 
 
-def test_a_body_ends_a_timer_in_the_wheel_it_started_in_after_a_replacement(name: str) -> None:
+@pytest.mark.parametrize("way", ["middleware", "direct"])
+def test_a_body_ends_a_timer_in_the_wheel_it_started_in_after_a_replacement(name: str, way: str) -> None:
+    """Also through direct(), which keeps the RequestTimer's Timer from one
+    request to the next: the one the replacement retires is not used again."""
     old = shmwheel.create(name, capacity=16, payload_size=256)
     mw = TimeoutMiddleware(lambda e, s: [b"x"], name, 30.0, traceback_signal=None)
+    call = mw.direct() if way == "direct" else mw
+    detours = _count_detours(mw)
     try:
-        body = mw({"PATH_INFO": "/before"}, lambda *a: None)
+        body = call({"PATH_INFO": "/before"}, lambda *a: None)
         assert type(body) is _fast.Body and len(old) == 1
+        first = mw.timer._fast
         shmwheel.unlink(name)
         new = shmwheel.create(name, capacity=16, payload_size=256)
         try:
-            later = mw({"PATH_INFO": "/after"}, lambda *a: None)
+            later = call({"PATH_INFO": "/after"}, lambda *a: None)  # the old wheel refuses: the own path attaches
             assert len(new) == 1 and mw.timer._fast is not None
-            body.close()  # type: ignore[attr-defined]
-            later.close()  # type: ignore[attr-defined]
+            assert first.retired and mw.timer._fast is not first and not mw.timer._fast.retired
+            again = call({"PATH_INFO": "/again"}, lambda *a: None)
+            assert (len(old), len(new)) == (1, 2)
+            if way == "direct":
+                assert detours == ["/before", "/after"], "direct() went on calling the Timer the replacement retired"
+            for each in (body, later, again):
+                each.close()  # type: ignore[attr-defined]
             assert (len(old), len(new)) == (0, 0), "a request's timer was left behind"
         finally:
             new.close()
@@ -453,6 +478,30 @@ def test_a_timer_made_before_a_fork_leaves_the_child_to_its_own_path(make_wheel)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the parent's Timer served a request in the child"
     assert fast.start(time.monotonic_ns(), "GET", "/x", None, None) is not None  # still the parent's
+
+
+def test_a_direct_call_used_before_a_fork_serves_the_child_with_the_childs_timer(make_wheel) -> None:
+    """direct() keeps the Timer of its last request: in a forked child it is
+    the parent's, which must not file the child's requests."""
+    wheel = make_wheel(payload_size=256)
+    mw, handles = _recording_middleware(wheel)
+    direct = mw.direct()
+    direct({"PATH_INFO": "/parent"}, lambda *a: None).close()  # type: ignore[attr-defined]
+    parents = mw.timer._fast
+    detours = _count_detours(mw)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        ok = True
+        for _ in range(3):  # the first takes the middleware's own path, the others the child's Timer
+            body = direct({"PATH_INFO": "/child"}, lambda *a: None)
+            record = decode_request(mw.timer._active[handles[-1]].payload)
+            ok = ok and record is not None and record.pid == os.getpid() and len(wheel) == 1
+            body.close()  # type: ignore[attr-defined]
+        ok = ok and mw.timer._fast is not parents and len(wheel) == 0 and detours == ["/child"]
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's request was filed as the parent's"
+    assert mw.timer._fast is parents and not parents.retired
 
 
 def test_the_middleware_called_directly_in_c_is_the_middleware(make_wheel) -> None:

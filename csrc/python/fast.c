@@ -946,6 +946,7 @@ typedef struct {
     int64_t     look_ns;        /* how often the RequestTimer looks at its wheel */
     int64_t     look_at;        /* monotonic ns: its next look */
     pid_t       pid;            /* the process this Timer serves */
+    char        retired;        /* 1 once its RequestTimer has let go of it (retire()) */
     Py_ssize_t  size;           /* the wheel's payload size */
     Py_ssize_t  max_method;     /* _record.MAX_METHOD */
     Py_ssize_t  max_request_id; /* _record.MAX_REQUEST_ID */
@@ -1158,6 +1159,16 @@ static Py_ssize_t request_id_of(const TimerObject *self, PyObject *rid, const ch
             return 0;
     *data = (const char *)s;
     return n;
+}
+
+/* Whether ``t`` is still its RequestTimer's Timer in this process, which
+ * a WSGI callable and a Body keep rather than ask the RequestTimer for
+ * every request: a Timer is made for one process (the RequestTimer makes
+ * another in a forked child) and retired when the RequestTimer lets go of
+ * it (RequestTimer._replaced). */
+static inline int current(const TimerObject *t)
+{
+    return !t->retired && t->pid == current_pid;
 }
 
 /* Whether this Timer serves a request now: 1, yes; 0, no, the caller's own
@@ -1512,14 +1523,25 @@ static PyObject *Timer_finish(TimerObject *self, PyObject *const *args, Py_ssize
 /* RequestTimer.finish(key) without its frame: through the RequestTimer's
  * Timer of the moment (a wheel attached again since the start has a new
  * one), the rest of the way in RequestTimer._finished; or finish() itself
- * where no Timer of this process serves.  0, or -1 with an exception. */
+ * where no Timer of this process serves.  ``owner`` is the RequestTimer,
+ * or the Timer that started the request (a Body's), which ends it itself
+ * while it is current.  0, or -1 with an exception. */
 static int end_request(PyObject *owner, PyObject *key)
 {
     PyObject *fast, *r;
 
     if (key == Py_None)
         return 0;
-    if (!(fast = PyObject_GetAttr(owner, str_fast)))
+    if (Py_IS_TYPE(owner, &TimerType)) {
+        TimerObject *t = (TimerObject *)owner;
+
+        if (!(owner = t->owner))
+            return 0;           /* cleared by the collector: nothing left to end it with */
+        fast = current(t) ? Py_NewRef(t) : PyObject_GetAttr(owner, str_fast);
+    } else {
+        fast = PyObject_GetAttr(owner, str_fast);
+    }
+    if (!fast)
         return -1;
     if (Py_IS_TYPE(fast, &TimerType) && ((TimerObject *)fast)->pid == current_pid) {
         r = finish_request((TimerObject *)fast, key);
@@ -1755,7 +1777,7 @@ static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t
     } else if (!wrapper && PyErr_Occurred()) {
         PyErr_Clear();          /* a lookup that failed: the body as any other */
     }
-    result = Body_make(body, self->owner, key);
+    result = Body_make(body, (PyObject *)self, key);
     Py_DECREF(body);
     if (!result)
         goto failed;
@@ -1906,6 +1928,12 @@ failed:
     return NULL;
 }
 
+static PyObject *Timer_retire(TimerObject *self, PyObject *Py_UNUSED(ignored))
+{
+    self->retired = 1;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Timer_methods[] = {
     {"start", (PyCFunction)(void (*)(void))Timer_start, METH_FASTCALL,
      "start(now_ns, method, path, request_id, task[, timeout_ns[, started_ns]]): the handle, or None for the "
@@ -1915,12 +1943,15 @@ static PyMethodDef Timer_methods[] = {
     {"wsgi", (PyCFunction)(void (*)(void))Timer_wsgi, METH_FASTCALL,
      "wsgi(app, environ, start_response): the application's body in a Body, or NotImplemented for the "
      "middleware's own path."},
+    {"retire", (PyCFunction)Timer_retire, METH_NOARGS,
+     "retire(): the RequestTimer has let go of this Timer; whoever kept it asks the RequestTimer again."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef Timer_members[] = {
     {"look_at", T_LONGLONG, offsetof(TimerObject, look_at), 0,
      "time.monotonic_ns() of the RequestTimer's next look at its wheel, which the next start() after it has."},
+    {"retired", T_BOOL, offsetof(TimerObject, retired), READONLY, "Whether retire() has been called."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -2004,11 +2035,31 @@ typedef struct {
     PyObject *app;              /* its application */
     PyObject *timer;            /* its RequestTimer */
     vectorcallfunc vectorcall;
+    PyObject *fast;             /* the RequestTimer's Timer last seen, or NULL */
 } WSGIObject;
 
 HELD_LAYOUT(WSGIObject, middleware, app, timer);
 
 static PyTypeObject WSGIType;
+
+static int WSGI_traverse(WSGIObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->fast);
+    return Held_traverse((HeldObject *)self, visit, arg);
+}
+
+static int WSGI_clear(WSGIObject *self)
+{
+    Py_CLEAR(self->fast);
+    return Held_clear((HeldObject *)self);
+}
+
+static void WSGI_dealloc(WSGIObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    WSGI_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
 
 static PyObject *WSGI_vectorcall(WSGIObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -2016,8 +2067,15 @@ static PyObject *WSGI_vectorcall(WSGIObject *self, PyObject *const *args, size_t
     PyObject *fast, *r, *call[3];
 
     if (nargs == 2 && !kwnames && self->timer) {
-        if (!(fast = PyObject_GetAttr(self->timer, str_fast)))
-            return NULL;
+        /* The Timer kept from the last request, while it is current: the
+         * RequestTimer's attribute is not looked up for each. */
+        if (self->fast && current((TimerObject *)self->fast)) {
+            fast = Py_NewRef(self->fast);
+        } else {
+            if (!(fast = PyObject_GetAttr(self->timer, str_fast)))
+                return NULL;
+            Py_XSETREF(self->fast, Py_IS_TYPE(fast, &TimerType) ? Py_NewRef(fast) : NULL);
+        }
         if (Py_IS_TYPE(fast, &TimerType)) {
             call[0] = self->app;
             call[1] = args[0];
@@ -2053,8 +2111,10 @@ static PyObject *WSGI_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObjec
     self = (WSGIObject *)Held_make(&WSGIType, middleware, app, timer);
     Py_DECREF(app);
     Py_DECREF(timer);
-    if (self)
+    if (self) {
         self->vectorcall = (vectorcallfunc)WSGI_vectorcall;
+        self->fast = NULL;
+    }
     return (PyObject *)self;
 }
 
@@ -2075,9 +2135,9 @@ static PyTypeObject WSGIType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "WSGI(middleware): a plain TimeoutMiddleware's call, with no Python frame of its own.",
     .tp_new = WSGI_new,
-    .tp_traverse = (traverseproc)Held_traverse,
-    .tp_clear = (inquiry)Held_clear,
-    .tp_dealloc = (destructor)Held_dealloc,
+    .tp_traverse = (traverseproc)WSGI_traverse,
+    .tp_clear = (inquiry)WSGI_clear,
+    .tp_dealloc = (destructor)WSGI_dealloc,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(WSGIObject, vectorcall),
     .tp_getset = WSGI_getset,

@@ -220,7 +220,7 @@ class RequestTimer:
             if self._pid != pid:  # first use in this process: forked, or new
                 self._pid = pid
                 self._wheel = None
-                self._fast = None
+                self._drop_fast()
                 self._old = []
                 self._active = _new_table()
                 self._interrupted = set()
@@ -244,6 +244,13 @@ class RequestTimer:
                 self._wheel = wheel
                 self._fast = self._make_fast(wheel)
             return self._wheel
+
+    def _drop_fast(self) -> None:
+        """Let go of the C Timer (under self._lock): retired, so that the
+        WSGI callables and bodies that kept it ask for the next."""
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            fast.retire()
 
     def _make_fast(self, wheel: Wheel) -> Any:
         """The C start() and finish() for ``wheel`` in this process (under
@@ -598,7 +605,7 @@ class RequestTimer:
             if self._wheel is not wheel:
                 return  # another thread saw it first
             self._wheel = None
-            self._fast = None
+            self._drop_fast()
             self._retry_at = 0.0
             # A new list, not the old one changed: a finish() in another
             # thread may be walking that.  The oldest is let go, not closed,
