@@ -938,34 +938,36 @@ static PyTypeObject TableType = {
 
 typedef struct {
     PyObject_HEAD
+    /* What every request reads, together: a few cache lines. */
     CoreObject *core;
-    PyObject   *head;           /* bytes: the record's head with this timer's constants */
+    TableObject *table;         /* the RequestTimer's requests in progress */
+    PyObject   *owner;          /* the RequestTimer, for the context's (owner, handle) */
+    PyObject   *getcurrent;     /* greenlet.getcurrent, or None */
+    PyObject   *interrupted;    /* set: their handles, once interrupted */
+    PyObject   *server_wrapper; /* the last wsgi.file_wrapper seen that is no class, or NULL */
+    PyObject   *timing_wrapper; /* what stands for it in the environ, or None: it is left */
+    PyObject   *timed_file_type; /* the type of the file that stand-in hands the server, or NULL */
+    int64_t     look_at;        /* monotonic ns: its next look */
     int64_t     due_ns;         /* the first stage, after the start, for the default timeout */
     int64_t     timeout_ns;     /* the default timeout */
     int64_t     warn_ns;        /* warn_after, or 0 */
-    int64_t     look_ns;        /* how often the RequestTimer looks at its wheel */
-    int64_t     look_at;        /* monotonic ns: its next look */
     pid_t       pid;            /* the process this Timer serves */
     char        retired;        /* 1 once its RequestTimer has let go of it (retire()) */
-    Py_ssize_t  size;           /* the wheel's payload size */
-    Py_ssize_t  max_method;     /* _record.MAX_METHOD */
-    Py_ssize_t  max_request_id; /* _record.MAX_REQUEST_ID */
+    char        interrupt;      /* the Active's interrupt field */
     uint8_t     task_flag;      /* _record.TASK */
     uint8_t     greenlet_flag;  /* _record.GREENLET */
     uint8_t     warn_flag;      /* _record.WARN */
-    TableObject *table;         /* the RequestTimer's requests in progress */
-    PyObject   *interrupted;    /* set: their handles, once interrupted */
+    Py_ssize_t  size;           /* the wheel's payload size */
+    Py_ssize_t  max_method;     /* _record.MAX_METHOD */
+    Py_ssize_t  max_request_id; /* _record.MAX_REQUEST_ID */
+    char        head[HEAD_SIZE]; /* the record's head with this timer's constants: a copy, no object to reach */
+    /* The rest: tasks, and the once-a-second look. */
+    int64_t     look_ns;        /* how often the RequestTimer looks at its wheel */
     PyObject   *var;            /* ContextVar: the request in progress here */
-    PyObject   *owner;          /* the RequestTimer, for the context's (owner, handle) */
-    PyObject   *getcurrent;     /* greenlet.getcurrent, or None */
-    char        interrupt;      /* the Active's interrupt field */
     PyObject   *current_tasks;  /* asyncio's {loop: task running}, or None */
     PyObject   *current_task;   /* asyncio.current_task */
     PyObject   *loop;           /* the loop last found running, or NULL */
     PyObject   *holder;         /* asyncio's running-loop holder it was found under, or NULL */
-    PyObject   *server_wrapper; /* the last wsgi.file_wrapper seen that is no class, or NULL */
-    PyObject   *timing_wrapper; /* what stands for it in the environ, or None: it is left */
-    PyObject   *timed_file_type; /* the type of the file that stand-in hands the server, or NULL */
 } TimerObject;
 
 static PyTypeObject TimerType;
@@ -983,7 +985,6 @@ static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);
 static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->core);
-    Py_VISIT(self->head);
     Py_VISIT(self->table);
     Py_VISIT(self->interrupted);
     Py_VISIT(self->var);
@@ -1009,7 +1010,6 @@ static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
 static int Timer_clear(TimerObject *self)
 {
     Py_CLEAR(self->core);
-    Py_CLEAR(self->head);
     Py_CLEAR(self->table);
     Py_CLEAR(self->interrupted);
     Py_CLEAR(self->var);
@@ -1068,7 +1068,7 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     }
     Timer_clear(self);
     self->core = (CoreObject *)Py_NewRef(core);
-    self->head = Py_NewRef(head);
+    memcpy(self->head, PyBytes_AS_STRING(head), HEAD_SIZE);
     self->due_ns = due;
     self->timeout_ns = timeout;
     self->warn_ns = warn;
@@ -1293,7 +1293,7 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     if (n > self->size)
         Py_RETURN_NONE;         /* cut to fit, by encode_request */
 
-    flags = (uint8_t)PyBytes_AS_STRING(self->head)[OFF_FLAGS];
+    flags = (uint8_t)self->head[OFF_FLAGS];
     if (timeout == self->timeout_ns && started == now) {
         due = now + self->due_ns;
     } else {
@@ -1337,7 +1337,7 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
         return NULL;
     }
     buf = table->spare;
-    memcpy(buf, PyBytes_AS_STRING(self->head), HEAD_SIZE);
+    memcpy(buf, self->head, HEAD_SIZE);
     buf[OFF_MLEN] = (char)mlen;
     buf[OFF_RLEN] = (char)rlen;
     buf[OFF_FLAGS] = (char)flags;
