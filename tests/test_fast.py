@@ -399,6 +399,24 @@ def test_the_middlewares_call_in_c_files_what_its_own_path_files(make_wheel, env
     assert len(wheel) == 0 and not mw.timer._active
 
 
+def test_a_bodys_close_is_the_body_itself_as_servers_look_it_up(make_wheel) -> None:
+    """uWSGI looks close() up twice a request (PyObject_HasAttrString, then
+    PyObject_GetAttrString) and Gunicorn once (hasattr): the body answers
+    with itself, callable as close(), so that no bound method is made for
+    each, and close() is still what PEP 3333 asks for."""
+    wheel = make_wheel()
+    timer = _timer(wheel)
+    body = _fast.Body([b"x"], timer, timer.start("GET", "/x"))
+    assert hasattr(body, "close") and body.close is body and callable(body.close)
+    assert sys.getrefcount(body) == 2  # the lookups kept nothing
+    with pytest.raises(TypeError, match="no arguments"):
+        body.close(True)  # type: ignore[call-arg]
+    assert len(wheel) == 1, "a refused call ended the timer"
+    close = body.close  # as uWSGI calls it: looked up, then called
+    close()
+    assert len(wheel) == 0 and wheel.stats().cancelled == 1
+
+
 @pytest.mark.parametrize("body_type", [_fast.Body, wsgi._ClosingBody], ids=["c", "python"])
 def test_a_body_closes_the_applications_then_ends_the_timer_whatever_happens(make_wheel, body_type) -> None:
     wheel = make_wheel()
