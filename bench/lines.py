@@ -24,8 +24,10 @@ body iterated, and ``close`` looked up and called.  ``bare`` is the same
 request to the bare application; each build's figures are net of its own
 ``bare``.  A child runs ``n`` requests and then ``3n``; their difference
 over ``2n`` is one request, without the interpreter's start.  The hash
-seed is fixed, and RequestTimer's once-a-second look at its wheel put off
-(under valgrind a second is a few requests).
+seed and the address layout are fixed, the collector's passes left out (one lands in one child's
+requests and not the other's; what a request adds to them is the objects
+it tracks, which the counts show), and RequestTimer's once-a-second look
+at its wheel put off (under valgrind a second is a few requests).
 
 Usage::
 
@@ -40,6 +42,7 @@ and unlinked, also on error.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import shutil
@@ -50,6 +53,9 @@ import tempfile
 CACHES = ["--I1=32768,8,64", "--D1=32768,8,64", "--LL=1048576,16,64"]
 EVICT_BYTES = 4 << 20  # four times L2: nothing of the last request is left in it
 CASES = ("bare", "direct")
+# Addresses laid out alike in every child (util-linux's setarch): with them
+# at random, a run's count moves by a couple of hundred instructions a request.
+NO_ASLR = ["setarch", "-R"] if shutil.which("setarch") else []
 
 # The environ uWSGI hands a WSGI application for a plain GET from wrk, with
 # the values it gives (its keys and strings are made anew for each request).
@@ -83,11 +89,13 @@ def _child(root: str, case: str, n: int) -> None:
         def start_response(status: str, headers: object, exc_info: object = None) -> None:
             pass
 
-        middleware = TimeoutMiddleware(app, name, 30.0)
+        middleware = TimeoutMiddleware(app, name, 30.0, traceback_signal=None)  # no listener thread to count
         assert middleware.timer.prepare()
         call = middleware.direct() if case == "direct" else app
         template = dict(ENVIRON, **{"wsgi.file_wrapper": os.getpid})  # a function, as uWSGI's is
         junk = bytearray(EVICT_BYTES)
+        gc.collect()
+        gc.disable()  # a collection lands in one child's requests and not the other's: counted apart from them
         for _ in range(n):
             bytes(junk)
             # Fresh strings, as uWSGI's: not the interned ones of this module's constants.
@@ -107,7 +115,8 @@ def _count(root: str, case: str, n: int, out_dir: str) -> list[int]:
     """Program totals of a child of ``n`` requests: Ir, data lines, code lines."""
     out = os.path.join(out_dir, f"cg-{case}-{n}.out")
     subprocess.run(
-        ["valgrind", "--tool=cachegrind", "--cache-sim=yes", *CACHES, f"--cachegrind-out-file={out}"]
+        NO_ASLR
+        + ["valgrind", "--tool=cachegrind", "--cache-sim=yes", *CACHES, f"--cachegrind-out-file={out}"]
         + [sys.executable, __file__, "--child", root, "--case", case, "--requests", str(n)],
         check=True,
         capture_output=True,
