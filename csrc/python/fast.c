@@ -1217,13 +1217,19 @@ static int ready(TimerObject *self, int64_t now)
  * table still holds it.  It holds a reference to the RequestTimer, which a
  * thread that ends mid-request keeps.
  *
- * Initial-exec: one load at a fixed offset from the thread pointer, where
- * the default model for a module loaded with dlopen calls __tls_get_addr,
- * which reads four cache lines a request that a server's other work has
- * long evicted.  glibc keeps room in the static TLS block for modules
- * loaded later; a process out of it fails the import, and the package
- * goes on without this module. */
-static __thread __attribute__((tls_model("initial-exec"))) struct {
+ * Initial-exec on glibc: one load at a fixed offset from the thread
+ * pointer, where the default model for a module loaded with dlopen calls
+ * __tls_get_addr, which reads four cache lines a request that a server's
+ * other work has long evicted.  glibc keeps room in the static TLS block
+ * for modules loaded later; a process out of it fails the import, and the
+ * package goes on without this module.  Other C libraries (musl) may
+ * refuse the model in a dlopen'ed module: the default there. */
+#ifdef __GLIBC__
+#define HERE_TLS __attribute__((tls_model("initial-exec")))
+#else
+#define HERE_TLS
+#endif
+static __thread HERE_TLS struct {
     PyObject *owner;            /* the RequestTimer, or NULL */
     int64_t   key;              /* the request's handle */
     uint64_t  thread;           /* PyThread_get_thread_ident(), once asked (a fork keeps it) */
@@ -2109,12 +2115,13 @@ static PyObject *WSGI_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObjec
         return NULL;
     }
     self = (WSGIObject *)Held_make(&WSGIType, middleware, app, timer);
-    Py_DECREF(app);
-    Py_DECREF(timer);
     if (self) {
+        /* Before the drops below, which may run a collection that traverses it. */
         self->vectorcall = (vectorcallfunc)WSGI_vectorcall;
         self->fast = NULL;
     }
+    Py_DECREF(app);
+    Py_DECREF(timer);
     return (PyObject *)self;
 }
 
