@@ -24,10 +24,11 @@ body iterated, and ``close`` looked up and called.  ``bare`` is the same
 request to the bare application; each build's figures are net of its own
 ``bare``.  A child runs ``n`` requests and then ``3n``; their difference
 over ``2n`` is one request, without the interpreter's start.  The hash
-seed and the address layout are fixed, the collector's passes left out (one lands in one child's
-requests and not the other's; what a request adds to them is the objects
-it tracks, which the counts show), and RequestTimer's once-a-second look
-at its wheel put off (under valgrind a second is a few requests).
+seed and the address layout are fixed, the collector's passes left out
+(one lands in one child's requests and not the other's; what a request
+adds to them is the objects it tracks, which the counts show), and
+RequestTimer's once-a-second look at its wheel put off (under valgrind a
+second is a few requests).
 
 Usage::
 
@@ -114,15 +115,18 @@ def _child(root: str, case: str, n: int) -> None:
 def _count(root: str, case: str, n: int, out_dir: str) -> list[int]:
     """Program totals of a child of ``n`` requests: Ir, data lines, code lines."""
     out = os.path.join(out_dir, f"cg-{case}-{n}.out")
-    subprocess.run(
+    run = subprocess.run(
         NO_ASLR
         + ["valgrind", "--tool=cachegrind", "--cache-sim=yes", *CACHES, f"--cachegrind-out-file={out}"]
         + [sys.executable, __file__, "--child", root, "--case", case, "--requests", str(n)],
-        check=True,
         capture_output=True,
+        text=True,
         cwd="/",
         env={**os.environ, "PYTHONHASHSEED": "0"},
     )
+    if run.returncode != 0:
+        tail = [line for line in run.stderr.splitlines() if not line.startswith("==")][-1:] or ["(no output)"]
+        sys.exit(f"lines.py: the {case} child of {root} failed (exit {run.returncode}): {tail[0]}")
     with open(out) as f:
         lines = f.read().splitlines()
     events = next(line.split()[1:] for line in lines if line.startswith("events:"))

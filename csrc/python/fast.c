@@ -1073,6 +1073,7 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     self->timeout_ns = timeout;
     self->warn_ns = warn;
     self->look_ns = look;
+    self->retired = 0;
     self->look_at = 0;  /* the first request has the look: an AutoDriver that waits for it starts there */
     self->pid = current_pid;
     self->size = size;
@@ -1165,7 +1166,7 @@ static Py_ssize_t request_id_of(const TimerObject *self, PyObject *rid, const ch
  * a WSGI callable and a Body keep rather than ask the RequestTimer for
  * every request: a Timer is made for one process (the RequestTimer makes
  * another in a forked child) and retired when the RequestTimer lets go of
- * it (RequestTimer._replaced). */
+ * it (RequestTimer._drop_fast: a wheel replaced, a fork). */
 static inline int current(const TimerObject *t)
 {
     return !t->retired && t->pid == current_pid;
