@@ -29,40 +29,48 @@ and on and beside the timers those servers offer today:
 Every timeout is 30 s, so nothing fires: what is measured is the cost of
 adding and cancelling a timer with every request.  Access logs are off.
 
-Rounds.  Each round runs every variant once, each on a server of its own
-started for it, in an order rotated from round to round, so that a slow
-stretch of the shared machine does not fall on the same variant each time.
-A run: start the server, wait for ``GET /`` to answer 200, a warm-up of
-wrk, then ``wrk -t1 -c8 -d5s --latency`` with a Lua script that counts the
-responses per ``X-Pid`` and those that are not 2xx, then stop the server
-(SIGTERM; SIGINT for uWSGI) and wait until its processes, its driver and
-its wheel are gone.
+Rounds.  A round runs every variant once, server by server, the servers'
+order rotated from round to round.  The variants of one server run side
+by side: a server for each, started for the round (wait for ``GET /`` to
+answer 200, then a warm-up of wrk), idle while another is measured.  Each
+gets five bursts of ``wrk -t1 -c8 -d1s --latency`` (a Lua script that
+counts the responses per ``X-Pid`` and those that are not 2xx), taken in
+turn, the order rotated from burst to burst; then every server is stopped
+(SIGTERM; SIGINT for uWSGI) and waited for until its processes, its
+driver and its wheel are gone.  On this shared machine a server's CPU a
+request moves by 10 % from one second to the next and by as much again
+over tens of seconds; bursts in turn put each variant beside the same
+stretch of the machine as its "off", where runs one after the other (a
+server each, 5 s) gave the slow part to whichever ran then.
 
-Reported per run: requests/s, latency p50 / p99 (wrk's, over every
-request), the server's CPU time per request (``utime + stime`` from
-``/proc/<pid>/stat`` of every process in the server's process group:
-master and workers), their context switches per request (every thread's,
-voluntary or not, from ``/proc/<pid>/task/*/status``: a GIL handed between
-a worker's threads shows there), the shmwheel driver's apart (found as the wheel's
-``driver_pid``: under Gunicorn and Uvicorn a process in a session of its
-own, under uWSGI the mule, taken out of the group's sum; its threads'
-``schedstat``, in ns, since it uses less than a clock tick of ``stat`` in a
-run), per request and as a share of one CPU, CPU time stolen by the hypervisor, and how the
-requests fell on the workers.  wrk's connections stay open (except under
-sync workers, which close each one), so whichever worker accepted a
-connection serves all of its requests: the kernel may give one worker
-every connection, and the other idles.  The table says when it did.  With
-``--close`` every request comes on a connection of its own (wrk sends
-``Connection: close``), as nginx proxies to its upstreams unless told
-otherwise: the workers take turns at accepting, and both stay busy.
+Reported per run (a variant's bursts of a round, together): requests/s;
+latency p50 / p99 (wrk's, over every request of a burst; the median of
+the bursts'); the server's CPU time per request (``schedstat``, in ns, of
+every thread of every process in the server's process group, master and
+workers: a second's burst is only a hundred clock ticks of
+``/proc/<pid>/stat`` a worker); their context switches per request
+(every thread's, voluntary or not, from ``/proc/<pid>/task/*/status``: a
+GIL handed between a worker's threads shows there); the shmwheel
+driver's apart (found as the wheel's ``driver_pid``: under Gunicorn and
+Uvicorn a process in a session of its own, under uWSGI the mule, taken
+out of the group's sum), per request and as a share of one CPU; CPU time
+stolen by the hypervisor; and how the requests fell on the workers.
+wrk's connections stay open (except under sync workers, which close each
+one), so whichever worker accepted a connection serves all of its
+requests: the kernel may give one worker every connection, and the
+other idles.  The table says when it did.  With ``--close`` every
+request comes on a connection of its own (wrk sends ``Connection:
+close``), as nginx proxies to its upstreams unless told otherwise: the
+workers take turns at accepting, and both stay busy.
 
 Summary per variant: medians over the rounds, and each variant's ratios to
 its server's "off" in the same round, requests/s and CPU per request
 (server plus driver), as median (min-max) over the rounds, and requests/s
 again over only the rounds where both workers served in both runs (how many
 is said): a worker that got every connection halves a server's throughput
-whatever the timer.  The machine is shared and noisy: compare only ratios
-within one run.
+whatever the timer.  Below it, the CPU ratio's mean and standard error over
+the rounds, to compare variants by.  The machine is shared and noisy:
+compare only ratios within one run.
 
 ``--build NAME=PATH`` runs every shmwheel variant chosen a second time
 with the shmwheel package found in the checkout at PATH (its built
@@ -70,8 +78,8 @@ extensions beside its sources) first on ``PYTHONPATH``, as
 ``SERVER/shmwheel@NAME``, interleaved with the rest: two builds compared
 within one run, each against the same round's "off".  Repeat it for more.
 
-``--quick`` is a smoke test for CI (about 20 s): one round of 1 s runs of
-a few variants.  The exit status is 1 if any run had a non-2xx response, a
+``--quick`` is a smoke test for CI (about 20 s): one round of one 1 s
+burst of a few variants.  The exit status is 1 if any run had a non-2xx response, a
 socket error, no response at all, a server that did not start, a shmwheel
 variant without its driver, or left anything in /dev/shm.  Every server
 started here is stopped (its whole process group, and the driver under
@@ -82,7 +90,7 @@ extra (``pip install -e '.[test]'``).
 
 Usage::
 
-    python bench/servers.py [--quick] [--rounds N] [--duration S] [--connections N] [--close]
+    python bench/servers.py [--quick] [--rounds N] [--bursts N] [--duration S] [--connections N] [--close]
                             [--threads N] [--only REGEX] [--build NAME=PATH]... [--json FILE]
 """
 
@@ -111,7 +119,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _common import CLOCK_TICKS, SHM_DIR, progress, strict_json, terminate
+from _common import SHM_DIR, progress, strict_json, terminate
 from _machine import machine_info
 
 import shmwheel
@@ -125,8 +133,9 @@ WORKERS = 2
 THREADS = 4
 
 ROUNDS, QUICK_ROUNDS = 5, 1
-DURATION, QUICK_DURATION = 5, 1  # s of wrk per run (wrk takes whole seconds)
-WARMUP = 1  # s of wrk before it, not counted
+DURATION, QUICK_DURATION = 1, 1  # s of wrk a burst (wrk takes whole seconds)
+BURSTS, QUICK_BURSTS = 5, 1  # bursts a variant a round
+WARMUP = 1  # s of wrk before a server's first burst, not counted
 CONNECTIONS = 8  # as many as the gthread and uWSGI workers have threads in all
 START_TIMEOUT = 30.0  # s: for the server to answer
 STOP_TIMEOUT = 30.0  # s: for it, its driver and its wheel to be gone
@@ -348,18 +357,10 @@ def group_members(pgid: int) -> list[int]:
     return pids
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """utime + stime of a process, in clock ticks; None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[11]) + int(fields[12])
-
-
 def run_ns(pid: int) -> int | None:
     """CPU time of every thread of a process, in ns (/proc/<pid>/task/*/schedstat):
-    the driver's is a few ticks of /proc/<pid>/stat in a run, too coarse."""
+    a second's burst is a hundred clock ticks of /proc/<pid>/stat a worker,
+    and the driver's a few, too coarse."""
     total = 0
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
@@ -530,6 +531,9 @@ class Run:
     steal_pct: float = float("nan")  # of the machine's CPU time, during the run
     per_worker: dict[str, int] = field(default_factory=dict)  # requests by X-Pid
     failure: str = ""
+    bursts: int = 0  # of wrk, merged into this run
+    burst_cpu_us: list[float] = field(default_factory=list)  # server CPU a request, burst by burst
+    wall_s: float = 0.0  # s of wrk in all
 
     @property
     def busiest_share(self) -> float:
@@ -577,26 +581,25 @@ def machine_cpu() -> tuple[float, float]:
     return getattr(t, "steal", 0.0), sum(t)
 
 
-def measure(server: Server, rnd: int, duration: int, warmup: int, connections: int, script: Path) -> Run:
-    run = Run(server.variant.key, rnd)
-    if warmup > 0:
-        wrk(server.port, warmup, connections, script)
+def measure(server: Server, rnd: int, duration: int, connections: int, script: Path) -> Run:
+    """One burst of wrk against a running server: its figures as a run of one burst."""
+    run = Run(server.variant.key, rnd, bursts=1)
     driver = server.driver
     members = [pid for pid in group_members(server.proc.pid) if pid != driver]
-    before = {pid: cpu_ticks(pid) for pid in members}
+    before = {pid: run_ns(pid) for pid in members}
     switches_before = {pid: switches(pid) for pid in members}
     driver_before = run_ns(driver) if driver else None
     steal_before, all_before = machine_cpu()
     started = time.monotonic()
     summary = wrk(server.port, duration, connections, script)
-    wall = time.monotonic() - started
+    run.wall_s = time.monotonic() - started
     steal_after, all_after = machine_cpu()
     members = [pid for pid in group_members(server.proc.pid) if pid != driver]
-    after = {pid: cpu_ticks(pid) for pid in members}
+    after = {pid: run_ns(pid) for pid in members}
     switches_after = {pid: switches(pid) for pid in members}
     driver_after = run_ns(driver) if driver else None
 
-    server_ticks = sum((a or 0) - (before.get(pid) or 0) for pid, a in after.items())
+    server_ns = sum((a or 0) - (before.get(pid) or 0) for pid, a in after.items())
     run.requests = summary["requests"]
     run.requests_per_s = summary["requests"] / (summary["duration_us"] / 1e6)
     run.p50_ms, run.p99_ms, run.max_ms = (summary[k] / 1e3 for k in ("p50_us", "p99_us", "max_us"))
@@ -604,18 +607,96 @@ def measure(server: Server, rnd: int, duration: int, warmup: int, connections: i
     run.per_worker = summary["pids"]
     run.steal_pct = 100 * (steal_after - steal_before) / max(all_after - all_before, 1e-9)
     if run.requests:
-        run.server_cpu_us = server_ticks / CLOCK_TICKS / run.requests * 1e6
+        run.server_cpu_us = server_ns / 1e3 / run.requests
         switched = sum((a or 0) - (switches_before.get(pid) or 0) for pid, a in switches_after.items())
         run.switches = switched / run.requests
     if driver and driver_before is not None and driver_after is not None:
         driver_s = (driver_after - driver_before) / 1e9
         run.driver_cpu_us = driver_s / max(run.requests, 1) * 1e6
-        run.driver_core_pct = 100 * driver_s / wall
+        run.driver_core_pct = 100 * driver_s / run.wall_s
     elif driver:
         run.failure = f"the driver {driver} exited during the run"
     if run.requests == 0:
         run.failure = run.failure or "no response"
     return run
+
+
+def merge(bursts: list[Run]) -> Run:
+    """A variant's bursts of one round as one run: per request over all of
+    their requests, throughput over all of their time, wrk's latencies the
+    median of the bursts' (the max the largest)."""
+    first = bursts[0]
+    run = Run(
+        first.variant, first.round, bursts=len(bursts), failure=next((b.failure for b in bursts if b.failure), "")
+    )
+    run.requests = sum(b.requests for b in bursts)
+    run.wall_s = sum(b.wall_s for b in bursts)
+    for b in bursts:
+        for k, n in b.errors.items():
+            run.errors[k] = run.errors.get(k, 0) + n
+        for pid, n in b.per_worker.items():
+            run.per_worker[pid] = run.per_worker.get(pid, 0) + n
+    served = [b for b in bursts if b.requests]
+    if not served:
+        run.failure = run.failure or "no response"
+        return run
+    run.requests_per_s = run.requests / sum(b.requests / b.requests_per_s for b in served)
+    run.p50_ms = med([b.p50_ms for b in served])
+    run.p99_ms = med([b.p99_ms for b in served])
+    run.max_ms = max(b.max_ms for b in served)
+    run.steal_pct = sum(b.steal_pct * b.wall_s for b in served) / sum(b.wall_s for b in served)
+
+    def per_request(name: str) -> float:
+        return float(sum(getattr(b, name) * b.requests for b in served)) / run.requests
+
+    run.server_cpu_us = per_request("server_cpu_us")
+    run.burst_cpu_us = [b.server_cpu_us for b in served]
+    run.switches = per_request("switches")
+    if all(b.driver_cpu_us == b.driver_cpu_us for b in served):
+        run.driver_cpu_us = per_request("driver_cpu_us")
+        run.driver_core_pct = sum(b.driver_core_pct * b.wall_s for b in served) / run.wall_s
+    return run
+
+
+def run_group(
+    group: list[Variant],
+    rnd: int,
+    args: argparse.Namespace,
+    tmp: Path,
+    script: Path,
+    problems: list[str],
+    wheels: list[str],
+) -> list[Run]:
+    """A round of one server's variants: a server for each, all started
+    before any is measured and left idle while another is; each warmed up,
+    then ``bursts`` bursts of wrk each, taken in turn, the order rotated
+    from one burst to the next.  One run a variant, its bursts merged."""
+    done: dict[Variant, Run] = {}
+    bursts: dict[Variant, list[Run]] = {v: [] for v in group}
+    with contextlib.ExitStack() as stack:
+        servers: dict[Variant, Server] = {}
+        for variant in group:
+            try:
+                servers[variant] = stack.enter_context(serve(variant, tmp, problems, wheels))
+                if args.warmup > 0:
+                    wrk(servers[variant].port, args.warmup, args.connections, script)
+            except ServerFailed as exc:
+                done[variant] = Run(variant.key, rnd, failure=str(exc).split("\n")[0])
+                problems.append(str(exc))
+        for b in range(args.bursts):
+            shift = (rnd - 1 + b) % len(group)
+            for variant in group[shift:] + group[:shift]:
+                if variant in done:
+                    continue
+                try:
+                    burst = measure(servers[variant], rnd, args.duration, args.connections, script)
+                except ServerFailed as exc:
+                    burst = Run(variant.key, rnd, failure=str(exc).split("\n")[0])
+                    problems.append(str(exc))
+                bursts[variant].append(burst)
+                if burst.failure:
+                    done[variant] = merge(bursts[variant])
+    return [done[v] if v in done else merge(bursts[v]) for v in group]
 
 
 # -- the report ---------------------------------------------------------------------
@@ -694,6 +775,19 @@ def summary_table(runs: list[Run], variants: list[Variant]) -> str:
     return "\n".join(lines)
 
 
+def cpu_text(runs: list[Run], variants: list[Variant]) -> str:
+    """CPU a request over off, mean and standard error over the rounds: the
+    figure to compare two variants by (their difference is significant
+    where it is well over both errors), which a median does not give."""
+    parts = []
+    for v in variants:
+        cpu = ratios(runs, v)[1]
+        if v.timer != "off" and cpu:
+            error = statistics.stdev(cpu) / len(cpu) ** 0.5 if len(cpu) > 1 else float("nan")
+            parts.append(f"{v.key} {statistics.mean(cpu):.3f} ± {fmt(error, 3)}")
+    return "CPU a request ÷ off, mean ± standard error over the rounds: " + "; ".join(parts) + "." if parts else ""
+
+
 def rounds_table(runs: list[Run]) -> str:
     lines = [
         "| round | variant | requests/s | p50 / p99 ms | server µs/req | switches/req | driver µs/req "
@@ -729,13 +823,21 @@ def versions() -> dict[str, str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one round of 1 s runs of a few variants: a CI smoke test")
+    parser.add_argument(
+        "--quick", action="store_true", help="one round of one 1 s burst of a few variants: a CI smoke test"
+    )
     parser.add_argument("--rounds", type=int, help=f"rounds (default {ROUNDS}, {QUICK_ROUNDS} with --quick)")
     parser.add_argument(
         "--duration",
         type=int,
         metavar="S",
-        help=f"seconds of wrk a run (default {DURATION:g}, {QUICK_DURATION:g} with --quick)",
+        help=f"seconds of wrk a burst (default {DURATION:g}, {QUICK_DURATION:g} with --quick)",
+    )
+    parser.add_argument(
+        "--bursts",
+        type=int,
+        metavar="N",
+        help=f"bursts of wrk a variant a round, taken in turn (default {BURSTS}, {QUICK_BURSTS} with --quick)",
     )
     parser.add_argument(
         "--connections", type=int, default=CONNECTIONS, help=f"wrk's connections (default {CONNECTIONS})"
@@ -771,6 +873,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--rounds must be at least 1")
     if args.duration is not None and not 0 < args.duration <= 600:
         parser.error("--duration must be more than 0 and at most 600 s")
+    if args.bursts is not None and args.bursts < 1:
+        parser.error("--bursts must be at least 1")
     return args
 
 
@@ -779,8 +883,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     THREADS = args.threads
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
-    duration = args.duration or (QUICK_DURATION if args.quick else DURATION)
-    warmup = WARMUP
+    args.duration = duration = args.duration or (QUICK_DURATION if args.quick else DURATION)
+    args.bursts = args.bursts or (QUICK_BURSTS if args.quick else BURSTS)
+    args.warmup = warmup = WARMUP
     variants = [v for v in VARIANTS if not args.quick or v.key in QUICK_VARIANTS]
     variants += [
         dataclasses.replace(v, build=name, label=f"{v.label} ({name})")
@@ -804,31 +909,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     print(
         f"shmwheel real-server benchmark{', quick run' if args.quick else ''}: {len(variants)} variants x "
-        f"{rounds} round{'s' if rounds > 1 else ''} x {duration:g} s",
+        f"{rounds} round{'s' if rounds > 1 else ''} x {args.bursts} burst{'s' if args.bursts > 1 else ''} "
+        f"x {duration:g} s",
         file=sys.stderr,
     )
     tmp = Path(tempfile.mkdtemp(prefix="shmwheel-bench-servers-"))
     try:
         script = tmp / "count.lua"
         script.write_text(('wrk.headers["Connection"] = "close"\n' if args.close else "") + WRK_SCRIPT)
-        step = max(1, len(variants) // rounds)
+        kinds = list(dict.fromkeys(v.server for v in variants))
         for rnd in range(1, rounds + 1):
-            shift = ((rnd - 1) * step) % len(variants)
-            for variant in variants[shift:] + variants[:shift]:
-                try:
-                    with serve(variant, tmp, problems, wheels) as server:
-                        run = measure(server, rnd, duration, warmup, args.connections, script)
-                except ServerFailed as exc:
-                    run = Run(variant.key, rnd, failure=str(exc).split("\n")[0])
-                    problems.append(str(exc))
-                runs.append(run)
-                progress(
-                    f"round {rnd}/{rounds} {variant.key}: {fmt(run.requests_per_s)} requests/s, "
-                    f"server {fmt(run.server_cpu_us)} µs/request"
-                    + (f", driver {fmt(run.driver_core_pct, 2)} % of a core" if variant.shmwheel else "")
-                    + (f", FAILED: {run.failure}" if run.failure else "")
-                    + (f", errors {run.errors}" if any(run.errors.values()) else "")
-                )
+            shift = (rnd - 1) % len(kinds)
+            for kind in kinds[shift:] + kinds[:shift]:
+                group = [v for v in variants if v.server == kind]
+                for run in run_group(group, rnd, args, tmp, script, problems, wheels):
+                    runs.append(run)
+                    progress(
+                        f"round {rnd}/{rounds} {run.variant}: {fmt(run.requests_per_s)} requests/s, "
+                        f"server {fmt(run.server_cpu_us, 1)} µs/request"
+                        + (f", driver {fmt(run.driver_core_pct, 2)} % of a core" if "/shmwheel" in run.variant else "")
+                        + (f", FAILED: {run.failure}" if run.failure else "")
+                        + (f", errors {run.errors}" if any(run.errors.values()) else "")
+                    )
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -853,13 +955,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"- wrk -t1 -c{args.connections} -d{duration:g}s --latency"
         + (" with Connection: close" if args.close else "")
-        + f" on loopback, {rounds} round(s), variants rotated; "
-        f'every timeout {TIMEOUT:g} s (none fires); medians over the rounds; ratios to the same server\'s "off" '
-        "in the same round, median (min-max)"
+        + f" on loopback, {rounds} round(s) of {args.bursts} burst(s) a variant, a server's variants side by side "
+        f"and taken in turn; every timeout {TIMEOUT:g} s (none fires); medians over the rounds; ratios to the same "
+        'server\'s "off" in the same round, median (min-max)'
     )
     print()
     print(summary_table(runs, variants))
     print()
+    if text := cpu_text(runs, variants):
+        print(text)
+        print()
     print(rounds_table(runs))
     lopsided = [r for r in runs if r.lopsided]
     if lopsided:
@@ -878,6 +983,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "rounds": rounds,
                 "duration_s": duration,
                 "warmup_s": warmup,
+                "bursts": args.bursts,
                 "connections": args.connections,
                 "connection_close": args.close,
                 "timeout_s": TIMEOUT,
