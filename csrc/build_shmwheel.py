@@ -18,10 +18,12 @@ from cffi import FFI
 CSRC = Path(__file__).resolve().parent
 # Relative to the project's root, where setuptools builds.
 CORE_SOURCES = sorted(f"csrc/core/{p.name}" for p in (CSRC / "core").glob("*.c"))
-CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-flto"]
+CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-fno-plt", "-flto"]
 # The units are compiled apart and optimised together: the hot path
 # crosses wheel.c, slab.c and lock.c, and link-time optimisation inlines it
-# as if it were one file.
+# as if it were one file.  -fno-plt: a call into libc (the lock's) goes
+# through its GOT entry, with no PLT stub, whose code line a worker's
+# request would otherwise bring in cold (setup.py says the same for _fast).
 LDFLAGS = ["-O2", "-flto"]
 
 
