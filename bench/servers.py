@@ -32,8 +32,10 @@ adding and cancelling a timer with every request.  Access logs are off.
 Rounds.  A round runs every variant once, server by server, the servers'
 order rotated from round to round.  The variants of one server run side
 by side: a server for each, started for the round (wait for ``GET /`` to
-answer 200, then a warm-up of wrk), idle while another is measured.  Each
-gets five bursts of ``wrk -t1 -c8 -d1s --latency`` (a Lua script that
+answer 200, then a warm-up of wrk), idle while another is measured (a
+shmwheel driver idles with its server: its clock sleeps until the
+earliest timer).  By default each gets five bursts of ``wrk -t1 -c8 -d1s
+--latency`` (``--bursts``, ``--duration``; a Lua script that
 counts the responses per ``X-Pid`` and those that are not 2xx), taken in
 turn, the order rotated from burst to burst; then every server is stopped
 (SIGTERM; SIGINT for uWSGI) and waited for until its processes, its
@@ -45,10 +47,10 @@ server each, 5 s) gave the slow part to whichever ran then.
 
 Reported per run (a variant's bursts of a round, together): requests/s;
 latency p50 / p99 (wrk's, over every request of a burst; the median of
-the bursts'); the server's CPU time per request (``schedstat``, in ns, of
-every thread of every process in the server's process group, master and
-workers: a second's burst is only a hundred clock ticks of
-``/proc/<pid>/stat`` a worker); their context switches per request
+the bursts'); the server's CPU time per request (each process's CPU
+clock, in ns, over the server's process group, master and workers: a
+second's burst is only a hundred clock ticks of ``/proc/<pid>/stat`` a
+worker); their context switches per request
 (every thread's, voluntary or not, from ``/proc/<pid>/task/*/status``: a
 GIL handed between a worker's threads shows there); the shmwheel
 driver's apart (found as the wheel's ``driver_pid``: under Gunicorn and
@@ -58,7 +60,8 @@ stolen by the hypervisor; and how the requests fell on the workers.
 wrk's connections stay open (except under sync workers, which close each
 one), so whichever worker accepted a connection serves all of its
 requests: the kernel may give one worker every connection, and the
-other idles.  The table says when it did.  With ``--close`` every
+other idles.  The table says when it did (in how many runs, one burst
+of them at least).  With ``--close`` every
 request comes on a connection of its own (wrk sends ``Connection:
 close``), as nginx proxies to its upstreams unless told otherwise: the
 workers take turns at accepting, and both stay busy.
@@ -66,9 +69,9 @@ workers take turns at accepting, and both stay busy.
 Summary per variant: medians over the rounds, and each variant's ratios to
 its server's "off" in the same round, requests/s and CPU per request
 (server plus driver), as median (min-max) over the rounds, and requests/s
-again over only the rounds where both workers served in both runs (how many
-is said): a worker that got every connection halves a server's throughput
-whatever the timer.  Below it, the CPU ratio's mean and standard error over
+again over only the rounds where both workers served in every burst of
+both runs (how many is said): a worker that got every connection halves a
+server's throughput whatever the timer.  Below it, the CPU ratio's mean and standard error over
 the rounds, to compare variants by.  The machine is shared and noisy:
 compare only ratios within one run.
 
@@ -358,17 +361,14 @@ def group_members(pgid: int) -> list[int]:
 
 
 def run_ns(pid: int) -> int | None:
-    """CPU time of every thread of a process, in ns (/proc/<pid>/task/*/schedstat):
-    a second's burst is a hundred clock ticks of /proc/<pid>/stat a worker,
-    and the driver's a few, too coarse."""
-    total = 0
+    """CPU time of a process, its exited threads' included, in ns (its CPU
+    clock, clock_gettime's ``(~pid << 3) | 2``); None once it is gone.  A
+    second's burst is only a hundred clock ticks of ``/proc/<pid>/stat`` a
+    worker, and the driver's a few."""
     try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                total += int((task / "schedstat").read_text().split()[0])
+        return time.clock_gettime_ns((~pid << 3) | 2)
     except OSError:
         return None
-    return total
 
 
 def switches(pid: int) -> int | None:
@@ -532,6 +532,7 @@ class Run:
     per_worker: dict[str, int] = field(default_factory=dict)  # requests by X-Pid
     failure: str = ""
     bursts: int = 0  # of wrk, merged into this run
+    lopsided_bursts: int = 0  # bursts in which one worker served every request
     burst_cpu_us: list[float] = field(default_factory=list)  # server CPU a request, burst by burst
     wall_s: float = 0.0  # s of wrk in all
 
@@ -542,7 +543,8 @@ class Run:
 
     @property
     def lopsided(self) -> bool:
-        return self.busiest_share >= LOPSIDED
+        """One worker served every request of at least one burst."""
+        return self.lopsided_bursts > 0
 
     @property
     def ok(self) -> bool:
@@ -605,6 +607,7 @@ def measure(server: Server, rnd: int, duration: int, connections: int, script: P
     run.p50_ms, run.p99_ms, run.max_ms = (summary[k] / 1e3 for k in ("p50_us", "p99_us", "max_us"))
     run.errors = {k: summary[k] for k in ("connect", "read", "write", "timeout", "non2xx")}
     run.per_worker = summary["pids"]
+    run.lopsided_bursts = int(run.busiest_share >= LOPSIDED)
     run.steal_pct = 100 * (steal_after - steal_before) / max(all_after - all_before, 1e-9)
     if run.requests:
         run.server_cpu_us = server_ns / 1e3 / run.requests
@@ -613,7 +616,7 @@ def measure(server: Server, rnd: int, duration: int, connections: int, script: P
     if driver and driver_before is not None and driver_after is not None:
         driver_s = (driver_after - driver_before) / 1e9
         run.driver_cpu_us = driver_s / max(run.requests, 1) * 1e6
-        run.driver_core_pct = 100 * driver_s / run.wall_s
+        run.driver_core_pct = 100 * driver_s / (summary["duration_us"] / 1e6)
     elif driver:
         run.failure = f"the driver {driver} exited during the run"
     if run.requests == 0:
@@ -631,6 +634,7 @@ def merge(bursts: list[Run]) -> Run:
     )
     run.requests = sum(b.requests for b in bursts)
     run.wall_s = sum(b.wall_s for b in bursts)
+    run.lopsided_bursts = sum(b.lopsided_bursts for b in bursts)
     for b in bursts:
         for k, n in b.errors.items():
             run.errors[k] = run.errors.get(k, 0) + n
@@ -654,7 +658,8 @@ def merge(bursts: list[Run]) -> Run:
     run.switches = per_request("switches")
     if all(b.driver_cpu_us == b.driver_cpu_us for b in served):
         run.driver_cpu_us = per_request("driver_cpu_us")
-        run.driver_core_pct = sum(b.driver_core_pct * b.wall_s for b in served) / run.wall_s
+        measured = [b.requests / b.requests_per_s for b in served]  # wrk's own duration of each burst
+        run.driver_core_pct = sum(b.driver_core_pct * t for b, t in zip(served, measured, strict=True)) / sum(measured)
     return run
 
 
@@ -732,7 +737,7 @@ def ratios(runs: list[Run], variant: Variant) -> tuple[list[float], list[float],
     off = {r.round: r for r in runs if r.variant == f"{variant.server}/off" and r.ok}
     rps, cpu, busy = [], [], []
     for r in runs:
-        if r.variant == variant.key and r.ok and r.round in off:
+        if r.variant == variant.key and r.ok and r.round in off and total_cpu_us(off[r.round]) > 0:
             rps.append(r.requests_per_s / off[r.round].requests_per_s)
             cpu.append(total_cpu_us(r) / total_cpu_us(off[r.round]))
             if not (r.lopsided or off[r.round].lopsided):
@@ -797,7 +802,7 @@ def rounds_table(runs: list[Run]) -> str:
     for r in runs:
         split = " / ".join(str(n) for n in sorted(r.per_worker.values(), reverse=True))
         if r.lopsided:
-            split += " (one worker got all)"
+            split += f" (one worker got all in {r.lopsided_bursts} of {r.bursts} bursts)"
         errors = ", ".join(f"{k} {n}" for k, n in r.errors.items() if n) or r.failure or "0"
         lines.append(
             f"| {r.round} | {r.variant} | {fmt(r.requests_per_s)} | {fmt(r.p50_ms, 2)} / {fmt(r.p99_ms, 2)} "
@@ -970,8 +975,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if lopsided:
         print()
         print(
-            f"The kernel gave one worker every connection in {len(lopsided)} of {len(runs)} runs: "
-            + ", ".join(f"round {r.round} {r.variant}" for r in lopsided)
+            f"The kernel gave one worker every connection in {len(lopsided)} of {len(runs)} runs, "
+            "in some of their bursts: "
+            + ", ".join(f"round {r.round} {r.variant} ({r.lopsided_bursts} of {r.bursts})" for r in lopsided)
             + "."
         )
 
