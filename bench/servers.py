@@ -71,9 +71,9 @@ its server's "off" in the same round, requests/s and CPU per request
 (server plus driver), as median (min-max) over the rounds, and requests/s
 again over only the rounds where both workers served in every burst of
 both runs (how many is said): a worker that got every connection halves a
-server's throughput whatever the timer.  Below it, the CPU ratio's mean and standard error over
-the rounds, to compare variants by.  The machine is shared and noisy:
-compare only ratios within one run.
+server's throughput whatever the timer.  Below it, the CPU ratio's mean
+and standard error over the rounds, to compare variants by.  The machine
+is shared and noisy: compare only ratios within one run.
 
 ``--build NAME=PATH`` runs every shmwheel variant chosen a second time
 with the shmwheel package found in the checkout at PATH (its built
@@ -82,11 +82,12 @@ extensions beside its sources) first on ``PYTHONPATH``, as
 within one run, each against the same round's "off".  Repeat it for more.
 
 ``--quick`` is a smoke test for CI (about 20 s): one round of one 1 s
-burst of a few variants.  The exit status is 1 if any run had a non-2xx response, a
-socket error, no response at all, a server that did not start, a shmwheel
-variant without its driver, or left anything in /dev/shm.  Every server
-started here is stopped (its whole process group, and the driver under
-Uvicorn) however the script ends, Ctrl-C and SIGTERM included.
+burst of a few variants.  The exit status is 1 if any run had a non-2xx
+response, a socket error, no response at all, a server that did not
+start, a shmwheel variant without its driver, or left anything in
+/dev/shm.  Every server started here is stopped (its whole process
+group, and the driver under Uvicorn) however the script ends, Ctrl-C and
+SIGTERM included.
 
 Needs wrk (Debian: ``apt-get install wrk``) and the servers of the test
 extra (``pip install -e '.[test]'``).
