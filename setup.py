@@ -22,5 +22,13 @@ setup(
             include_dirs=["csrc"],
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-fno-plt"],
         ),
+        # CPython 3.11's way to have a timed-out request's own thread check,
+        # line by line, where it may be interrupted (3.12 and later have
+        # sys.monitoring): off every request's path.
+        Extension(
+            "shmwheel._linetrace",
+            sources=["csrc/python/linetrace.c"],
+            extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden"],
+        ),
     ],
 )

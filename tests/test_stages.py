@@ -210,7 +210,7 @@ def test_an_interrupted_request_ends_and_its_worker_is_left_alone(make_wheel, st
     err = Path(proc.err.name).read_text()  # type: ignore[attr-defined]
     assert "shmwheel: the stack of timed-out request GET /slow" in err
     assert "in serving_a_slow_request" in err
-    assert re.search(r"shmwheel: interrupting GET /slow .*: RequestTimeout raised in thread 0x", err), err
+    assert re.search(r"shmwheel: interrupting GET /slow .*: RequestTimeout to be raised in thread 0x", err), err
 
 
 @pytest.mark.parametrize("mode", ["gil", "swallow"])
@@ -225,8 +225,9 @@ def test_a_request_that_does_not_end_after_its_interrupt_goes_on_to_the_kill(
     lines = messages(caplog)
     assert any(
         re.fullmatch(
-            r"GET /slow \(request r1, .*\) has not ended 0\.6 s after it was interrupted: it is in a C call that has "
-            r"not returned, or its code caught RequestTimeout; sending SIGTERM",
+            r"GET /slow \(request r1, .*\) has not ended 0\.6 s after it was interrupted: it has not reached a point "
+            r"where it may be interrupted \(a C call that has not returned, cleanup code, logging\), or its code "
+            r"caught RequestTimeout; sending SIGTERM",
             line,
         )
         for line in lines
@@ -414,10 +415,11 @@ def test_an_interrupt_never_lands_in_the_servers_code_that_writes_the_response(d
     parts = iter(body)
     assert next(parts) == b"one"
     spin(1.0)  # the server writing "one": Python, where an interrupt would land
-    rest = list(parts)  # the next chunk: the application's again, where the interrupt comes
+    with pytest.raises(RequestTimeout):  # the next chunk: the application's again, where the interrupt comes
+        list(parts)
     body.close()  # type: ignore[attr-defined]
-    assert statuses == ["200 OK", "504 Gateway Timeout"]  # (a real server would close the connection here)
-    assert rest == [b"504 Gateway Timeout: the request took too long\n"]
+    # "one" has gone out with its headers: no second header block, the server closes the connection.
+    assert statuses == ["200 OK"]
     log = driven.log.read_text()
     assert "asking it to end the request" in log
 

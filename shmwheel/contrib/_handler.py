@@ -512,8 +512,8 @@ class TimeoutHandler:
             return
         actions = self.actions
         _log.warning(
-            "%s has not ended %g s after it was interrupted: it is in a C call that has not returned, or its code "
-            "caught RequestTimeout%s",
+            "%s has not ended %g s after it was interrupted: it has not reached a point where it may be interrupted "
+            "(a C call that has not returned, cleanup code, logging), or its code caught RequestTimeout%s",
             record.describe(),
             actions.interrupt_grace,
             f"; sending {signal_name(actions.kill_signal)}" if actions.kill else "; it runs on (kill is off)",

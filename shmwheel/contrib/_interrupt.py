@@ -4,32 +4,39 @@ The driver only signals the worker; the worker's reporter thread
 (:mod:`shmwheel.contrib._stacks`) finds the request in its own table and
 ends it the way its kind of worker allows:
 
-* a thread (Gunicorn's sync and gthread workers, uWSGI's threads): a
-  :class:`RequestTimeout` raised in that thread at its next bytecode,
-  through CPython's asynchronous-exception call.  A thread in a C call
-  (``time.sleep``, a blocking ``recv``, a regular expression) sees it only
-  once the call returns;
+* a thread (Gunicorn's sync and gthread workers, uWSGI's threads): the
+  thread is armed (:mod:`shmwheel.contrib._safepoint`) to raise
+  :class:`RequestTimeout` itself at its next safe point - never in cleanup
+  code, never between an acquire and the ``try`` that releases it, never
+  in ``logging`` - and only while the request is still the application's.
+  A thread in a C call (``time.sleep``, a blocking ``recv``, a regular
+  expression) gets there only once the call returns;
 * an asyncio task: cancelled through its loop (``call_soon_threadsafe``),
   which ends whatever it awaits; a task that blocks its loop (it never
-  awaits) gets :class:`RequestTimeout` in the loop thread instead, since
-  the loop cannot run the cancel;
+  awaits) has the loop's thread armed instead, since the loop cannot run
+  the cancel;
 * a greenlet (gevent): :class:`RequestTimeout` thrown into it from its
-  hub (``run_callback_threadsafe``), which ends a cooperative wait; one
-  that is running (a CPU loop that keeps the hub) gets it in its thread.
+  hub (``run_callback_threadsafe``) once its frames are at a safe point,
+  which ends a cooperative wait; one that is running (a CPU loop that
+  keeps the hub) has its thread armed.
 
 The server adapters then answer ``504 Gateway Timeout`` if the response
-has not started, and close the connection if it has.  An interrupt that
-comes too late - the request ended meanwhile - is taken back before it is
-raised, whenever the thread has not reached a bytecode since.
+has not started, and close the connection if it has.  Whether the request
+is still the application's is asked where the exception would be raised,
+in the request's own thread or loop, so a request that has left is never
+interrupted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
+
+from ._safepoint import arm, can_arm, unsafe_at
 
 __all__ = ["RESPONSE_BODY", "RESPONSE_STATUS", "RequestTimeout", "interrupt"]
 
@@ -40,39 +47,62 @@ RESPONSE_BODY = b"504 Gateway Timeout: the request took too long\n"
 RESPONSE_HEADERS = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(RESPONSE_BODY)))]
 
 
-class RequestTimeout(TimeoutError):
+class RequestTimeout(BaseException):
     """Raised in a request that ran past its timeout, where it runs, to end
-    it (``interrupt=True``).  A ``TimeoutError``: code that retries or
-    cleans up on timeouts treats it as one; code that catches every
-    ``Exception`` swallows it, and the request then goes on to the kill
-    stage."""
+    it (``interrupt=True``).
+
+    A ``BaseException``, as asyncio's ``CancelledError`` is since Python
+    3.8 and for the same reason: it ends the request, it is not an error of
+    the request's, so ``except Exception`` - in the application, in a
+    framework's handler that would answer 500 and log "Internal Server
+    Error", in an error tracker's integration - lets it through to the
+    middleware, which answers 504.  ``finally`` blocks and ``with`` exits
+    run as for any exception.  Code that must tell it apart catches it by
+    name."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*(args or ("the request ran past its timeout and was interrupted by shmwheel",)))
 
 
-_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-_set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
-_set_async_exc.restype = ctypes.c_int
+def _raise_in(
+    thread: int,
+    still: Callable[[], bool],
+    running: Callable[[], bool] | None = None,
+    elsewhere: Callable[[], object] | None = None,
+) -> bool:
+    """Arm ``thread`` to raise RequestTimeout itself at its next safe point,
+    if the request is still in progress (``still()``, asked there, in the
+    thread, right before it raises); whether it was armed.
 
-
-def _raise_in(thread: int, still: Callable[[], bool]) -> bool:
-    """RequestTimeout in ``thread`` at its next bytecode, unless the request
-    has ended (``still()``, asked right before and right after it is set);
-    whether it was set.
-
-    The two checks leave a window of a few bytecodes: a request that ends
-    in it, just as it is interrupted, may raise RequestTimeout in the
-    server's code after its response, where the server logs it and closes
-    the connection.  Python offers no atomic check-and-raise."""
+    For a task or a greenlet that was running in the thread, ``running()``
+    says whether it still is: once another runs there instead, the check
+    calls ``elsewhere()`` (a cancel through the loop, a throw from the hub)
+    and stops, so that another request never gets the exception."""
     if not still():
         return False
-    if _set_async_exc(thread, RequestTimeout) != 1:
-        return False  # no such thread any more
-    if not still():  # ended meanwhile: take it back, unless the thread has raised it already
-        _set_async_exc(thread, ctypes.py_object())  # NULL: clears a pending one
-        return False
-    return True
+
+    def check(frame: FrameType) -> bool:
+        if not still():
+            return False  # it has left: nothing to end
+        if running is not None and not running():
+            if elsewhere is not None:
+                elsewhere()
+            return False
+        if unsafe_at(frame) is not None:
+            return True  # not here: at a later line
+        raise RequestTimeout()
+
+    return arm(thread, check)
+
+
+def _armed(where: str) -> str:
+    return f"RequestTimeout to be raised in {where} at its next safe point"
+
+
+def _not_armed(still: Callable[[], bool]) -> str:
+    if not still():
+        return "not interrupted: it has ended"
+    return f"not interrupted: {can_arm() or 'its thread has ended'}"
 
 
 def interrupt(thread: int, task: Any, still: Callable[[], bool]) -> str:
@@ -86,8 +116,8 @@ def interrupt(thread: int, task: Any, still: Callable[[], bool]) -> str:
     if task is not None:
         return _throw(task, thread, still)
     if _raise_in(thread, still):
-        return f"RequestTimeout raised in thread 0x{thread:016x}"
-    return "not interrupted: it has ended"
+        return _armed(f"thread 0x{thread:016x}")
+    return _not_armed(still)
 
 
 def _cancel(task: asyncio.Task[Any], thread: int, still: Callable[[], bool]) -> str:
@@ -96,10 +126,16 @@ def _cancel(task: asyncio.Task[Any], thread: int, still: Callable[[], bool]) -> 
     loop = task.get_loop()
     if asyncio.current_task(loop) is task:
         # It is in a step now and blocks its loop, which would never run a
-        # cancel: the exception goes straight into the step.
-        if _raise_in(thread, still):
-            return f"RequestTimeout raised in task {task.get_name()}, which blocks the event loop"
-        return "not interrupted: it has ended"
+        # cancel: the loop's thread is armed, for as long as the step lasts.
+        def running() -> bool:
+            return asyncio.current_task(loop) is task
+
+        def elsewhere() -> None:  # in the loop's thread: the step has ended
+            loop.call_soon(_cancel_in_loop, task, still)
+
+        if _raise_in(thread, still, running, elsewhere):
+            return _armed(f"task {task.get_name()}, which blocks the event loop,")
+        return _not_armed(still)
     try:
         loop.call_soon_threadsafe(_cancel_in_loop, task, still)
     except RuntimeError:  # the loop is closed
@@ -112,24 +148,34 @@ def _cancel_in_loop(task: asyncio.Task[Any], still: Callable[[], bool]) -> None:
         task.cancel("shmwheel: the request ran past its timeout")
 
 
+#: How often a greenlet that waits where it may not be interrupted (in a
+#: ``finally``, say) is looked at again from its hub.
+GREENLET_RETRY = 0.01
+
+
 def _throw(glet: Any, thread: int, still: Callable[[], bool]) -> str:
     if getattr(glet, "dead", True):
         return "not interrupted: its greenlet has ended"
-    if getattr(glet, "gr_frame", None) is None:  # the one running in its thread: it keeps the hub
-        if _raise_in(thread, still):
-            return f"RequestTimeout raised in thread 0x{thread:016x}, where its greenlet runs"
-        return "not interrupted: it has ended"
-    loop = getattr(getattr(glet, "parent", None), "loop", None)
+    loop: Any = getattr(getattr(glet, "parent", None), "loop", None)
     run = getattr(loop, "run_callback_threadsafe", None)
     if run is None:  # not gevent's: eventlet's, or a bare greenlet
         return "not interrupted: only gevent's greenlets can be, from another thread"
 
-    def throw() -> None:  # in the hub, in the greenlet's own thread
-        if still() and not glet.dead:
-            try:
-                glet.throw(RequestTimeout)
-            except RequestTimeout:  # a bare greenlet that did not catch it: its parent, the hub, gets it
-                pass
+    def throw() -> None:  # in the hub, in the greenlet's own thread, while it waits
+        if not still() or glet.dead:
+            return
+        if unsafe_at(glet.gr_frame) is not None:  # waits in cleanup code: look again later
+            loop.timer(GREENLET_RETRY).start(throw)
+            return
+        try:
+            glet.throw(RequestTimeout)
+        except RequestTimeout:  # a bare greenlet that did not catch it: its parent, the hub, gets it
+            pass
 
+    if getattr(glet, "gr_frame", None) is None:  # the one running in its thread: it keeps the hub
+        getcurrent = sys.modules["greenlet"].getcurrent
+        if _raise_in(thread, still, lambda: getcurrent() is glet, lambda: run(throw)):
+            return _armed(f"thread 0x{thread:016x}, where its greenlet runs,")
+        return _not_armed(still)
     run(throw)
-    return f"RequestTimeout thrown into greenlet 0x{id(glet):x}"
+    return f"RequestTimeout to be thrown into greenlet 0x{id(glet):x} at its next safe point"

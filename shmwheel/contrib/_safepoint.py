@@ -1,0 +1,308 @@
+"""Where a timed-out request may be interrupted, and having its own thread
+raise there.
+
+An exception raised into a thread from outside (CPython's
+``PyThreadState_SetAsyncExc``) lands at whatever bytecode the thread is at:
+between ``lock.acquire()`` and the ``try`` whose ``finally`` releases it,
+halfway through a ``finally``, inside ``logging`` with the handler's lock
+held.  It also meets CPython 3.13's misplaced asynchronous exceptions
+(cpython #130279, #139622).  So nothing is raised from outside: the
+reporter thread *arms* a check in the request's thread, which that thread
+runs itself at the start of each line, and which raises only at a safe
+point, synchronously, where the frame's exception table covers it exactly.
+
+A point is **safe** when every frame of the thread's stack is at a safe
+line of its code, and none is in code that is not the request's:
+
+* not in cleanup code.  A line is unsafe if exception-handler code that
+  does anything (calls, matches, ``__exit__``) is attributed to it: the
+  bodies of ``except`` and ``finally`` (a ``finally`` body is compiled
+  twice, once on the normal path, once on the exceptional one; both copies
+  share their lines), the ``except`` lines themselves, and every ``with``
+  and ``async with`` line, which runs ``__enter__`` and ``__exit__``.  A
+  frame below them, whatever it is (``__exit__``, ``rollback()``), has its
+  caller at such a line, so anything cleanup code calls is covered too;
+* not on a ``try:`` line: its one instruction lies before the range the
+  ``try`` protects, so an exception there leaves a resource acquired on
+  the line before unreleased;
+* not in the interpreter's machinery that other threads share: ``logging``
+  (a handler's lock, a half-written line), ``importlib`` (a module half
+  imported), ``threading`` (a condition's waiter list) - but for a thread's
+  own entry functions, which sit at the bottom of every thread's stack;
+* not in a weak reference's callback or a ``__del__``, which run wherever
+  an object happens to be freed, and whose exceptions Python only prints;
+* not in shmwheel's own code, where the request's bookkeeping is being
+  done (the innermost frame only: the middleware's frame that called the
+  application sits lower on every request's stack).
+
+Handler code that only moves values (an inlined comprehension's clean-up,
+a generator's ``StopIteration`` guard) does not make its line unsafe.
+
+The line tables are read off each code object once (:func:`unsafe_lines`),
+and cached.  How a thread is made to run the check depends on the
+interpreter, and is chosen once, here:
+
+* CPython 3.12 and later: ``sys.monitoring``, with LINE events turned on
+  only for the code objects on the thread's stack when it is armed; a
+  callback that finds it is not the armed thread returns at once;
+* CPython 3.11: a trace function set for that one thread
+  (:mod:`shmwheel._linetrace`, in C), which keeps the thread's own.
+"""
+
+from __future__ import annotations
+
+import dis
+import importlib
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
+
+__all__ = ["arm", "can_arm", "unsafe_at", "unsafe_lines"]
+
+#: check(frame): True to go on looking, False to stop; what it raises is
+#: raised in the thread, at that line.
+Check = Callable[[FrameType], bool]
+
+_OP = dis.opmap
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs) | frozenset(getattr(dis, "hasjump", ()))
+#: Instructions after which control does not fall through to the next.
+_ENDS = frozenset(
+    _OP[name]
+    for name in (
+        "RETURN_VALUE", "RETURN_CONST", "RERAISE", "RAISE_VARARGS", "JUMP_FORWARD", "JUMP_BACKWARD",
+        "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE",
+    )
+    if name in _OP
+)  # fmt: skip
+#: Handler instructions that run nobody's code: they only move values,
+#: jump, or raise again.  A line whose handler code is all of these is not
+#: cleanup code.
+_PLAIN = frozenset(
+    _OP[name]
+    for name in (
+        "NOP", "CACHE", "EXTENDED_ARG", "RESUME", "PUSH_EXC_INFO", "POP_EXCEPT", "RERAISE", "COPY", "SWAP",
+        "POP_TOP", "LOAD_CONST", "RETURN_CONST", "RETURN_VALUE", "LOAD_FAST", "LOAD_FAST_CHECK",
+        "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "STORE_FAST", "STORE_FAST_LOAD_FAST",
+        "STORE_FAST_STORE_FAST", "DELETE_FAST", "CALL_INTRINSIC_1", "END_FOR", "END_SEND", "CLEANUP_THROW",
+        "JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT",
+    )
+    if name in _OP
+)  # fmt: skip
+
+_lines: dict[CodeType, frozenset[int]] = {}
+
+
+def unsafe_lines(code: CodeType) -> frozenset[int]:
+    """The lines of ``code`` at which the request may not be interrupted:
+    those of its cleanup code and its ``try:`` lines.  Read once a code
+    object, from its bytecode and exception table."""
+    lines = _lines.get(code)
+    if lines is None:
+        lines = _lines[code] = _read_unsafe_lines(code)
+    return lines
+
+
+def _read_unsafe_lines(code: CodeType) -> frozenset[int]:
+    bytecode = dis.Bytecode(code)
+    instructions = list(bytecode)
+    if not instructions:
+        return frozenset()
+    index = {ins.offset: i for i, ins in enumerate(instructions)}
+
+    def reach(starts: list[int]) -> set[int]:
+        seen: set[int] = set()
+        todo = list(starts)
+        while todo:
+            i = index.get(todo.pop())
+            if i is None:
+                continue
+            ins = instructions[i]
+            if ins.offset in seen:
+                continue
+            seen.add(ins.offset)
+            if ins.opcode in _JUMPS and isinstance(ins.argval, int):
+                todo.append(ins.argval)
+            if ins.opcode not in _ENDS and i + 1 < len(instructions):
+                todo.append(instructions[i + 1].offset)
+        return seen
+
+    entries: list[Any] = getattr(bytecode, "exception_entries")  # noqa: B009 - 3.11 and later; not in typeshed
+    normal = reach([instructions[0].offset])
+    handlers = reach([entry.target for entry in entries]) - normal
+    unsafe = set()
+    for ins in instructions:
+        line = ins.positions.lineno if ins.positions is not None else None
+        if line is not None and ins.offset in handlers and ins.opcode not in _PLAIN:
+            unsafe.add(line)
+    for entry in entries:  # a try: line is the NOP just before the range it protects
+        i = index.get(entry.start)
+        if i:
+            before = instructions[i - 1]
+            if before.opcode == _OP["NOP"] and before.positions is not None and before.positions.lineno is not None:
+                unsafe.add(before.positions.lineno)
+    return frozenset(unsafe)
+
+
+def _directory(module: Any) -> str:
+    return os.path.dirname(str(module.__file__)) + os.sep
+
+
+#: Code that is not the request's, anywhere on the stack: by directory,
+#: and by file with the functions of it that may be there.
+_NOT_THE_REQUESTS = (
+    _directory(logging),
+    _directory(importlib),
+    # Weak references' callbacks, which run wherever an object is freed,
+    # and whose exceptions Python only prints.
+    os.path.join(os.path.dirname(os.__file__), "weakref.py"),
+    os.path.join(os.path.dirname(os.__file__), "_weakrefset.py"),
+)
+_FROZEN = "<frozen importlib"
+_THREADING = threading.__file__
+_THREAD_ENTRIES = frozenset({"_bootstrap", "_bootstrap_inner", "run"})
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the shmwheel package
+
+
+def unsafe_at(frame: FrameType | None) -> str | None:
+    """Why the thread whose innermost frame is ``frame`` may not be
+    interrupted there, or None if it may."""
+    innermost = True
+    while frame is not None:
+        code = frame.f_code
+        name = code.co_filename
+        if name.startswith(_NOT_THE_REQUESTS) or name.startswith(_FROZEN):
+            return f"in {_where(frame)}, which is not the request's code"
+        if name == _THREADING and code.co_name not in _THREAD_ENTRIES:
+            return f"in {_where(frame)}, which is not the request's code"
+        if code.co_name == "__del__":
+            return f"in {_where(frame)}, a finalizer"
+        if innermost and name.startswith(_OURS):
+            return f"in shmwheel's own {_where(frame)}"
+        line = frame.f_lineno
+        if line is None or line in unsafe_lines(code):
+            return f"at {_where(frame)}, in cleanup code or before the try it protects"
+        innermost = False
+        frame = frame.f_back
+    return None
+
+
+def _where(frame: FrameType) -> str:
+    return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+
+
+class _Monitoring:
+    """Arming by ``sys.monitoring`` (CPython 3.12 and later): LINE events on
+    the code objects of an armed thread's stack, for as long as any thread
+    is armed; the callback runs the check only in an armed thread."""
+
+    _TOOL_IDS = (4, 3)  # the two that CPython's own conventions leave to others
+
+    def __init__(self) -> None:
+        self._tool: int | None = None
+        self._armed: dict[int, Check] = {}
+        self._codes: set[CodeType] = set()
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def available(self) -> bool:
+        """Whether a tool id is ours or free (taken at the first arm, not before)."""
+        monitoring: Any = getattr(sys, "monitoring")  # noqa: B009 - 3.12 and later; typeshed may lack it
+        return self._tool is not None or any(monitoring.get_tool(tool) is None for tool in self._TOOL_IDS)
+
+    def _take(self) -> bool:
+        if self._tool is not None:
+            return True
+        monitoring: Any = getattr(sys, "monitoring")  # noqa: B009
+        for tool in self._TOOL_IDS:
+            try:
+                monitoring.use_tool_id(tool, "shmwheel")
+            except ValueError:  # another tool's
+                continue
+            monitoring.register_callback(tool, monitoring.events.LINE, self._line)
+            self._tool = tool
+            return True
+        return False
+
+    def arm(self, thread: int, check: Check) -> bool:
+        frame = sys._current_frames().get(thread)
+        if frame is None or not self._take():
+            return False
+        monitoring: Any = getattr(sys, "monitoring")  # noqa: B009
+        line = monitoring.events.LINE
+        with self._lock:
+            self._armed[thread] = check
+            while frame is not None:
+                code = frame.f_code
+                if code not in self._codes:
+                    monitoring.set_local_events(self._tool, code, monitoring.get_local_events(self._tool, code) | line)
+                    self._codes.add(code)
+                frame = frame.f_back
+        return True
+
+    def _line(self, code: CodeType, line: int) -> None:
+        thread = threading.get_ident()
+        check = self._armed.get(thread)
+        if check is None:
+            return
+        try:
+            keep = check(sys._getframe(1))
+        except BaseException:
+            self._disarm(thread)
+            raise
+        if not keep:
+            self._disarm(thread)
+
+    def _disarm(self, thread: int) -> None:
+        monitoring: Any = getattr(sys, "monitoring")  # noqa: B009
+        with self._lock:
+            self._armed.pop(thread, None)
+            if self._armed:
+                return
+            for code in self._codes:
+                monitoring.set_local_events(self._tool, code, 0)
+            self._codes.clear()
+
+    def _forget(self) -> None:
+        """In a forked child: no thread of the parent's is armed here."""
+        self._lock = threading.Lock()
+        self._armed.clear()
+        if self._tool is not None:
+            monitoring: Any = getattr(sys, "monitoring")  # noqa: B009
+            for code in self._codes:
+                monitoring.set_local_events(self._tool, code, 0)
+        self._codes.clear()
+
+
+def _choose() -> tuple[Callable[[int, Check], bool] | None, str]:
+    """How a thread is armed here, or None and why it cannot be."""
+    if sys.version_info >= (3, 12):
+        monitoring = _Monitoring()
+        if not monitoring.available():
+            return None, "sys.monitoring has no free tool id (3 and 4 are taken)"
+        return monitoring.arm, ""
+    try:
+        from .._linetrace import trace_thread
+    except ImportError as exc:
+        return None, f"shmwheel._linetrace cannot be imported ({exc})"
+    return trace_thread, ""
+
+
+_arm, _why_not = _choose()
+
+
+def can_arm() -> str:
+    """Empty if threads can be armed here; else why not, for the log."""
+    return _why_not
+
+
+def arm(thread: int, check: Check) -> bool:
+    """Have ``thread`` run ``check(frame)`` at the start of each line it
+    runs, until it returns False or raises (raised in the thread, there);
+    False if there is no such thread or no way to arm one."""
+    if _arm is None:
+        return False
+    return _arm(thread, check)
