@@ -238,8 +238,19 @@ class TimeoutMiddleware:
         in_app = timer.in_app
         mark = -1 if handle is None else handle
 
+        # With interrupt, http.response.start is held back until the first
+        # message of the body, so that until then a 504 can take its place
+        # whole: the server has seen nothing of the application's answer.
+        held: Message | None = None
+
+        async def through_gate(message: Message) -> None:
+            in_app.discard(mark)
+            await send(message)
+            if not finished:
+                in_app.add(mark)
+
         async def send_timed(message: Message) -> None:
-            nonlocal started, replaced
+            nonlocal started, replaced, held
             if replaced:
                 return  # the application's answer after its interrupt, which a 504 replaced
             if message["type"] == "http.response.start":
@@ -248,14 +259,20 @@ class TimeoutMiddleware:
                     await _send_504(send)
                     finish()
                     return
+                if gated:
+                    held = message
+                    return
                 started = True
             if not gated:
                 await send(message)
             else:
-                in_app.discard(mark)
-                await send(message)
-                if not finished:
-                    in_app.add(mark)
+                if held is not None:
+                    if timer.interrupted(handle):
+                        raise RequestTimeout()  # nothing has gone out: answered 504 below
+                    start, held = held, None
+                    started = True
+                    await through_gate(start)
+                await through_gate(message)
                 if timer.interrupted(handle) and not _completes(message):
                     raise RequestTimeout()  # it came while the server sent: the application's code ends here
             if _completes(message):
@@ -266,6 +283,10 @@ class TimeoutMiddleware:
                 timer.gated = True
                 in_app.add(mark)
             await self.app({**scope, TIMED: handle}, receive, send_timed)
+            if held is not None:  # it sent no body: the server says what it says of that
+                start, held = held, None
+                started = True
+                await send(start)
         except BaseException as exc:
             # replaced: the 504 has gone out in place of the framework's
             # answer (Starlette's 500, which re-raises the RequestTimeout

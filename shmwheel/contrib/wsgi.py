@@ -16,7 +16,6 @@ uWSGI integrations set both up for you.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -142,95 +141,150 @@ def _call_interruptible(
     app: WSGIApp, environ: Environ, start_response: StartResponse, timer: RequestTimer, handle: int
 ) -> Iterable[bytes]:
     """The application's answer, or 504 once the timer has interrupted the
-    request: whatever the application says after its interrupt (a framework
-    that answers RequestTimeout with a 500, as Flask and Django do) is
-    replaced, and a RequestTimeout that comes out of it is answered.  The
-    request is in ``timer.in_app`` while the application's code runs, and
-    only there is it interrupted."""
+    request.  The request is in ``timer.in_app`` while the application's
+    code runs, and only there is it interrupted.
+
+    The application's ``start_response`` is held back until its first
+    chunk (:class:`_HeldResponse`), so that until then the 504 is the one
+    and only ``start_response`` the server sees: one status line, one
+    ``Content-Length``, whatever the application had said, on every server
+    (uWSGI's takes no ``exc_info`` before its headers have gone out).  Once
+    a chunk has gone to the server, an interrupt can only close the
+    connection: the server sees the RequestTimeout."""
     timer.gated = True
-    replaced = [False]
-
-    def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-        if timer.interrupted(handle):
-            replaced[0] = True
-            return start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS), exc_info)
-        return start_response(status, headers, exc_info)
-
+    response = _HeldResponse(start_response)
     in_app = timer.in_app
     try:
         in_app.add(handle)
         if timer.interrupted(handle):  # while the server had it, before the application
             raise RequestTimeout()
-        body = app(environ, start)
+        body = app(environ, response.start)
         in_app.discard(handle)  # in the try: an interrupt that lands here is answered too
     except RequestTimeout:
         in_app.discard(handle)
-        if not timer.interrupted(handle):
+        if not timer.interrupted(handle) or not response.timed_out():
             raise
-        start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS), sys.exc_info())
         return [RESPONSE_BODY]
     except BaseException:
         in_app.discard(handle)
         raise
-    if not replaced[0] and (_file_wrapper_of(environ, body) is not None or _is_timed_file(body, timer, handle)):
-        return body  # a file the server sends itself (sendfile): no code of the application's runs from here
-    return _InterruptibleBody(body, start_response, timer, handle, replaced)
+    if _file_wrapper_of(environ, body) is not None or _is_timed_file(body, timer, handle):
+        # A file the server sends itself (sendfile): no code of the application's runs from here.
+        if timer.interrupted(handle) and response.timed_out():
+            _close(body)
+            return [RESPONSE_BODY]
+        response.send()
+        return body
+    return _InterruptibleBody(body, response, timer, handle)
+
+
+class _HeldResponse:
+    """An interruptible request's ``start_response``, held back from the
+    server until the body's first chunk (PEP 3333 lets a middleware delay
+    it so), or until the application calls ``write()``."""
+
+    __slots__ = ("_start_response", "_status", "_headers", "_write", "sent")
+
+    def __init__(self, start_response: StartResponse) -> None:
+        self._start_response = start_response
+        self._status: str | None = None
+        self._headers: list[tuple[str, str]] = []
+        self._write: Callable[[bytes], object] | None = None
+        self.sent = False  # whether the server has had a start_response
+
+    def start(self, status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[[bytes], None]:
+        if exc_info is not None:
+            try:
+                if self.sent:  # too late to change: PEP 3333 has it raised
+                    raise exc_info[1].with_traceback(exc_info[2])
+            finally:
+                exc_info = None
+        elif self._status is not None:
+            raise AssertionError("start_response called a second time without exc_info")
+        self._status, self._headers = status, headers
+        return self.write
+
+    def send(self) -> None:
+        """The application's status and headers to the server, once."""
+        if not self.sent and self._status is not None:
+            self.sent = True
+            self._write = self._start_response(self._status, self._headers)
+
+    def write(self, data: bytes) -> None:
+        """PEP 3333's ``write()``, for applications that still use it."""
+        self.send()
+        if self._write is None:
+            raise AssertionError("write() before start_response")
+        self._write(data)
+
+    def timed_out(self) -> bool:
+        """The 504 to the server in place of the application's answer;
+        False if the server has had the application's already."""
+        if self.sent:
+            return False
+        self.sent = True
+        self._start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS))
+        return True
+
+
+def _close(body: object) -> None:
+    close = getattr(body, "close", None)
+    if close is not None:
+        close()
 
 
 class _InterruptibleBody:
-    """An interruptible request's body: the 504's once its answer was
-    replaced; a RequestTimeout while the application makes a chunk (in
-    ``timer.in_app``), or an interrupt that came while the server wrote the
-    last one, answered 504 if nothing has been sent yet, else raised, and
-    the server closes the connection."""
+    """An interruptible request's body: the application's chunks, with its
+    held ``start_response`` sent before the first; a RequestTimeout while
+    the application makes a chunk (in ``timer.in_app``), or an interrupt
+    that came while the server wrote the last one, answered 504 if nothing
+    has gone to the server yet, else raised, and the server closes the
+    connection.  A list or tuple runs no code of the application's: an
+    interrupt that comes once the application has returned one ends
+    nothing, and the client gets the whole response."""
 
-    def __init__(
-        self,
-        body: Iterable[bytes],
-        start_response: StartResponse,
-        timer: RequestTimer,
-        handle: int,
-        replaced: list[bool],
-    ) -> None:
+    def __init__(self, body: Iterable[bytes], response: _HeldResponse, timer: RequestTimer, handle: int) -> None:
         self._body = body
-        self._start_response = start_response
+        self._response = response
         self._timer = timer
         self._handle = handle
-        self._replaced = replaced
 
     def __iter__(self) -> Iterator[bytes]:
-        timer, handle, in_app = self._timer, self._handle, self._timer.in_app
-        chunks = iter(self._body)
-        while not self._replaced[0]:
+        timer, handle, response, in_app = self._timer, self._handle, self._response, self._timer.in_app
+        body = self._body
+        code = not isinstance(body, (list, tuple))  # whether a chunk runs the application's code
+        chunks = iter(body)
+        while True:
             try:
                 in_app.add(handle)
-                if timer.interrupted(handle):
+                if code and timer.interrupted(handle):
                     raise RequestTimeout()
                 chunk = next(chunks)
                 in_app.discard(handle)
             except StopIteration:
                 in_app.discard(handle)
-                return
+                break
             except RequestTimeout:
                 in_app.discard(handle)
-                if not timer.interrupted(handle):
-                    raise
-                # Raises again if the headers have gone out: the connection is closed.
-                self._start_response(RESPONSE_STATUS, list(RESPONSE_HEADERS), sys.exc_info())
-                self._replaced[0] = True
-                break
+                if not timer.interrupted(handle) or not response.timed_out():
+                    raise  # the server has the application's answer: it closes the connection
+                yield RESPONSE_BODY
+                return
             except BaseException:
                 in_app.discard(handle)
                 raise
-            if self._replaced[0]:
-                break
+            if not response.sent:
+                if not chunk:
+                    continue  # nothing to send yet: the 504 stays possible
+                if code and timer.interrupted(handle) and response.timed_out():
+                    yield RESPONSE_BODY
+                    return
+                response.send()
             yield chunk
-        yield RESPONSE_BODY
+        response.send()  # an empty body: the application's headers all the same
 
     def close(self) -> None:
-        close = getattr(self._body, "close", None)
-        if close is not None:
-            close()
+        _close(self._body)
 
 
 def _path(environ: Environ) -> str:
