@@ -61,6 +61,8 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
+from ._stacks import real
+
 __all__ = ["arm", "can_arm", "unsafe_at", "unsafe_lines"]
 
 #: check(frame): True to go on looking, False to stop; what it raises is
@@ -206,6 +208,9 @@ class _Monitoring:
         self._armed: dict[int, Check] = {}
         self._codes: set[CodeType] = set()
         self._lock = threading.Lock()
+        # The OS thread's id, as sys._current_frames() has it: under gevent's
+        # monkey-patching threading.get_ident() is the greenlet's instead.
+        self._get_ident: Callable[[], int] = threading.get_ident
         os.register_at_fork(after_in_child=self._forget)
 
     def available(self) -> bool:
@@ -231,6 +236,7 @@ class _Monitoring:
         frame = sys._current_frames().get(thread)
         if frame is None or not self._take():
             return False
+        self._get_ident = real("_thread", "get_ident")
         monitoring: Any = getattr(sys, "monitoring")  # noqa: B009
         line = monitoring.events.LINE
         with self._lock:
@@ -244,7 +250,7 @@ class _Monitoring:
         return True
 
     def _line(self, code: CodeType, line: int) -> None:
-        thread = threading.get_ident()
+        thread = self._get_ident()
         check = self._armed.get(thread)
         if check is None:
             return
