@@ -27,6 +27,7 @@ import shmwheel
 from shmwheel.contrib import RequestTimeout, extend, no_timeout
 from shmwheel.contrib._record import rearmed
 from shmwheel.contrib._routes import compile_routes
+from shmwheel.contrib._stacks import report_overdue
 from shmwheel.contrib._worker import queued_ns
 from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware
 from shmwheel.contrib.timeouts import (
@@ -188,6 +189,25 @@ def drive(wheel: shmwheel.Wheel, handler: TimeoutHandler, seconds: float) -> lis
 
 def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "shmwheel.timeouts"]
+
+
+def test_no_stage_is_reported_a_nanosecond_before_its_deadline(make_wheel) -> None:
+    """A signal for another request of the worker wakes its reporter: a
+    request a hair before its own deadline is left alone (no stack, no
+    hook, no interrupt), and reported from the deadline on."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    hooked: list[str] = []
+    timer = RequestTimer(wheel.name, 30.0, on_timeout=lambda record, stack: hooked.append(record.path))
+    handle = timer.start("GET", "/almost")
+    try:
+        assert handle is not None
+        deadline = timer.active()[handle].timeout_ns
+        assert report_overdue(deadline - 1) == 0
+        assert hooked == []
+        assert report_overdue(deadline) == 1
+        assert hooked == ["/almost"]
+    finally:
+        timer.finish(handle)
 
 
 def test_an_interrupted_request_ends_and_its_worker_is_left_alone(make_wheel, staged, caplog) -> None:

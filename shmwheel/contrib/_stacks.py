@@ -242,9 +242,13 @@ def report_overdue(now_ns: int | None = None) -> int:
     still: set[tuple[bytes, bool]] = set()
     for timer in list(_timers()):
         for handle, active in timer.active().items():
-            if active.deadline_ns - SLACK_NS > now:
+            # Due exactly when its timer is: the driver fires no timer before
+            # its deadline, and its follow-ups at the record's timeout, which
+            # is never before this one (milliseconds, rounded up).  So a
+            # signal for another request never brings a stage early.
+            if active.deadline_ns > now:
                 continue
-            timed_out = active.timeout_ns - SLACK_NS <= now
+            timed_out = active.timeout_ns <= now
             mark = (active.payload, timed_out)
             still.add(mark)
             if mark not in _reported:
