@@ -459,7 +459,7 @@ def test_uvicorn_awaiting_task_is_cancelled_and_answered_504(uvicorn: Server) ->
         stuck=f"/await-sleep?s={STUCK}",
         sibling="/await-sleep?s=0.6",
         delay=0.5,
-        how=r"task Task-\d+ cancelled",
+        how=r"task Task-\d+ cancelled.*",
         access=UVICORN_ACCESS,
     )
 
@@ -482,6 +482,21 @@ def test_uvicorn_cpu_loop_in_an_async_endpoint_is_answered_504(uvicorn: Server) 
     # Starlette answers the RequestTimeout 500, which the 504 replaced, and
     # raises it again: the middleware ends it there, not the server.
     assert "Exception in ASGI application" not in uvicorn.log()[mark:], uvicorn.log()[mark:]
+
+
+def test_uvicorn_sync_endpoint_in_the_thread_pool_is_ended_and_its_thread_stops(uvicorn: Server) -> None:
+    """A ``def`` endpoint, which Starlette runs in a worker thread of
+    anyio's: the task's cancel cannot reach it, so the thread that runs it
+    raises RequestTimeout itself at a safe point.  The client gets its 504,
+    the thread stops spinning, and the driver hears the request end."""
+    status, body = get(uvicorn.port, f"/thread-spin?s={STUCK}", WAIT, "asgi-thread")
+    assert (status, body) == GATEWAY_TIMEOUT
+    pid = driver_pid(uvicorn, "/thread-spin", "asgi-thread")
+    uvicorn.wait_for(interrupting("/thread-spin", "asgi-thread", pid, r"task Task-\d+ cancelled, and the thread .*"))
+    uvicorn.wait_for(r"GET /thread-spin \(request asgi-thread, .*\) ended [\d.]+ s after it was interrupted$")
+    turns = get(uvicorn.port, "/spun")
+    time.sleep(0.3)
+    assert get(uvicorn.port, "/spun") == turns  # no thread spins on
 
 
 def test_uvicorn_extend_keeps_a_streaming_response_alive_past_its_timeout(uvicorn: Server) -> None:

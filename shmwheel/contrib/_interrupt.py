@@ -37,6 +37,7 @@ from types import FrameType
 from typing import Any
 
 from ._safepoint import arm, can_arm, unsafe_at
+from ._stacks import real
 
 __all__ = ["RESPONSE_BODY", "RESPONSE_STATUS", "RequestTimeout", "interrupt"]
 
@@ -105,12 +106,17 @@ def _not_armed(still: Callable[[], bool]) -> str:
     return f"not interrupted: {can_arm() or 'its thread has ended'}"
 
 
-def interrupt(thread: int, task: Any, still: Callable[[], bool]) -> str:
+def interrupt(
+    thread: int, task: Any, still: Callable[[], bool], mine: Callable[[], bool] | None = None
+) -> str:
     """End the request that runs in ``thread`` (in ``task``: an asyncio or
     trio task, a greenlet, or None); ``still()`` says whether it is still
-    in progress.  Returns how, or why it could not, for the log."""
+    in progress.  For a task, ``mine()`` says, in any thread, whether the
+    code running there is the request's (a synchronous endpoint that a
+    thread pool runs in a copy of the task's context).  Returns how, or why
+    it could not, for the log."""
     if isinstance(task, asyncio.Future):
-        return _cancel(task, thread, still)  # type: ignore[arg-type]
+        return _cancel(task, thread, still, mine)  # type: ignore[arg-type]
     if task is not None and hasattr(getattr(task, "coro", None), "cr_frame"):
         return "not interrupted: shmwheel cannot cancel a trio task from outside trio"
     if task is not None:
@@ -120,7 +126,9 @@ def interrupt(thread: int, task: Any, still: Callable[[], bool]) -> str:
     return _not_armed(still)
 
 
-def _cancel(task: asyncio.Task[Any], thread: int, still: Callable[[], bool]) -> str:
+def _cancel(
+    task: asyncio.Task[Any], thread: int, still: Callable[[], bool], mine: Callable[[], bool] | None
+) -> str:
     if task.done():
         return "not interrupted: its task has ended"
     loop = task.get_loop()
@@ -140,7 +148,33 @@ def _cancel(task: asyncio.Task[Any], thread: int, still: Callable[[], bool]) -> 
         loop.call_soon_threadsafe(_cancel_in_loop, task, still)
     except RuntimeError:  # the loop is closed
         return "not interrupted: its event loop is closed"
-    return f"task {task.get_name()} cancelled"
+    how = f"task {task.get_name()} cancelled"
+    if mine is not None and _arm_pool(thread, mine):
+        how += ", and the thread that runs its synchronous code, if one does, armed to raise at its next safe point"
+    return how
+
+
+def _arm_pool(loop_thread: int, mine: Callable[[], bool]) -> int:
+    """Arm every thread but the loop's and this one to raise RequestTimeout
+    at a safe point while it runs the request's own code (``mine()``):
+    a synchronous endpoint in a thread pool (Starlette's
+    ``run_in_threadpool``, ``asyncio.to_thread``), which the task's cancel
+    cannot reach, and which the task may wait for or leave running.
+    Which thread runs it is not known from here, but each knows for itself,
+    by the context it runs in; the others stop looking at their first
+    line.  The code being the request's is the whole condition: the task
+    may have ended already (the cancel left the thread behind), and the
+    thread must stop all the same.  Returns how many were armed."""
+    here = real("_thread", "get_ident")()
+    armed = 0
+    for ident in sys._current_frames():
+        if ident not in (loop_thread, here) and _raise_in(ident, _always, mine):
+            armed += 1
+    return armed
+
+
+def _always() -> bool:
+    return True
 
 
 def _cancel_in_loop(task: asyncio.Task[Any], still: Callable[[], bool]) -> None:

@@ -52,6 +52,7 @@ interpreter, and is chosen once, here:
 from __future__ import annotations
 
 import dis
+import functools
 import importlib
 import logging
 import os
@@ -298,6 +299,10 @@ def _choose() -> tuple[Callable[[int, Check], bool] | None, str]:
 
 
 _arm, _why_not = _choose()
+# The checks armed in each thread: more than one where requests that time
+# out together may each run in it (a thread pool's), each until it is done.
+_checks: dict[int, list[Check]] = {}
+_checks_lock = threading.Lock()
 
 
 def can_arm() -> str:
@@ -311,4 +316,44 @@ def arm(thread: int, check: Check) -> bool:
     False if there is no such thread or no way to arm one."""
     if _arm is None:
         return False
-    return _arm(thread, check)
+    with _checks_lock:
+        _checks.setdefault(thread, []).append(check)
+    if _arm(thread, functools.partial(_dispatch, thread)):
+        return True
+    _drop(thread, check)
+    return False
+
+
+def _dispatch(thread: int, frame: FrameType) -> bool:
+    """Every check armed in ``thread``, in it; whether any is left."""
+    with _checks_lock:
+        checks = list(_checks.get(thread, ()))
+    for check in checks:
+        try:
+            keep = check(frame)
+        except BaseException:
+            _drop(thread, check)
+            raise
+        if not keep:
+            _drop(thread, check)
+    with _checks_lock:
+        return thread in _checks
+
+
+def _drop(thread: int, check: Check) -> None:
+    with _checks_lock:
+        checks = _checks.get(thread)
+        if checks is not None and check in checks:
+            checks.remove(check)
+            if not checks:
+                del _checks[thread]
+
+
+def _forget_checks() -> None:
+    """In a forked child: no thread of the parent's is armed here."""
+    global _checks_lock
+    _checks_lock = threading.Lock()
+    _checks.clear()
+
+
+os.register_at_fork(after_in_child=_forget_checks)

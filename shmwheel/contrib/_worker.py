@@ -473,10 +473,15 @@ class RequestTimer:
         if not active.interrupt or handle in self._interrupted:
             return
         self._interrupted.add(handle)
+
+        def mine() -> bool:  # in any thread: whether the code running there is this request's
+            current = _current.get()
+            return current is not None and current[0] is self and current[1] == handle
+
         if not self.gated:
-            how = interrupt(active.thread, active.task, lambda: handle in self._active)
+            how = interrupt(active.thread, active.task, lambda: handle in self._active, mine)
         elif handle in self.in_app:
-            how = interrupt(active.thread, active.task, lambda: handle in self.in_app)
+            how = interrupt(active.thread, active.task, lambda: handle in self.in_app, mine)
         else:
             how = "its response is being written: it is ended if it goes back into the application"
         server_logger().warning("shmwheel: interrupting %s: %s", record.describe(), how)

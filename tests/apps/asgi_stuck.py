@@ -122,6 +122,24 @@ def thread_sleep(request: Request) -> PlainTextResponse:
     return _done()
 
 
+SPUN = {"turns": 0}  # how far spin_in_a_thread has got, for /spun
+
+
+def spin_in_a_thread(seconds: float) -> None:
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        SPUN["turns"] += 1
+
+
+def thread_spin(request: Request) -> PlainTextResponse:
+    spin_in_a_thread(_number(request, "s", 3.0))
+    return _done()
+
+
+async def spun(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(f"{SPUN['turns']}\n")
+
+
 async def stream(request: Request) -> StreamingResponse:
     chunks = int(_number(request, "chunks", 5))
     every = _number(request, "every", 0.3)
@@ -152,6 +170,8 @@ routes = Starlette(
         Route("/spin", spin_endpoint),
         Route("/regex", regex),
         Route("/thread-sleep", thread_sleep),
+        Route("/thread-spin", thread_spin),
+        Route("/spun", spun),
         Route("/stream", stream),
         Route("/no-timeout", exempt),
     ]
