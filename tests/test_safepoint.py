@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from types import FunctionType
 
 import pytest
 
@@ -58,7 +57,7 @@ def interrupted_many_times(body: Callable[[threading.Event], object], rounds: in
     return results
 
 
-def lines_of(function: FunctionType, *marks: str) -> set[int]:
+def lines_of(function: Callable[..., object], *marks: str) -> set[int]:
     """The line numbers of ``function``'s lines that end with ``# mark``."""
     source, first = inspect.getsourcelines(function)
     return {first + i for i, text in enumerate(source) for mark in marks if text.rstrip().endswith(f"# {mark}")}
@@ -265,6 +264,82 @@ def test_the_threads_own_trace_function_is_kept() -> None:
     interrupted_many_times(body, rounds=5)
     assert after == [tracer] * 5
     assert "line" in seen
+
+
+def test_two_requests_armed_in_one_thread_each_keep_their_check() -> None:
+    """A pool thread may be armed for two requests that timed out together:
+    the second arming keeps the first's check, and the check of the
+    request whose code runs there is the one that raises."""
+    from shmwheel.contrib._safepoint import arm
+
+    looked: list[str] = []
+    ready = threading.Event()
+    out: list[BaseException] = []
+
+    def other(frame: object) -> bool:  # another request's: not this thread's code, it keeps looking
+        looked.append("other")
+        return True
+
+    def this(frame: object) -> bool:
+        looked.append("this")
+        raise RequestTimeout()
+
+    def run() -> None:
+        ready.set()
+        try:
+            while True:
+                sum(range(10))
+        except RequestTimeout as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    ready.wait()
+    assert thread.ident is not None
+    assert arm(thread.ident, other)
+    assert arm(thread.ident, this)
+    thread.join(10)
+    assert not thread.is_alive() and len(out) == 1
+    assert "other" in looked and "this" in looked
+
+
+def test_a_thread_that_ends_armed_leaves_nothing_armed_behind() -> None:
+    """A pool's thread may exit while armed for a request it never runs
+    again: its checks go at the next arming, and on 3.12 and later the
+    LINE events of its code go once other threads have run that code for
+    a while, so the code does not pay a callback a line for good."""
+    from shmwheel.contrib import _safepoint
+
+    def looking(frame: object) -> bool:
+        return True
+
+    def spins(ready: threading.Event, stop: threading.Event) -> None:
+        ready.set()
+        while not stop.is_set():
+            pass
+
+    ready, stop, later = threading.Event(), threading.Event(), threading.Event()
+    other = threading.Thread(target=later.wait)  # alive meanwhile: a thread id of its own
+    other.start()
+    thread = threading.Thread(target=spins, args=(ready, stop))
+    thread.start()
+    ready.wait()
+    assert thread.ident is not None and _safepoint.arm(thread.ident, looking)
+    stop.set()
+    thread.join()
+    assert thread.ident in _safepoint._checks
+    spins(threading.Event(), stop)  # its code, here
+    if sys.version_info >= (3, 12):
+        tool = sys.monitoring.get_tool  # type: ignore[attr-defined]
+        assert any(tool(i) == "shmwheel" for i in range(6))
+        for _ in range(_safepoint._Monitoring.PRUNE_EVERY):
+            spins(threading.Event(), stop)
+        events = [sys.monitoring.get_local_events(i, spins.__code__) for i in range(6) if tool(i) == "shmwheel"]
+        assert events == [0]
+    assert other.ident is not None and _safepoint.arm(other.ident, lambda frame: False)
+    later.set()
+    other.join()
+    assert thread.ident not in _safepoint._checks
 
 
 def test_nothing_is_raised_for_a_thread_that_is_gone() -> None:

@@ -212,6 +212,7 @@ class _Monitoring:
         # The OS thread's id, as sys._current_frames() has it: under gevent's
         # monkey-patching threading.get_ident() is the greenlet's instead.
         self._get_ident: Callable[[], int] = threading.get_ident
+        self._misses = 0  # callbacks in threads not armed, since the last look for armed ones that are gone
         os.register_at_fork(after_in_child=self._forget)
 
     def available(self) -> bool:
@@ -250,10 +251,19 @@ class _Monitoring:
                 frame = frame.f_back
         return True
 
+    #: Callbacks in threads not armed between two looks for armed threads
+    #: that have ended (a pool's thread that exits while armed): their code
+    #: objects would otherwise keep their LINE events for good.
+    PRUNE_EVERY = 10_000
+
     def _line(self, code: CodeType, line: int) -> None:
         thread = self._get_ident()
         check = self._armed.get(thread)
         if check is None:
+            self._misses += 1
+            if self._misses >= self.PRUNE_EVERY:
+                self._misses = 0
+                self._prune()
             return
         try:
             keep = check(sys._getframe(1))
@@ -261,6 +271,13 @@ class _Monitoring:
             self._disarm(thread)
             raise
         if not keep:
+            self._disarm(thread)
+
+    def _prune(self) -> None:
+        """Disarm the armed threads that have ended."""
+        alive = sys._current_frames()
+        for thread in [thread for thread in self._armed if thread not in alive]:
+            _drop_all(thread)
             self._disarm(thread)
 
     def _disarm(self, thread: int) -> None:
@@ -317,6 +334,9 @@ def arm(thread: int, check: Check) -> bool:
     if _arm is None:
         return False
     with _checks_lock:
+        alive = sys._current_frames()
+        for gone in [gone for gone in _checks if gone not in alive]:  # threads that ended armed
+            del _checks[gone]
         _checks.setdefault(thread, []).append(check)
     if _arm(thread, functools.partial(_dispatch, thread)):
         return True
@@ -347,6 +367,11 @@ def _drop(thread: int, check: Check) -> None:
             checks.remove(check)
             if not checks:
                 del _checks[thread]
+
+
+def _drop_all(thread: int) -> None:
+    with _checks_lock:
+        _checks.pop(thread, None)
 
 
 def _forget_checks() -> None:
