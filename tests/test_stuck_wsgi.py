@@ -37,11 +37,18 @@ FUNCTIONS = {*STUCK.values(), "stuck_in_regex"}
 CONFIG = "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\nshmwheel_gunicorn.install(globals(), {args})\n"
 
 
-def gunicorn(tmp_path: Path, port: int, worker_class: str, *options: str, install: str = "timeout=1.0") -> list[str]:
+def gunicorn(
+    tmp_path: Path,
+    port: int,
+    worker_class: str,
+    *options: str,
+    install: str = "timeout=1.0",
+    app: str = "flask_stuck:app",
+) -> list[str]:
     config = tmp_path / "gunicorn.conf.py"
     config.write_text(CONFIG.format(args=install))
     cmd = [str(BIN / "gunicorn"), "-c", str(config), "--bind", f"127.0.0.1:{port}", "--worker-class", worker_class]
-    return [*cmd, *options, "--pythonpath", str(APPS), "--no-control-socket", "flask_stuck:app"]
+    return [*cmd, *options, "--pythonpath", str(APPS), "--no-control-socket", app]
 
 
 def uwsgi(tmp_path: Path, port: int) -> list[str]:

@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import pytest
 from test_servers import BIN, WAIT, Server, free_port, serve, uwsgi_ini
-from test_stuck_wsgi import CONFIG
+from test_stuck_wsgi import gunicorn as stuck_gunicorn
 
 from shmwheel.contrib._interrupt import RESPONSE_BODY
 
@@ -31,10 +31,7 @@ STAGES = "timeout=1.0, interrupt=True"
 
 
 def gunicorn(tmp_path: Path, port: int, worker_class: str, *options: str) -> list[str]:
-    config = tmp_path / "gunicorn.conf.py"
-    config.write_text(CONFIG.format(args=STAGES))
-    cmd = [str(BIN / "gunicorn"), "-c", str(config), "--bind", f"127.0.0.1:{port}", "--worker-class", worker_class]
-    return [*cmd, *options, "--pythonpath", str(APPS), "--no-control-socket", "plain_stuck:app"]
+    return stuck_gunicorn(tmp_path, port, worker_class, *options, install=STAGES, app="plain_stuck:app")
 
 
 def uwsgi(tmp_path: Path, port: int) -> list[str]:

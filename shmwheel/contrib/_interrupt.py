@@ -106,9 +106,7 @@ def _not_armed(still: Callable[[], bool]) -> str:
     return f"not interrupted: {can_arm() or 'its thread has ended'}"
 
 
-def interrupt(
-    thread: int, task: Any, still: Callable[[], bool], mine: Callable[[], bool] | None = None
-) -> str:
+def interrupt(thread: int, task: Any, still: Callable[[], bool], mine: Callable[[], bool] | None = None) -> str:
     """End the request that runs in ``thread`` (in ``task``: an asyncio or
     trio task, a greenlet, or None); ``still()`` says whether it is still
     in progress.  For a task, ``mine()`` says, in any thread, whether the
@@ -126,9 +124,7 @@ def interrupt(
     return _not_armed(still)
 
 
-def _cancel(
-    task: asyncio.Task[Any], thread: int, still: Callable[[], bool], mine: Callable[[], bool] | None
-) -> str:
+def _cancel(task: asyncio.Task[Any], thread: int, still: Callable[[], bool], mine: Callable[[], bool] | None) -> str:
     if task.done():
         return "not interrupted: its task has ended"
     loop = task.get_loop()

@@ -46,4 +46,3 @@ def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable
     body = f"done by pid {os.getpid()}\n".encode()
     start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
     return [body]
-
