@@ -11,13 +11,12 @@ whole, a transaction rolled back, a log line written whole.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import io
 import logging
-import os
 import random
 import sqlite3
-import subprocess
 import sys
 import threading
 import time
@@ -34,25 +33,28 @@ ROUNDS = 150
 
 def interrupted_many_times(body: Callable[[threading.Event], object], rounds: int = ROUNDS) -> list[object]:
     """Run ``body(ready)`` in a new thread ``rounds`` times, each interrupted
-    at a random moment after it has set ``ready``; what each run returned,
-    or the exception that ended it.  Every run must end."""
+    at a random moment after it has set ``ready``, for as long as the body
+    runs; what each run returned, or the exception that ended it.  Every
+    run must end."""
 
-    def run(out: list[object], ready: threading.Event) -> None:
+    def run(out: list[object], ready: threading.Event, done: threading.Event) -> None:
         try:
             out.append(body(ready))
         except BaseException as exc:  # noqa: BLE001 - what ended it is the result
             out.append(exc)
+        finally:
+            done.set()
 
     results: list[object] = []
     for _ in range(rounds):
         out: list[object] = []
-        ready = threading.Event()
-        thread = threading.Thread(target=run, args=(out, ready))
+        ready, done = threading.Event(), threading.Event()
+        thread = threading.Thread(target=run, args=(out, ready, done))
         thread.start()
         assert ready.wait(10)
         time.sleep(random.uniform(0, 0.002))
         assert thread.ident is not None
-        how = interrupt(thread.ident, None, lambda: True)
+        how = interrupt(thread.ident, None, lambda done=done: not done.is_set())
         thread.join(10)
         assert not thread.is_alive(), f"never interrupted ({how})"
         results.append(out[0])
@@ -132,7 +134,7 @@ def test_a_finally_is_never_cut_between_its_steps() -> None:
     assert steps == []
 
 
-def transaction_rounds() -> None:
+def test_a_transaction_is_always_rolled_back() -> None:
     def body(ready: threading.Event) -> object:
         connection = sqlite3.connect(":memory:", isolation_level=None)
         connection.execute("CREATE TABLE t (x)")
@@ -150,15 +152,6 @@ def transaction_rounds() -> None:
             return connection.in_transaction
 
     assert interrupted_many_times(body) == [False] * ROUNDS
-
-
-def test_a_transaction_is_always_rolled_back() -> None:
-    """In a fresh interpreter: within the whole suite one round in 150 was
-    once never interrupted, not yet understood (see the session note)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_safepoint; test_safepoint.transaction_rounds()"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
 
 
 def test_logging_keeps_its_lock_and_its_lines_whole(capsys: pytest.CaptureFixture[str]) -> None:
@@ -205,6 +198,42 @@ def test_with_in_a_loop_is_caught_by_the_try_around_the_loop() -> None:
     assert not lock.locked()
 
 
+def test_an_interrupt_swallowed_is_raised_again() -> None:
+    """Caught and dropped (a library's ``except BaseException: pass``), it
+    comes again at a later safe point while the request runs, as trio's
+    cancellation does."""
+
+    def body(ready: threading.Event) -> int:
+        ready.set()
+        swallowed = 0
+        while True:
+            try:
+                while True:
+                    sum(range(50))
+            except RequestTimeout:
+                if swallowed:
+                    return swallowed
+                swallowed += 1
+
+    assert interrupted_many_times(body, rounds=20) == [1] * 20
+
+
+def test_an_interrupt_never_lands_in_a_collections_hook() -> None:
+    """gc.callbacks run in whichever thread a collection starts in, and
+    Python only prints what they raise: an interrupt there would be lost."""
+    verdicts: list[str | None] = []
+
+    def hook(phase: str, info: dict[str, int]) -> None:
+        verdicts.append(unsafe_at(sys._getframe()))
+
+    gc.callbacks.append(hook)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(hook)
+    assert verdicts and all(verdict is not None and "hook" in verdict for verdict in verdicts), verdicts
+
+
 def test_a_request_that_has_left_is_never_interrupted() -> None:
     """The request's end is asked in its own thread, right where the
     exception would be raised: one that has left never gets it, even armed
@@ -249,31 +278,41 @@ def test_a_thread_in_a_c_call_is_interrupted_once_it_returns() -> None:
 
 
 def test_the_threads_own_trace_function_is_kept() -> None:
+    """A tracer the thread had (a debugger's, coverage's) keeps getting its
+    events while the thread is armed, and is the thread's again once the
+    request has left."""
     seen: list[str] = []
 
     def tracer(frame: object, event: str, arg: object) -> object:
         seen.append(event)
         return tracer
 
-    after: list[object] = []
+    for _ in range(5):
+        ready, left = threading.Event(), threading.Event()
+        after: list[object] = []
 
-    def step() -> int:
-        return sum(range(10))
+        def step() -> int:
+            return sum(range(10))
 
-    def body(ready: threading.Event) -> None:
-        sys.settrace(tracer)
-        ready.set()
-        try:
-            while True:
-                step()
-        except RequestTimeout:
+        def run(ready: threading.Event, left: threading.Event, after: list[object]) -> None:
+            sys.settrace(tracer)
+            ready.set()
+            try:
+                while True:
+                    step()
+            except RequestTimeout:
+                left.set()
+            step()  # a line after the request: the check sees it has left
             after.append(sys.gettrace())
-            raise
-        finally:
             sys.settrace(None)
 
-    interrupted_many_times(body, rounds=5)
-    assert after == [tracer] * 5
+        thread = threading.Thread(target=run, args=(ready, left, after))
+        thread.start()
+        ready.wait()
+        assert thread.ident is not None
+        interrupt(thread.ident, None, lambda left=left: not left.is_set())
+        thread.join(10)
+        assert after == [tracer]
     assert "line" in seen
 
 
@@ -291,8 +330,10 @@ def test_two_requests_armed_in_one_thread_each_keep_their_check() -> None:
         looked.append("other")
         return True
 
-    def this(frame: object) -> bool:
+    def this(frame: object) -> bool:  # raises once, then is done
         looked.append("this")
+        if looked.count("this") > 1:
+            return False
         raise RequestTimeout()
 
     def run() -> None:

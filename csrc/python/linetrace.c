@@ -19,9 +19,13 @@
  * is called first for every event while the check is armed, and given
  * back when the check disarms, unless something replaced the check
  * meanwhile.  The check is called only for PyTrace_LINE events: True keeps
- * it armed; anything else disarms it; an exception disarms it and is
- * raised in the thread at that line, as the frame's exception table sees
- * it, in the try that covers the line.
+ * it armed; anything else disarms it; an exception is raised in the thread
+ * at that line, as the frame's exception table sees it, in the try that
+ * covers the line, and the check stays armed (it may have to raise again:
+ * an exception raised in a gc callback or a finalizer is only printed).
+ *
+ * state_id() names a thread's state uniquely, on every CPython: a check is
+ * armed for one thread, not for whichever later thread gets its id.
  *
  * Nothing here runs on a request's path: only the reporter thread arms a
  * check, for a request past its timeout.
@@ -71,20 +75,17 @@ static PyTypeObject ArmedType = {
 };
 
 /* Give the calling thread its own trace function back, if the check is
- * still the one set.  An exception already set is kept across it. */
+ * still the one set. */
 static void disarm(Armed *self)
 {
     PyThreadState *tstate = PyThreadState_Get();
-    PyObject *type, *value, *tb;
 
     if (tstate->c_traceobj != (PyObject *)self)
         return; /* replaced meanwhile (sys.settrace in the request): theirs now */
-    PyErr_Fetch(&type, &value, &tb);
     Py_INCREF(self); /* the thread's reference goes in the call */
     if (_PyEval_SetTrace(tstate, self->prev, self->prev_arg) < 0)
         PyErr_WriteUnraisable((PyObject *)self);
     Py_DECREF(self);
-    PyErr_Restore(type, value, tb);
 }
 
 static int trace(PyObject *obj, PyFrameObject *frame, int what, PyObject *arg)
@@ -104,9 +105,8 @@ static int trace(PyObject *obj, PyFrameObject *frame, int what, PyObject *arg)
     }
     verdict = PyObject_CallOneArg(self->check, (PyObject *)frame);
     if (verdict == NULL) {
-        disarm(self);
         Py_DECREF(self);
-        return -1;
+        return -1; /* raised there; the check stays, to raise again if it must */
     }
     keep = verdict == Py_True;
     Py_DECREF(verdict);
@@ -164,10 +164,14 @@ static PyObject *trace_thread(PyObject *Py_UNUSED(m), PyObject *const *args, Py_
     Py_RETURN_TRUE;
 }
 
+static PyObject *state_id(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef linetrace_functions[] = {
     {"trace_thread", (PyCFunction)(void (*)(void))trace_thread, METH_FASTCALL,
      "trace_thread(ident, check): check(frame) in thread ident at each line it starts, until it gives "
-     "anything but True or raises (raised there); False if there is no such thread."},
+     "anything but True (what it raises is raised there); False if there is no such thread."},
+    {"state_id", (PyCFunction)(void (*)(void))state_id, METH_FASTCALL,
+     "state_id(ident=None): the unique id of a thread's state (this thread's), or None."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -178,7 +182,11 @@ static int linetrace_exec(PyObject *Py_UNUSED(m))
 
 #else /* CPython 3.12 and later: sys.monitoring, from Python */
 
+static PyObject *state_id(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef linetrace_functions[] = {
+    {"state_id", (PyCFunction)(void (*)(void))state_id, METH_FASTCALL,
+     "state_id(ident=None): the unique id of a thread's state (this thread's), or None."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -188,6 +196,33 @@ static int linetrace_exec(PyObject *Py_UNUSED(m))
 }
 
 #endif
+
+/* state_id(ident=None): the interpreter's id of a thread's state, unique
+ * for the life of the process, where a thread id is used again once its
+ * thread has ended; the calling thread's, or None if no thread has that
+ * id.  The greenlets of a thread share it. */
+static PyObject *state_id(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyThreadState *tstate = PyThreadState_Get();
+    unsigned long ident;
+
+    if (nargs > 1 || (nargs == 1 && args[0] != Py_None && !PyLong_Check(args[0]))) {
+        PyErr_SetString(PyExc_TypeError, "state_id(ident: int | None = None)");
+        return NULL;
+    }
+    if (nargs == 1 && args[0] != Py_None) {
+        ident = PyLong_AsUnsignedLong(args[0]);
+        if (ident == (unsigned long)-1 && PyErr_Occurred())
+            return NULL;
+        for (tstate = PyInterpreterState_ThreadHead(tstate->interp); tstate != NULL;
+             tstate = PyThreadState_Next(tstate))
+            if (tstate->thread_id == ident)
+                break;
+        if (tstate == NULL)
+            Py_RETURN_NONE;
+    }
+    return PyLong_FromUnsignedLongLong(PyThreadState_GetID(tstate));
+}
 
 static PyModuleDef_Slot linetrace_slots[] = {
     {Py_mod_exec, linetrace_exec},

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -65,6 +66,11 @@ class RequestTimeout(BaseException):
         super().__init__(*(args or ("the request ran past its timeout and was interrupted by shmwheel",)))
 
 
+#: How soon a RequestTimeout is raised again in a request that is still in
+#: progress after the last one (it was lost or swallowed).
+RERAISE_INTERVAL = 0.01
+
+
 def _raise_in(
     thread: int,
     still: Callable[[], bool],
@@ -75,12 +81,20 @@ def _raise_in(
     if the request is still in progress (``still()``, asked there, in the
     thread, right before it raises); whether it was armed.
 
+    Raised, it is raised again at the next safe point, no sooner than
+    ``RERAISE_INTERVAL`` after, for as long as the request is still in
+    progress, as trio's cancellation is: one that was lost (raised in a
+    finalizer or a ``gc.callbacks`` hook, which Python only prints) or
+    swallowed (``except BaseException: pass``) does not leave the request
+    running.
+
     For a task or a greenlet that was running in the thread, ``running()``
     says whether it still is: once another runs there instead, the check
     calls ``elsewhere()`` (a cancel through the loop, a throw from the hub)
     and stops, so that another request never gets the exception."""
     if not still():
         return False
+    raised = [-RERAISE_INTERVAL]  # time.monotonic() of the last raise
 
     def check(frame: FrameType) -> bool:
         if not still():
@@ -91,6 +105,10 @@ def _raise_in(
             return False
         if unsafe_at(frame) is not None:
             return True  # not here: at a later line
+        now = time.monotonic()
+        if now - raised[0] < RERAISE_INTERVAL:
+            return True
+        raised[0] = now
         raise RequestTimeout()
 
     return arm(thread, check)

@@ -29,8 +29,10 @@ line of its code, and none is in code that is not the request's:
   (a handler's lock, a half-written line), ``importlib`` (a module half
   imported), ``threading`` (a condition's waiter list) - but for a thread's
   own entry functions, which sit at the bottom of every thread's stack;
-* not in a weak reference's callback or a ``__del__``, which run wherever
-  an object happens to be freed, and whose exceptions Python only prints;
+* not in a weak reference's callback, a ``__del__`` or a ``gc.callbacks``
+  hook (a profiler's, Hypothesis's), which run wherever an object happens
+  to be freed or a collection to start, and whose exceptions Python only
+  prints;
 * not in shmwheel's own code, where the request's bookkeeping is being
   done (the innermost frame only: the middleware's frame that called the
   application sits lower on every request's stack).
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import gc
 import importlib
 import logging
 import os
@@ -64,11 +67,17 @@ from typing import Any
 
 from ._stacks import real
 
+try:
+    from .._linetrace import state_id
+except ImportError as exc:  # a build without it: said where an interrupt is asked for
+    state_id = None  # type: ignore[assignment]
+    _no_linetrace = str(exc)
+
 __all__ = ["arm", "can_arm", "unsafe_at", "unsafe_lines"]
 
 #: check(frame): True to go on looking, False to stop; what it raises is
 #: raised in the thread, at that line.
-Check = Callable[[FrameType], bool]
+Check = Callable[[FrameType], bool]  # what it raises is raised in the thread; it stays armed
 
 _OP = dis.opmap
 _JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs) | frozenset(getattr(dis, "hasjump", ()))
@@ -174,6 +183,7 @@ def unsafe_at(frame: FrameType | None) -> str | None:
     """Why the thread whose innermost frame is ``frame`` may not be
     interrupted there, or None if it may."""
     innermost = True
+    collecting = {getattr(hook, "__code__", None) for hook in gc.callbacks}
     while frame is not None:
         code = frame.f_code
         name = code.co_filename
@@ -181,8 +191,8 @@ def unsafe_at(frame: FrameType | None) -> str | None:
             return f"in {_where(frame)}, which is not the request's code"
         if name == _THREADING and code.co_name not in _THREAD_ENTRIES:
             return f"in {_where(frame)}, which is not the request's code"
-        if code.co_name == "__del__":
-            return f"in {_where(frame)}, a finalizer"
+        if code.co_name == "__del__" or code in collecting:
+            return f"in {_where(frame)}, a finalizer or a collection's hook"
         if innermost and name.startswith(_OURS):
             return f"in shmwheel's own {_where(frame)}"
         line = frame.f_lineno
@@ -265,12 +275,7 @@ class _Monitoring:
                 self._misses = 0
                 self._prune()
             return
-        try:
-            keep = check(sys._getframe(1))
-        except BaseException:
-            self._disarm(thread)
-            raise
-        if not keep:
+        if not check(sys._getframe(1)):  # what it raises is raised there, and it stays armed
             self._disarm(thread)
 
     def _prune(self) -> None:
@@ -303,22 +308,25 @@ class _Monitoring:
 
 def _choose() -> tuple[Callable[[int, Check], bool] | None, str]:
     """How a thread is armed here, or None and why it cannot be."""
+    if state_id is None:
+        return None, f"shmwheel._linetrace cannot be imported ({_no_linetrace})"
     if sys.version_info >= (3, 12):
         monitoring = _Monitoring()
         if not monitoring.available():
             return None, "sys.monitoring has no free tool id (3 and 4 are taken)"
         return monitoring.arm, ""
-    try:
-        from .._linetrace import trace_thread
-    except ImportError as exc:
-        return None, f"shmwheel._linetrace cannot be imported ({exc})"
+    from .._linetrace import trace_thread
+
     return trace_thread, ""
 
 
 _arm, _why_not = _choose()
 # The checks armed in each thread: more than one where requests that time
 # out together may each run in it (a thread pool's), each until it is done.
-_checks: dict[int, list[Check]] = {}
+# A thread id is used again by a later thread once its own has ended, so
+# each check keeps the unique id of the thread state it was armed for, and
+# runs only in that one.
+_checks: dict[int, list[tuple[int, Check]]] = {}
 _checks_lock = threading.Lock()
 
 
@@ -329,15 +337,19 @@ def can_arm() -> str:
 
 def arm(thread: int, check: Check) -> bool:
     """Have ``thread`` run ``check(frame)`` at the start of each line it
-    runs, until it returns False or raises (raised in the thread, there);
-    False if there is no such thread or no way to arm one."""
+    runs, until it returns False; what it raises is raised in the thread,
+    there, and it stays armed.  False if there is no such thread or no way
+    to arm one."""
     if _arm is None:
+        return False
+    state = state_id(thread)
+    if state is None:
         return False
     with _checks_lock:
         alive = sys._current_frames()
         for gone in [gone for gone in _checks if gone not in alive]:  # threads that ended armed
             del _checks[gone]
-        _checks.setdefault(thread, []).append(check)
+        _checks.setdefault(thread, []).append((state, check))
     if _arm(thread, functools.partial(_dispatch, thread)):
         return True
     _drop(thread, check)
@@ -345,16 +357,13 @@ def arm(thread: int, check: Check) -> bool:
 
 
 def _dispatch(thread: int, frame: FrameType) -> bool:
-    """Every check armed in ``thread``, in it; whether any is left."""
+    """Every check armed in this thread, in it; whether any is left.  A
+    check armed for an earlier thread of the same id is dropped unrun."""
+    state = state_id()
     with _checks_lock:
-        checks = list(_checks.get(thread, ()))
-    for check in checks:
-        try:
-            keep = check(frame)
-        except BaseException:
-            _drop(thread, check)
-            raise
-        if not keep:
+        armed = list(_checks.get(thread, ()))
+    for armed_in, check in armed:
+        if armed_in != state or not check(frame):  # what it raises is raised here, and it stays armed
             _drop(thread, check)
     with _checks_lock:
         return thread in _checks
@@ -362,11 +371,12 @@ def _dispatch(thread: int, frame: FrameType) -> bool:
 
 def _drop(thread: int, check: Check) -> None:
     with _checks_lock:
-        checks = _checks.get(thread)
-        if checks is not None and check in checks:
-            checks.remove(check)
-            if not checks:
-                del _checks[thread]
+        armed = _checks.get(thread)
+        if armed is None:
+            return
+        armed[:] = [pair for pair in armed if pair[1] is not check]
+        if not armed:
+            del _checks[thread]
 
 
 def _drop_all(thread: int) -> None:
