@@ -455,6 +455,7 @@ def test_driver_jsonl_decodes_a_request_record(make_wheel: MakeWheel) -> None:
         "method": "POST", "path": "/upload/é", "truncated": False, "request_id": "abc-1", "worker_pid": 4321,
         "thread": 0x7F01, "task": 0, "task_kind": "", "started_ns": 12345, "timeout_ms": 0, "warn": False,
         "interrupt": False,
+        "queued_ms": 0,
     }  # fmt: skip
     assert "request" not in second
 

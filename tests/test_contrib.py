@@ -26,6 +26,7 @@ from shmwheel._binding import ffi, lib
 from shmwheel._process import signal_disposition, start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
+from shmwheel.contrib._record import HEAD
 from shmwheel.contrib.timeouts import (
     KIND_ANSWER,
     KIND_CHECK,
@@ -55,7 +56,7 @@ def test_request_record_round_trips() -> None:
     record = decode_request(payload)
     assert record is not None
     assert record == (
-        KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é", False, 0, 0, "", 0, 0, 0, False, False
+        KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é", False, 0, 0, "", 0, 0, 0, False, False, 0
     )  # fmt: skip
     assert record.describe() == "GET /a/b?c=d é (request abc.7, worker pid 1234)"
 
@@ -75,7 +76,7 @@ def test_a_request_record_names_its_thread_its_task_and_its_signals(kind: str) -
     assert record.as_dict() == {
         "method": "GET", "path": "/x", "truncated": False, "request_id": "r", "worker_pid": 7,
         "thread": 0x7F00AB, "task": 0xBEEF, "task_kind": kind, "started_ns": 9, "timeout_ms": 0, "warn": False,
-        "interrupt": False,
+        "interrupt": False, "queued_ms": 0,
     }  # fmt: skip
 
 
@@ -84,8 +85,29 @@ def test_a_long_path_is_cut_to_fit_and_marked() -> None:
     assert len(payload) == 100
     record = decode_request(payload)
     assert record is not None and record.truncated
-    assert record.path == "/" + "x" * (100 - 48 - len("POST") - len("id") - 1)
+    assert record.path == "/" + "x" * (100 - HEAD.size - len("POST") - len("id") - 1)
     assert record.describe().startswith("POST /xxx") and "x... (request id" in record.describe()
+
+
+def test_a_payload_too_small_for_the_request_id_leaves_it_out() -> None:
+    """The worker's pid and the request's start stand in for a client's id
+    that does not fit; a payload too small for the method is refused."""
+    payload = encode_request(KIND_REQUEST, 0x2A, 2, 0xABCDEF, "GET", "x" * 20, "/longer", size=HEAD.size + 8)
+    record = decode_request(payload)
+    assert record is not None and (record.request_id, record.path, record.truncated) == ("2a.00abcdef", "/long", True)
+    with pytest.raises(ValueError, match="a payload of 54 bytes has no room for a request record"):
+        encode_request(KIND_REQUEST, 1, 2, 3, "OPTIONS", "", "/", size=HEAD.size + 2)
+
+
+def test_a_record_of_a_request_that_queued_knows_its_own_timeout() -> None:
+    """X-Request-Start moved its start 700 ms back: its timeout counts from
+    there, the driver's kill from when its worker took it."""
+    payload = encode_request(KIND_REQUEST, 1, 2, 10**9, "GET", "q", "/", timeout_ms=1000, queued_ms=700)
+    record = decode_request(payload)
+    assert record is not None and record.queued_ms == 700
+    assert (record.timeout_at(), record.own_timeout_at()) == (2 * 10**9, int(2.7 * 10**9))
+    plain = decode_request(encode_request(KIND_REQUEST, 1, 2, 10**9, "GET", "q", "/", timeout_ms=1000))
+    assert plain is not None and plain.own_timeout_at() is None
 
 
 _GOOD = encode_request(KIND_REQUEST, 1, 2, 3, "GET", "id", "/")
@@ -95,11 +117,11 @@ _GOOD = encode_request(KIND_REQUEST, 1, 2, 3, "GET", "id", "/")
     "payload",
     [
         b"",
-        _GOOD[:47],  # shorter than the head
+        _GOOD[: HEAD.size - 1],  # shorter than the head
         b"\x0a" + _GOOD[1:],  # no such kind
         _GOOD[:1] + b"\xff\xff" + _GOOD[3:],  # sizes past the end
         _GOOD[:42] + b"\x00\x00" + _GOOD[44:],  # no magic number: another program's payload
-        _GOOD[:48] + b"G T" + _GOOD[51:],  # a method that is no HTTP token
+        _GOOD[: HEAD.size] + b"G T" + _GOOD[HEAD.size + 3 :],  # a method that is no HTTP token
         b"\x01" * 100,
     ],
 )

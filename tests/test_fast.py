@@ -288,7 +288,7 @@ def test_the_core_outlives_its_wheel_object_safely(make_wheel) -> None:
     del attached
     gc.collect()
     active = _fast.Table()
-    head = HEAD.pack(KIND_REQUEST, 0, 0, 0, os.getpid(), 0, 0, 0, 0, 0, 0, MAGIC, 30_000)
+    head = HEAD.pack(KIND_REQUEST, 0, 0, 0, os.getpid(), 0, 0, 0, 0, 0, 0, MAGIC, 30_000, 0)
     var: contextvars.ContextVar[object] = contextvars.ContextVar("request")
     timer = Timer(core, head, 30 * 10**9, 30 * 10**9, wheel.payload_size, MAX_METHOD, MAX_REQUEST_ID,
                   TASK, GREENLET, active, set(), var, None, None, False, 0, WARN, 10**9)  # fmt: skip

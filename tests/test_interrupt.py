@@ -28,6 +28,7 @@ Each server is started once for the tests that use it, with a 1 s timeout
 from __future__ import annotations
 
 import contextlib
+import http.client
 import re
 import signal
 import time
@@ -341,6 +342,50 @@ def test_a_request_in_a_c_call_that_holds_the_gil_goes_on_to_the_kill(tmp_path: 
         assert pid_of(answer) != pid
         assert "interrupting GET /regex" not in server.log()  # no Python ran to do it
         assert len(re.findall(r"request timed out: ", server.log())) == 1
+
+
+def get_queued(port: int, path: str, request_id: str, queued: float) -> tuple[int, str]:
+    """GET with the X-Request-Start a proxy (or a client that forges it) sets: ``queued`` s ago, nginx's form."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
+    try:
+        start = f"t={time.time() - queued:.3f}"
+        conn.request("GET", path, headers={"X-Request-Id": request_id, "X-Request-Start": start})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    except (OSError, http.client.HTTPException) as exc:
+        return 0, repr(exc)
+    finally:
+        conn.close()
+
+
+def test_a_forged_x_request_start_never_gets_a_worker_killed(tmp_path: Path) -> None:
+    """A client that claims its request queued 3000 s has it due as it
+    starts (queue time counts up to the whole timeout) and ended at its
+    first safe point, after a 0.8 s time.sleep: a 504.  The kill stage
+    waits for the request's own timeout plus the grace, 1.3 s after its
+    worker took it, by when the request has ended: the worker is left
+    alone, and still serves.  (Before, interrupt_grace after the header's
+    deadline, 0.3 s in, the worker got SIGABRT.)"""
+    port = free_port()
+    install = "timeout=1.0, interrupt=True, interrupt_grace=0.3, kill=True, kill_after=1.0, x_request_start=True"
+    cmd = gunicorn(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        before = pid_of(get(port, "/"))
+        assert get_queued(port, "/sleep?s=0.8", "forged", 3000.0) == GATEWAY_TIMEOUT
+        request = rf"GET /sleep \(request forged, worker pid {before}, {THREAD}\)"
+        server.wait_for(rf"request timed out: {request}, running for 1\.\d{{3}} s, 1\.000 s of it queued by its "
+                        r"X-Request-Start; asking it to end the request")  # fmt: skip
+        server.wait_for(rf"{request} has not ended 0\.3 s after it was interrupted: .*; SIGABRT waits [\d.]+ s more, "
+                        r"until it is as late counted from when its worker took it \(it had queued 1 s by its "
+                        r"X-Request-Start\)$")  # fmt: skip
+        server.wait_for(rf"{request} has finished since it timed out: worker pid {before} is left alone$")
+        assert pid_of(get(port, "/")) == before
+        assert "sending SIGABRT" not in server.log() and booted(server) == 1
+        # The same request, really stuck: killed all the same, at its own time.
+        sent = time.monotonic()
+        assert get_queued(port, "/sleep?s=30", "stuck", 3000.0)[0] in (0, 500)
+        assert time.monotonic() - sent >= 1.3
+        server.wait_for(rf"Booting worker with pid: (?!{before}\b)\d+")
 
 
 # -- Gunicorn gevent: one worker, greenlets ----------------------------------------

@@ -91,6 +91,18 @@ def test_request_start_header_in_each_unit_and_insane_ones_ignored() -> None:
         assert queued_ns(junk, now) == 0
 
 
+def test_a_request_counts_at_most_its_whole_timeout_of_queue_time() -> None:
+    """A header 3000 s old (sane: under an hour) makes a 2 s request due as
+    it starts, no earlier; one 0.5 s old counts its 0.5 s."""
+    timer = RequestTimer("w", 2.0)
+    now = time.monotonic_ns()
+    wall = time.time()
+    assert timer._times(now, "GET", "/", f"t={wall - 3000:.3f}") == (2 * S, now - 2 * S)
+    timeout_ns, started = timer._times(now, "GET", "/", f"t={wall - 0.5:.3f}")  # type: ignore[misc]
+    assert timeout_ns == 2 * S and 0.4 * S < now - started < 0.6 * S
+    assert timer._times(now, "GET", "/", None) == (2 * S, now)
+
+
 # -- the record and the arguments -------------------------------------------------
 
 

@@ -77,10 +77,10 @@ typedef int (*try_cancel_fn)(shmw_t *w, int64_t handle);
 _Static_assert(__builtin_types_compatible_p(add_at_fn, __typeof__(&shmw_add_at_ns)), "add_at_fn: shmw_add_at_ns");
 _Static_assert(__builtin_types_compatible_p(try_cancel_fn, __typeof__(&shmw_try_cancel)), "try_cancel_fn: shmw_try_cancel");
 
-/* The request record's head (_record.py's HEAD, "<BBBBIQqQQBBHI"): the
+/* The request record's head (_record.py's HEAD, "<BBBBIQqQQBBHII"): the
  * offsets of the fields that change from one request to the next.  The
  * others come from the Timer's template, packed by Python. */
-#define HEAD_SIZE     48
+#define HEAD_SIZE     52
 #define OFF_MLEN      1     /* B  method length */
 #define OFF_RLEN      2     /* B  request id length */
 #define OFF_FLAGS     3     /* B  flags */
@@ -88,6 +88,7 @@ _Static_assert(__builtin_types_compatible_p(try_cancel_fn, __typeof__(&shmw_try_
 #define OFF_THREAD    24    /* Q  the OS thread */
 #define OFF_TASK      32    /* Q  the greenlet, id(), or 0 */
 #define OFF_TIMEOUT   44    /* I  the timeout, ms */
+#define OFF_QUEUED    48    /* I  the time queued by X-Request-Start, ms, rounded up */
 
 /* This process's pid: asked once, and again in a forked child. */
 static pid_t current_pid;
@@ -1284,7 +1285,7 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     TableObject *table = self->table;
     const char *rid;
     Py_ssize_t mlen, rlen, n;
-    uint64_t thread, timeout_ms = 0;
+    uint64_t thread, timeout_ms = 0, queued_ms = 0;
     int64_t handle, due;
     char *buf;
     uint8_t flags;
@@ -1311,7 +1312,8 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
         if (timeout <= 0 || started > now)
             Py_RETURN_NONE;
         timeout_ms = (uint64_t)(timeout / 1000000) + (timeout % 1000000 != 0);
-        if (timeout_ms > UINT32_MAX)
+        queued_ms = (uint64_t)((now - started) / 1000000) + ((now - started) % 1000000 != 0);
+        if (timeout_ms > UINT32_MAX || queued_ms > UINT32_MAX)
             Py_RETURN_NONE;
         due = started + (warn ? self->warn_ns : timeout);
         flags = (uint8_t)((flags & ~self->warn_flag) | (warn ? self->warn_flag : 0));
@@ -1351,8 +1353,10 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     put_u64le(buf + OFF_STARTED, (uint64_t)started);
     put_u64le(buf + OFF_THREAD, thread);
     put_u64le(buf + OFF_TASK, task == Py_None ? 0 : (uint64_t)(uintptr_t)task);
-    if (timeout_ms)
+    if (timeout_ms) {
         put_u32le(buf + OFF_TIMEOUT, (uint32_t)timeout_ms);
+        put_u32le(buf + OFF_QUEUED, (uint32_t)queued_ms);
+    }
     memcpy(buf + HEAD_SIZE, PyUnicode_1BYTE_DATA(method), (size_t)mlen);
     memcpy(buf + HEAD_SIZE + mlen, rid, (size_t)rlen);
     memcpy(buf + HEAD_SIZE + mlen + rlen, p1, (size_t)l1);

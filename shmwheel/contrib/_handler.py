@@ -238,6 +238,14 @@ FORGET_AFTER = 600.0  # s: how long a worker sent kill_signal, or a late request
 SLACK_NS = 5_000_000  # a fire this close to a request's timeout is its timeout (clock rounding)
 
 
+def _running(record: RequestRecord) -> str:
+    """``1.002 s``, or ``1.002 s, 0.700 s of it queued by its X-Request-Start``."""
+    running = f"{record.running_for():.3f} s"
+    if record.queued_ms:
+        running += f", {record.queued_ms / 1000:.3f} s of it queued by its X-Request-Start"
+    return running
+
+
 @dataclass
 class _Late:
     """What the driver knows of a request past its warn_after stage or its
@@ -300,7 +308,7 @@ class TimeoutHandler:
             if late is not None and late.ended:
                 self._finished(record)
             elif there:
-                self._graceful(fire, record)
+                self._graceful(fire, record, late)
         elif record.kind == KIND_CHECK:
             self._check(fire, record, there)
         elif record.kind == KIND_GRACE:
@@ -357,9 +365,9 @@ class TimeoutHandler:
             else:
                 then = ""
             _log.warning(
-                "request is slow: %s, running for %.3f s, %.3f s before its timeout%s",
+                "request is slow: %s, running for %s, %.3f s before its timeout%s",
                 record.describe(),
-                record.running_for(),
+                _running(record),
                 (timeout_at - time.monotonic_ns()) / 1e9,
                 then,
             )
@@ -403,9 +411,9 @@ class TimeoutHandler:
                     steps[-1] += f", and SIGKILL {actions.kill_after:g} s after that"
                 then = "; " + ", ".join(steps) if steps else ""
             _log.warning(
-                "request timed out: %s, running for %.3f s%s%s",
+                "request timed out: %s, running for %s%s%s",
                 record.describe(),
-                record.running_for(),
+                _running(record),
                 " (redelivered after a driver restart)" if fire.redelivered else "",
                 then,
             )
@@ -424,11 +432,11 @@ class TimeoutHandler:
                 if not self._later(actions.interrupt_grace, KIND_GRACE, fire.payload):
                     self._late.pop(key, None)
                     if actions.kill:
-                        self._graceful(fire, record)
+                        self._graceful(fire, record, late)
             elif not checked:
                 self._late.pop(key, None)
                 if actions.kill:
-                    self._graceful(fire, record)
+                    self._graceful(fire, record, late)
         elif dump:
             self._late.pop(key, None)
             if self._signal(fire, record, dump) and actions.kill:
@@ -503,7 +511,7 @@ class TimeoutHandler:
                         return
                     self._late.pop(key, None)
         if not waits and self.actions.kill:
-            self._graceful(fire, record)
+            self._graceful(fire, record, late)
 
     def _grace_over(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         """interrupt_grace after the interrupt: a request that has not ended is logged, and with kill, killed."""
@@ -511,12 +519,22 @@ class TimeoutHandler:
         if not there or (late is not None and late.ended):
             return
         actions = self.actions
+        wait = self._kill_waits(record)
+        if not actions.kill:
+            then = "; it runs on (kill is off)"
+        elif wait > 0:
+            then = (
+                f"; {signal_name(actions.kill_signal)} waits {wait:.3f} s more, until it is as late counted from "
+                f"when its worker took it (it had queued {record.queued_ms / 1000:g} s by its X-Request-Start)"
+            )
+        else:
+            then = f"; sending {signal_name(actions.kill_signal)}"
         _log.warning(
             "%s has not ended %g s after it was interrupted: it has not reached a point where it may be interrupted "
             "(a C call that has not returned, cleanup code, logging), or its code caught RequestTimeout%s",
             record.describe(),
             actions.interrupt_grace,
-            f"; sending {signal_name(actions.kill_signal)}" if actions.kill else "; it runs on (kill is off)",
+            then,
         )
         if not actions.kill:
             return
@@ -526,7 +544,7 @@ class TimeoutHandler:
             if self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload):
                 return
             self._late.pop(fire.payload[1:], None)
-        self._graceful(fire, record)
+        self._graceful(fire, record, late)
 
     def _finished(self, record: RequestRecord) -> None:
         _log.info("%s has finished since it timed out: worker pid %d is left alone", record.describe(), record.pid)
@@ -546,7 +564,34 @@ class TimeoutHandler:
             return False
         return True
 
-    def _graceful(self, fire: Fire, record: RequestRecord) -> None:
+    def _kill_waits(self, record: RequestRecord) -> float:
+        """Seconds the kill stage of a request whose time counts from the
+        proxy's X-Request-Start must wait yet: a worker is killed only for a
+        request late by its own clock (its timeout, and the interrupt's
+        grace, counted from when it took the request), so that no header,
+        forged or not, is ever the reason for a kill."""
+        own = record.own_timeout_at()
+        if own is None:
+            return 0.0
+        if record.interrupt:
+            own += int(self.actions.interrupt_grace * 1e9)
+        return max(own - time.monotonic_ns(), 0) / 1e9
+
+    def _graceful(self, fire: Fire, record: RequestRecord, late: _Late | None = None) -> None:
+        """kill_signal to the request's worker, unless it is draining; or,
+        for a request not late by its own clock yet, a follow-up for then,
+        with what is known of the request (``late``) kept for it."""
+        wait = self._kill_waits(record)
+        if wait > 0:
+            # Again then: the request may have ended by that time, which
+            # its worker says (see _heard).
+            key = fire.payload[1:]
+            self._late[key] = late or self._late.get(key) or _Late(TIMED_OUT)
+            if not self._later(wait, KIND_GRACEFUL, fire.payload):
+                self._late.pop(key, None)
+                _log.warning("worker pid %d is not sent %s for %s: it is not late by its own clock yet",
+                             record.pid, signal_name(self.actions.kill_signal), record.describe())  # fmt: skip
+            return
         worker = (record.pid, record.start)
         now = time.monotonic()
         self._draining = {w: t for w, t in self._draining.items() if now - t < FORGET_AFTER}

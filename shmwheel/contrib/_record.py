@@ -1,7 +1,7 @@
 """What a worker and the driver agree on: the request record a worker puts
 in each request's timer, and the signals that ask a worker for a stack.
 
-The request record is a 48-byte head then the method, the request id and
+The request record is a 52-byte head then the method, the request id and
 the path (little-endian)::
 
     offset  size  field
@@ -30,7 +30,12 @@ the path (little-endian)::
         44     4  the request's timeout, milliseconds after its start (0:
                   this timer is the timeout); a WARN timer's driver adds
                   the timeout stage for then
-        48     -  method, request id, path (UTF-8, the path cut to fit)
+        48     4  how long the request had queued before its worker took
+                  it, by the proxy's X-Request-Start, in milliseconds
+                  (rounded up); its start above is that much earlier than
+                  the worker's own.  The driver times the kill from the
+                  worker's own start, so that no header makes it sooner
+        52     -  method, request id, path (UTF-8, the path cut to fit)
 
 The worker names the signals itself, so a driver run elsewhere, with
 settings of its own, still asks it in the way it listens.
@@ -87,7 +92,8 @@ WARN = 8  # flags: this timer is the request's warn_after stage; its timeout is 
 INTERRUPT = 16  # flags: at its timeout, the worker ends the request itself when asked
 MAX_TIMEOUT_MS = 2**32 - 1  # what the timeout field holds: a longer timeout is written as this, about 49 days
 MAGIC = 0x7273  # "sr": a request record
-HEAD = struct.Struct("<BBBBIQqQQBBHI")  # the last field: the timeout, in ms
+HEAD = struct.Struct("<BBBBIQqQQBBHII")  # the last two: the timeout and the time queued, in ms
+_TIMEOUT_AT = 44  # the timeout field's offset
 MAX_METHOD = 32
 MAX_REQUEST_ID = 64
 #: What a request id taken from a client header may hold: it is written into
@@ -148,10 +154,19 @@ class RequestRecord(NamedTuple):
     timeout_ms: int = 0  #: the request's timeout, ms after its start (0: this timer is the timeout)
     warn: bool = False  #: this timer is the request's warn_after stage
     interrupt: bool = False  #: at its timeout the worker ends the request itself, when asked
+    queued_ms: int = 0  #: how much of its time it spent queued, by the proxy's X-Request-Start (0: none counted)
 
     def timeout_at(self) -> int | None:
         """time.monotonic_ns() when the request times out, if the record says."""
         return self.started_ns + self.timeout_ms * 1_000_000 if self.timeout_ms else None
+
+    def own_timeout_at(self) -> int | None:
+        """time.monotonic_ns() when the request times out counted from when
+        its worker took it, its time queued left out; None for a record
+        that counts no time queued."""
+        if not (self.queued_ms and self.timeout_ms):
+            return None
+        return self.started_ns + (self.queued_ms + self.timeout_ms) * 1_000_000
 
     def running_for(self, now_ns: int | None = None) -> float:
         """Seconds since the request started."""
@@ -185,6 +200,7 @@ class RequestRecord(NamedTuple):
             "timeout_ms": self.timeout_ms,
             "warn": self.warn,
             "interrupt": self.interrupt,
+            "queued_ms": self.queued_ms,
         }
 
 
@@ -206,12 +222,16 @@ def encode_request(
     timeout_ms: int = 0,
     warn: bool = False,
     interrupt: bool = False,
+    queued_ms: int = 0,
 ) -> bytes:
-    """A request record of at most ``size`` bytes: the path is cut to fit."""
+    """A request record of at most ``size`` bytes: the path is cut to fit,
+    and the request id left out where even an empty path would not."""
     m = method.encode("ascii", "replace")[:MAX_METHOD]
     r = request_id.encode("ascii", "replace")[:MAX_REQUEST_ID]
     p = path.encode("utf-8", "surrogateescape")
     room = size - HEAD.size - len(m) - len(r)
+    if room < 0 and room + len(r) >= 0:
+        room, r = room + len(r), b""  # a small payload: the record's own id stands in for the client's
     if room < 0:
         raise ValueError(f"a payload of {size} bytes has no room for a request record")
     flags = TASK if task_kind == "task" else GREENLET if task_kind == "greenlet" else 0
@@ -224,7 +244,7 @@ def encode_request(
         flags |= TRUNCATED
     head = HEAD.pack(
         kind, len(m), len(r), flags, pid, start, started_ns, thread, task, stack_signal, dump_signal, MAGIC,
-        min(timeout_ms, MAX_TIMEOUT_MS),
+        min(timeout_ms, MAX_TIMEOUT_MS), min(queued_ms, MAX_TIMEOUT_MS),
     )  # fmt: skip
     return head + m + r + p
 
@@ -237,7 +257,8 @@ def decode_request(payload: bytes) -> RequestRecord | None:
     token."""
     if len(payload) < HEAD.size:
         return None
-    kind, m_len, r_len, flags, pid, start, started_ns, thread, task, stack, dump, magic, ms = HEAD.unpack_from(payload)
+    head = HEAD.unpack_from(payload)
+    kind, m_len, r_len, flags, pid, start, started_ns, thread, task, stack, dump, magic, ms, queued_ms = head
     if magic != MAGIC or kind not in KINDS or HEAD.size + m_len + r_len > len(payload):
         return None
     at = HEAD.size
@@ -253,16 +274,16 @@ def decode_request(payload: bytes) -> RequestRecord | None:
     task_kind = "task" if flags & TASK else "greenlet" if flags & GREENLET else ""
     return RequestRecord(
         kind, pid, start, started_ns, method, request_id, path, bool(flags & TRUNCATED),
-        thread, task, task_kind, stack, dump, ms, bool(flags & WARN), bool(flags & INTERRUPT),
+        thread, task, task_kind, stack, dump, ms, bool(flags & WARN), bool(flags & INTERRUPT), queued_ms,
     )  # fmt: skip
 
 
 def rearmed(payload: bytes, timeout_ms: int) -> bytes:
     """The same request's record for a new timer, which is its timeout
     ``timeout_ms`` after its start (:func:`shmwheel.contrib.extend`)."""
-    at = HEAD.size - 4  # the timeout field
+    at = _TIMEOUT_AT
     ms = struct.pack("<I", min(timeout_ms, MAX_TIMEOUT_MS))
-    return payload[:3] + bytes([payload[3] & ~WARN]) + payload[4:at] + ms + payload[HEAD.size :]
+    return payload[:3] + bytes([payload[3] & ~WARN]) + payload[4:at] + ms + payload[at + 4 :]
 
 
 def with_kind(payload: bytes, kind: int) -> bytes:

@@ -96,6 +96,13 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 _monotonic_ns = time.monotonic_ns
 _pack = HEAD.pack
+if _fast_ext is not None and _fast_ext.HEAD_SIZE != HEAD.size:
+    # It would write records this module's driver reads otherwise.
+    raise ImportError(
+        f"shmwheel: shmwheel._fast in {os.path.dirname(_fast_ext.__file__ or '')} writes request records of another "
+        "layout than this version's; build it again (pip install --force-reinstall shmwheel, or pip install -e . "
+        "in a checkout)"
+    )
 
 # A request that a plain thread runs (no task, no greenlet but the thread's
 # own) is filed in the thread's slot in shmwheel._fast, not in the context:
@@ -262,7 +269,7 @@ class RequestTimer:
         warn = 0 < self._warn_ns < self._timeout_ns
         head = _pack(
             KIND_REQUEST, 0, 0, self._flags | (WARN if warn else 0), self._pid, self._start, 0, 0, 0,
-            self._stack_signal, self._dump_signal, MAGIC, self._timeout_ms,
+            self._stack_signal, self._dump_signal, MAGIC, self._timeout_ms, 0,
         )  # fmt: skip
         from .._fast import Table, Timer  # there: the wheel made a Core of it
 
@@ -367,7 +374,9 @@ class RequestTimer:
                     return None
                 timeout_ns = route_ns
         if request_start is not None and (queued := queued_ns(request_start, time.time_ns())):
-            return timeout_ns, now - queued
+            # At most its whole timeout: a request that queued that long is
+            # due as it starts.  The driver's kill counts from now all the same.
+            return timeout_ns, now - min(queued, timeout_ns)
         return timeout_ns, now
 
     def _start_slow(
@@ -404,6 +413,7 @@ class RequestTimer:
                 thread=thread, task=0 if task is None else id(task), task_kind=kind,
                 stack_signal=self._stack_signal, dump_signal=self._dump_signal,
                 timeout_ms=-(-timeout_ns // 1_000_000), warn=warn, interrupt=self.interrupt,
+                queued_ms=-(-max(now - started, 0) // 1_000_000),
             )  # fmt: skip
             handle: int | None = wheel.add(delay, payload, cancel_on_exit=True)
         except SegmentRemovedError:  # removed or replaced: the name may hold another wheel now
