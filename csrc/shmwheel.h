@@ -229,13 +229,20 @@ int     shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len
 
 /* A worker's stack signal: from now on, signal signum writes one byte (the
  * signal's number) to fd, which should be non-blocking, and does nothing
- * else, as an asynchronous signal handler must; SA_RESTART, so that the
- * process's system calls go on undisturbed.  A thread that reads fd then
- * acts, in Python, whatever the main thread is doing - even where it never
- * runs Python (uWSGI's).  fd -1 sets the default action back.  Returns 1 if
- * it replaced a handler other than the default, ignore or its own, else 0;
- * -errno if the signal cannot be caught. */
+ * else of its own, as an asynchronous signal handler must; SA_RESTART, so
+ * that the process's system calls go on undisturbed.  A thread that reads
+ * fd then acts, in Python, whatever the main thread is doing - even where
+ * it never runs Python (uWSGI's).  A handler the signal had that is not
+ * the default, ignore or this one (the application's, Python's own for a
+ * signal.signal() handler) is kept and called after the byte is written,
+ * for every signal, so that both work.  fd -1 puts back the handler it
+ * found, or the default action.  Returns 1 if it keeps such a handler now,
+ * else 0; -errno if the signal cannot be caught. */
 int     shmw_signal_to_fd(int signum, int fd);
+
+/* Whose handler signum has now: 0 the default action, 1 ignored, 2 the
+ * one shmw_signal_to_fd() installs, 3 another; -errno on error. */
+int     shmw_signal_owner(int signum);
 
 /* ---- cffi end ------------------------------------------------------------ */
 

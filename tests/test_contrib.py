@@ -183,10 +183,10 @@ WORKER = textwrap.dedent(
     if len(sys.argv) > 2:
         timer = RequestTimer(sys.argv[2], float(sys.argv[3]), traceback_signal="USR2" if mode == "lost" else "URG")
         assert timer.prepare()
-        if mode == "lost":  # something took the stack signal back: its default action ends the process
-            signal.signal(signal.SIGUSR2, signal.SIG_DFL)
         handle = timer.start("GET", "/slow", "r1")
         assert handle is not None
+        if mode == "lost":  # something took the stack signal since its start's look: its default action ends it
+            signal.signal(signal.SIGUSR2, signal.SIG_DFL)
         if mode in ("two", "stubborn"):
             assert timer.start("GET", "/slower", "r2") is not None
     else:

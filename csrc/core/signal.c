@@ -1,14 +1,17 @@
 /* signal.c - the one signal handler shmwheel installs: a worker's stack
  * signal, which wakes a thread of the worker through a pipe.
  *
- * Owns: the table of the fd each caught signal writes to.
+ * Owns: the table of the fd each caught signal writes to, and of the
+ * handler each had before, which it calls in turn.
  * Keeps: the handler does only what an asynchronous signal handler may -
  * an fstat(2) and a write(2), errno saved and restored - and never blocks
  * (the fd is the caller's non-blocking pipe: a full pipe means a wake-up
  * is pending).  It writes only to the pipe it was given: a process that
  * forks and closes its descriptors may reuse the number for a file of its
  * own, so the handler checks the descriptor is still that pipe (device and
- * inode, taken when it was given) before it writes.
+ * inode, taken when it was given) before it writes.  A handler the signal
+ * had of the application's is called after the write, with the same
+ * arguments, so that taking the signal takes nothing from anyone.
  *
  * Python's own signal.signal() will not do here: its handlers run in the
  * main thread, between bytecodes, and a server's main thread may sit in C
@@ -26,8 +29,11 @@
 
 static volatile sig_atomic_t wake_fd[SIGNALS];
 static volatile uint64_t wake_dev[SIGNALS], wake_ino[SIGNALS];
+static struct sigaction before[SIGNALS];          /* the handler each had, called after ours */
+static volatile sig_atomic_t chained[SIGNALS];    /* before[signum] is set and called */
+static volatile sig_atomic_t in_chain[SIGNALS];   /* before[signum] is running: not again from within */
 
-static void on_signal(int signum)
+static void on_signal(int signum, siginfo_t *info, void *context)
 {
     int saved = errno;
     if (signum > 0 && signum < SIGNALS) {
@@ -38,35 +44,84 @@ static void on_signal(int signum)
             (uint64_t)st.st_ino == wake_ino[signum] && write(fd, &byte, 1) < 0) {
             /* EAGAIN: a wake-up is pending already.  Nothing else to do. */
         }
+        if (chained[signum] && !in_chain[signum]) {
+            const struct sigaction *then = &before[signum];
+            in_chain[signum] = 1;
+            errno = saved;
+            if (then->sa_flags & SA_SIGINFO)
+                then->sa_sigaction(signum, info, context);
+            else if (then->sa_handler != SIG_DFL && then->sa_handler != SIG_IGN)
+                then->sa_handler(signum);
+            in_chain[signum] = 0;
+        }
     }
     errno = saved;
+}
+
+static int is_ours(const struct sigaction *sa)
+{
+    return (sa->sa_flags & SA_SIGINFO) && sa->sa_sigaction == on_signal;
+}
+
+static int is_default_or_ignored(const struct sigaction *sa)
+{
+    return !(sa->sa_flags & SA_SIGINFO) && (sa->sa_handler == SIG_DFL || sa->sa_handler == SIG_IGN);
 }
 
 int shmw_signal_to_fd(int signum, int fd)
 {
     if (signum <= 0 || signum >= SIGNALS || signum == SIGKILL || signum == SIGSTOP)
         return -EINVAL;
-    struct sigaction sa, old;
+    struct sigaction sa, now;
     memset(&sa, 0, sizeof sa);
     sigemptyset(&sa.sa_mask);
-    if (fd < 0) {
-        sa.sa_handler = SIG_DFL;
-    } else {
-        struct stat st;
-        if (fstat(fd, &st) != 0)
-            return -errno;
-        sa.sa_handler = on_signal;
-        sa.sa_flags = SA_RESTART;
-        wake_fd[signum] = -1; /* no write while the identity below changes */
-        wake_dev[signum] = (uint64_t)st.st_dev;
-        wake_ino[signum] = (uint64_t)st.st_ino;
-    }
-    /* The fd before the handler: a signal that comes between the two finds it set. */
-    wake_fd[signum] = fd < 0 ? -1 : fd;
-    if (sigaction(signum, &sa, &old) != 0)
+    if (sigaction(signum, NULL, &now) != 0)
         return -errno;
-    return !(old.sa_flags & SA_SIGINFO) && (old.sa_handler == SIG_DFL || old.sa_handler == SIG_IGN ||
-                                            old.sa_handler == on_signal)
-               ? 0
-               : 1;
+    if (fd < 0) {
+        if (!is_ours(&now))
+            return 0;                   /* someone's since: theirs stays */
+        if (chained[signum])
+            sa = before[signum];
+        else
+            sa.sa_handler = SIG_DFL;
+        if (sigaction(signum, &sa, NULL) != 0)
+            return -errno;
+        wake_fd[signum] = -1;
+        chained[signum] = 0;
+        return 0;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        return -errno;
+    if (!is_ours(&now)) {
+        /* The handler it has now is the one to call after ours: another's,
+         * or none.  Not called while it is being replaced. */
+        chained[signum] = 0;
+        before[signum] = now;
+        chained[signum] = !is_default_or_ignored(&now);
+    }
+    sa.sa_sigaction = on_signal;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART;
+    wake_fd[signum] = -1; /* no write while the identity below changes */
+    wake_dev[signum] = (uint64_t)st.st_dev;
+    wake_ino[signum] = (uint64_t)st.st_ino;
+    /* The fd before the handler: a signal that comes between the two finds it set. */
+    wake_fd[signum] = fd;
+    if (sigaction(signum, &sa, NULL) != 0)
+        return -errno;
+    return chained[signum] ? 1 : 0;
+}
+
+int shmw_signal_owner(int signum)
+{
+    struct sigaction now;
+    if (signum <= 0 || signum >= SIGNALS)
+        return -EINVAL;
+    if (sigaction(signum, NULL, &now) != 0)
+        return -errno;
+    if (is_ours(&now))
+        return 2;
+    if (is_default_or_ignored(&now))
+        return now.sa_handler == SIG_IGN ? 1 : 0;
+    return 3;
 }

@@ -72,7 +72,7 @@ from .._records import Fire
 from .._segment import segment_name
 from .._wheel import Wheel, attach
 from ._record import (
-    DUMP_SIGNAL,
+    DUMP_SIGNALS,
     KIND_ANSWER,
     KIND_CHECK,
     KIND_FINISHED,
@@ -350,8 +350,8 @@ class TimeoutHandler:
         if not asked:
             return 0, 0
         stack = record.stack_signal if self._catches(record, record.stack_signal) else 0
-        dump = record.dump_signal if record.dump_signal == DUMP_SIGNAL and self._catches(record, DUMP_SIGNAL) else 0
-        return stack, dump
+        dump = record.dump_signal if record.dump_signal in DUMP_SIGNALS else 0
+        return stack, dump if self._catches(record, dump) else 0
 
     def _warned(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         """The request's warn_after stage: its stack, and its timeout stage added for later."""
@@ -457,7 +457,7 @@ class TimeoutHandler:
         could end the worker (a real-time signal's default action)."""
         if not signum:
             return False
-        if signum not in STACK_SIGNALS | {DUMP_SIGNAL} or signum == self.actions.kill_signal:
+        if signum not in STACK_SIGNALS.union(DUMP_SIGNALS) or signum == self.actions.kill_signal:
             _log.warning(
                 "worker pid %d: its record names %s to ask it for a stack, which is no signal for that: not sent",
                 record.pid,
@@ -492,7 +492,7 @@ class TimeoutHandler:
             if not waits:
                 self._finished(record)
             return
-        if not late.answered and record.dump_signal == DUMP_SIGNAL and self._catches(record, DUMP_SIGNAL):
+        if not late.answered and record.dump_signal in DUMP_SIGNALS and self._catches(record, record.dump_signal):
             _log.warning(
                 "worker pid %d did not write the stack of %s within %g s: no Python runs in it (a C call that holds "
                 "the GIL?); faulthandler writes every thread's stack to its stderr on %s, and the request's is "

@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "DEFAULT_TRACEBACK_SIGNAL",
     "DUMP_SIGNAL",
+    "DUMP_SIGNALS",
     "KIND_ANSWER",
     "KIND_CHECK",
     "KIND_FINISHED",
@@ -110,6 +111,9 @@ DEFAULT_TRACEBACK_SIGNAL = signal.SIGURG
 #: worker in which no Python can run (a C call that holds the GIL): the
 #: fallback, sent only when the worker has not answered the first.
 DUMP_SIGNAL = signal.SIGRTMIN
+#: The signals a worker may have faulthandler dump on: the first of these
+#: the application has no handler for (DUMP_SIGNAL, unless it took that).
+DUMP_SIGNALS = tuple(range(signal.SIGRTMIN, min(signal.SIGRTMIN + 8, signal.SIGRTMAX + 1)))
 #: The signals a worker may be asked for a stack with: none that stops,
 #: ends or reloads a process or a server, so that a record that names one
 #: (a forged one, say) can make the driver send nothing harmful.

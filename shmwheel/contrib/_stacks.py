@@ -53,12 +53,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._binding import lib
 from .._wheel import _fast_ext
-from ._record import RequestRecord, decode_request, signal_name
+from ._record import DUMP_SIGNALS, RequestRecord, decode_request, signal_name
 
 if TYPE_CHECKING:
     from ._worker import RequestTimer
 
-__all__ = ["Active", "listen", "real", "server_logger", "writes_somewhere"]
+__all__ = ["Active", "keep_listening", "listen", "real", "server_logger", "writes_somewhere"]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
@@ -129,27 +129,88 @@ _pid = 0  # the process the pipe and the reporter below are this one's
 _pipe: tuple[int, int] = (-1, -1)  # the reporter reads; the signal handler (C) writes
 _reporter_ident = 0  # its thread, which no report shows
 _listening: set[int] = set()
+_told: set[int] = set()  # the signals taken back from the application, which the log has said
+_dump_signum = 0  # faulthandler's in this process, registered by listen(); 0: none yet
 _timers: Callable[[], Iterable[RequestTimer]] = list
 
 
-def listen(signum: int, dump_signum: int, timers: Callable[[], Iterable[RequestTimer]]) -> None:
+def listen(signum: int, timers: Callable[[], Iterable[RequestTimer]]) -> int:
     """Write the timed-out requests' stacks when ``signum`` arrives, and have
-    faulthandler dump every thread on ``dump_signum``; ``timers()`` are the
-    request timers of this process.  From any thread: the handler is C's
-    (``shmw_signal_to_fd``), which wakes the reporter through a pipe."""
+    faulthandler dump every thread on a free signal of :data:`DUMP_SIGNALS`;
+    ``timers()`` are the request timers of this process.  Returns the dump
+    signal (0: none is free).  From any thread: the handler is C's
+    (``shmw_signal_to_fd``), which wakes the reporter through a pipe.
+
+    Taking the signals takes nothing from the application: a handler that
+    ``signum`` has already is kept, and called after shmwheel's; a dump
+    signal the application has a handler for (its own faulthandler
+    registration, say) is left to it, and the next free one taken."""
     global _timers
     _timers = timers
     with _lock:
-        faulthandler.register(dump_signum, file=sys.stderr, all_threads=True)
+        dump = _dump_signal()
         _start_reporter()
         if signum in _listening:  # a fork's: _after_fork pointed it at this process's pipe
-            return
-        replaced = lib.shmw_signal_to_fd(signum, _pipe[1])
-        if replaced < 0:
-            raise OSError(-replaced, f"{signal_name(signum)} cannot be caught: {os.strerror(-replaced)}")
+            return dump
+        kept = lib.shmw_signal_to_fd(signum, _pipe[1])
+        if kept < 0:
+            raise OSError(-kept, f"{signal_name(signum)} cannot be caught: {os.strerror(-kept)}")
         _listening.add(signum)
-    if replaced:
-        _log.warning("shmwheel: %s had a handler of its own, which now gives way to shmwheel's", signal_name(signum))
+    if kept:
+        server_logger().warning(
+            "shmwheel: %s has a handler of its own in this process, which is kept: shmwheel's asks for a timed-out "
+            "request's stack and then calls it, for every %s",
+            signal_name(signum),
+            signal_name(signum),
+        )
+    return dump
+
+
+def _dump_signal() -> int:
+    """The signal faulthandler dumps every thread on in this process (under
+    _lock): the first of DUMP_SIGNALS with no handler, registered once."""
+    global _dump_signum
+    if _dump_signum:
+        return _dump_signum
+    taken = []
+    for signum in DUMP_SIGNALS:
+        if lib.shmw_signal_owner(signum) == 0:  # the default action: no one's
+            faulthandler.register(signum, file=sys.stderr, all_threads=True)
+            _dump_signum = signum
+            break
+        taken.append(signal_name(signum))
+    if taken:
+        then = f"every thread's stack is dumped on {signal_name(_dump_signum)}" if _dump_signum else "none is free"
+        server_logger().warning(
+            "shmwheel: %s %s a handler of its own in this process (a faulthandler registration of the "
+            "application's?), which is left to it: %s",
+            ", ".join(taken),
+            "has" if len(taken) == 1 else "have",
+            then,
+        )
+    return _dump_signum
+
+
+def keep_listening() -> None:
+    """That the stack signals are still shmwheel's in this process: once a
+    second, from a request's start.  One given another handler since
+    (``signal.signal()`` in the application) is taken back, with that
+    handler kept and called after shmwheel's, and the log says so once."""
+    if _pid != os.getpid():
+        return
+    for signum in list(_listening):
+        if lib.shmw_signal_owner(signum) == 2:
+            continue
+        with _lock:
+            kept = lib.shmw_signal_to_fd(signum, _pipe[1])
+        if kept >= 0 and signum not in _told:
+            _told.add(signum)
+            server_logger().warning(
+                "shmwheel: %s was given %s in this process after shmwheel's; shmwheel's is back, %s",
+                signal_name(signum),
+                "a handler of its own" if kept else "the default action or ignored",
+                "and calls that handler after its own, for every signal" if kept else "and nothing else needed it",
+            )
 
 
 def _start_reporter() -> None:

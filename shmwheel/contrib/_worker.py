@@ -31,7 +31,6 @@ from .._wheel import Wheel, _fast_ext, attach
 from ._interrupt import interrupt
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
-    DUMP_SIGNAL,
     GREENLET,
     HEAD,
     INTERRUPT,
@@ -54,7 +53,7 @@ from ._record import (
     with_kind,
 )
 from ._routes import Routes, compile_routes
-from ._stacks import SLACK_NS, Active, listen, real, server_log, server_logger
+from ._stacks import SLACK_NS, Active, keep_listening, listen, real, server_log, server_logger
 from ._supervisor import AutoDriver
 
 if TYPE_CHECKING:
@@ -123,8 +122,8 @@ class RequestTimer:
 
     ``traceback_signal`` is the signal on which this process writes the
     stack of a request of its that timed out (None: it cannot be asked);
-    :data:`DUMP_SIGNAL` has faulthandler dump every thread, when no Python
-    can run to answer the first.  Each request's record names both, so a
+    faulthandler dumps every thread on a real-time signal, :data:`DUMP_SIGNAL`
+    or the next free one, when no Python can run to answer the first.  Each request's record names both, so a
     driver asks the way the worker listens.
 
     Safe to share between the threads of a worker and across fork (each
@@ -288,11 +287,11 @@ class RequestTimer:
         if self.traceback_signal is None:
             return
         try:
-            listen(self.traceback_signal, DUMP_SIGNAL, lambda: list(_request_timers))
+            dump = listen(self.traceback_signal, lambda: list(_request_timers))
         except OSError as exc:
             self._warn(f"a timed-out request's stack cannot be asked for: {one_line(exc)}")
             return
-        self._stack_signal, self._dump_signal = self.traceback_signal, DUMP_SIGNAL
+        self._stack_signal, self._dump_signal = self.traceback_signal, dump
 
     def _attach(self) -> Wheel:
         """This process's attach of the wheel; with an AutoDriver, the wheel
@@ -440,6 +439,8 @@ class RequestTimer:
             return
         if self._pid != _pid:
             return  # not attached in this process yet
+        if self._stack_signal:
+            keep_listening()
         current = self._wheel  # once: another thread may drop it meanwhile
         if current is not None and not current.is_current():  # removed by hand (rm, an old unlink)
             self._replaced(current)

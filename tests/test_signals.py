@@ -1,0 +1,170 @@
+"""Signals are shared, not taken: an application's own SIGURG handler and
+faulthandler registration keep working beside shmwheel's, whichever came
+first, and the server's log says once what was done.
+
+The pieces run in fresh interpreters, so that the handlers they set never
+reach the test process; then the same under a real Gunicorn with an
+application (tests/apps/signals_app.py) that sets both at import and its
+SIGURG handler again at a request, after shmwheel's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from test_interrupt import GATEWAY_TIMEOUT, STUCK, booted, pid_of, stopped_cleanly
+from test_servers import WAIT, free_port, get, serve
+from test_stuck_wsgi import gunicorn
+
+PRELUDE = """
+import faulthandler, logging, os, signal, sys, time
+logging.basicConfig(stream=sys.stdout, format="%(message)s")
+from shmwheel._binding import lib
+from shmwheel.contrib import _stacks
+
+theirs, woke = [], []
+def count(signum, frame):
+    theirs.append(signum)
+def wait_for(what):
+    until = time.monotonic() + 10
+    while not what() and time.monotonic() < until:
+        time.sleep(0.01)
+def owner():
+    return {0: "default", 1: "ignored", 2: "shmwheel", 3: "another"}[lib.shmw_signal_owner(signal.SIGURG)]
+"""
+
+
+def fresh(body: str) -> subprocess.CompletedProcess[str]:
+    code = PRELUDE + textwrap.dedent(body)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_a_handler_set_before_shmwheel_is_kept_and_called_after_its_own() -> None:
+    done = fresh("""
+        signal.signal(signal.SIGURG, count)
+        _stacks.listen(signal.SIGURG, lambda: woke.append(1) or [])
+        print("owner", owner())
+        os.kill(os.getpid(), signal.SIGURG)
+        wait_for(lambda: theirs and woke)
+        print("theirs", len(theirs), "woke", len(woke))
+    """)
+    assert "owner shmwheel\ntheirs 1 woke 1\n" in done.stdout, done.stdout
+    assert "shmwheel: SIGURG has a handler of its own in this process, which is kept" in done.stdout
+
+
+def test_a_handler_set_after_shmwheel_is_taken_back_at_the_look_and_kept() -> None:
+    """The application's signal.signal() after shmwheel's listen: the look
+    (once a second, from a request's start) takes the signal back, keeps
+    theirs in the chain, and says so once, however many looks see it."""
+    done = fresh("""
+        _stacks.listen(signal.SIGURG, lambda: woke.append(1) or [])
+        signal.signal(signal.SIGURG, count)
+        print("owner", owner())
+        for _ in range(3):
+            _stacks.keep_listening()
+        print("owner", owner())
+        signal.signal(signal.SIGURG, count)  # again: it was said already
+        _stacks.keep_listening()
+        os.kill(os.getpid(), signal.SIGURG)
+        wait_for(lambda: theirs and woke)
+        print("theirs", len(theirs), "woke", len(woke))
+    """)
+    assert re.search(r"^owner another\n(?:shmwheel: .*\n)?owner shmwheel\n", done.stdout, re.M), done.stdout
+    assert "theirs 1 woke 1\n" in done.stdout, done.stdout
+    said = re.findall(r"shmwheel: SIGURG was given a handler of its own in this process after shmwheel's; shmwheel's "
+                      r"is back, and calls that handler after its own, for every signal", done.stdout)  # fmt: skip
+    assert len(said) == 1, done.stdout
+
+
+def test_an_applications_faulthandler_registration_is_left_to_it() -> None:
+    """SIGRTMIN registered by the application (to a file of its own): shmwheel
+    dumps on SIGRTMIN+1, and each signal's dump goes where its owner said."""
+    done = fresh("""
+        import tempfile
+        mine = tempfile.TemporaryFile("w+")
+        faulthandler.register(signal.SIGRTMIN, file=mine, all_threads=True)
+        dump = _stacks.listen(signal.SIGURG, lambda: [])
+        print("dump", dump - signal.SIGRTMIN, flush=True)
+        os.kill(os.getpid(), signal.SIGRTMIN)
+        mine.seek(0)
+        print("theirs got", "(most recent call first)" in mine.read())
+        sys.stdout.flush()
+        os.kill(os.getpid(), dump)
+        time.sleep(0.1)
+    """)
+    assert "dump 1\ntheirs got True\n" in done.stdout, done.stdout
+    assert re.search(r"shmwheel: SIGRTMIN has a handler of its own in this process \(a faulthandler registration of "
+                     r"the application's\?\), which is left to it: every thread's stack is dumped on SIGRTMIN\+1",
+                     done.stdout), done.stdout  # fmt: skip
+    assert "(most recent call first)" in done.stderr, done.stderr
+
+
+def test_a_record_names_the_dump_signal_its_worker_uses_and_the_driver_sends_it() -> None:
+    """What the driver accepts: a real-time signal of DUMP_SIGNALS, not another."""
+    from shmwheel.contrib._handler import TimeoutHandler
+    from shmwheel.contrib._record import DUMP_SIGNALS, KIND_REQUEST, decode_request, encode_request
+
+    handler = TimeoutHandler("shmwheel-signals-no-such-wheel")
+    for signum, sent in ((signal.SIGRTMIN + 1, signal.SIGRTMIN + 1), (signal.SIGRTMIN + 9, 0)):
+        payload = encode_request(KIND_REQUEST, 1, 2, 3, "GET", "r", "/", stack_signal=0, dump_signal=signum)
+        record = decode_request(payload)
+        assert record is not None
+        handler._catches = lambda record, signum: bool(signum)  # type: ignore[method-assign]
+        assert handler._stack_signals(record, True) == (0, sent)
+    assert DUMP_SIGNALS[0] == signal.SIGRTMIN and len(DUMP_SIGNALS) == 8
+
+
+# -- under Gunicorn ---------------------------------------------------------------
+
+
+def test_an_applications_own_signal_handlers_work_beside_shmwheels_under_gunicorn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The application sets SIGURG's handler and registers SIGRTMIN with
+    faulthandler at import, and SIGURG's again at a request.  The log says
+    each once; a stuck request is still interrupted (a 504); the
+    application's handler saw the driver's SIGURG too; SIGRTMIN still
+    writes to the application's file, and the dump shmwheel asks for
+    (SIGRTMIN+1) to the server's log."""
+    dump_file = tmp_path / "app-dump.txt"
+    monkeypatch.setenv("SIGNALS_APP_DUMP", str(dump_file))
+    port = free_port()
+    install = "timeout=1.0, interrupt=True"
+    # The sync worker: a request runs in the main thread, where signal.signal() may be called.
+    cmd = gunicorn(tmp_path, port, "sync", "--workers", "1", install=install, app="signals_app:app")
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        pid = pid_of(get(port, "/"))
+        worker = rf"\[{pid}\] \[WARNING\] shmwheel: "
+        server.wait_for(worker + r"SIGURG has a handler of its own in this process, which is kept")
+        server.wait_for(worker + r"SIGRTMIN has a handler of its own in this process .*: every thread's stack is "
+                        r"dumped on SIGRTMIN\+1$")  # fmt: skip
+        assert pid_of(get(port, "/retake")) == pid
+        # The look, once a second from a request's start, takes it back.
+        give_up = time.monotonic() + WAIT
+        while not re.search(worker + "SIGURG was given a handler of its own", server.log()):
+            assert time.monotonic() < give_up, server.log()[-3000:]
+            get(port, "/")
+            time.sleep(0.2)
+        assert get(port, f"/spin?s={STUCK}", WAIT, "spun") == GATEWAY_TIMEOUT
+        assert get(port, "/count") == (200, "1 SIGURG\n")  # the driver's one SIGURG, through shmwheel's
+        spun = r"request timed out: GET /spin \(request spun, .*\), running for [\d.]+ s; asking it to end the request"
+        server.wait_for(spun + r" \(SIGURG\)")
+        assert dump_file.read_text() == ""
+        os.kill(pid, signal.SIGRTMIN)
+        os.kill(pid, signal.SIGRTMIN + 1)
+        server.wait_for(r"Thread 0x[0-9a-f]+ \(most recent call first\)")
+        give_up = time.monotonic() + WAIT
+        while "(most recent call first)" not in dump_file.read_text():
+            assert time.monotonic() < give_up
+            time.sleep(0.05)
+        assert pid_of(get(port, "/")) == pid and booted(server) == 1
