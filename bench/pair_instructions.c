@@ -24,7 +24,7 @@
 
 int main(void)
 {
-    struct shmw_params p = { 100000, 0, 8, 1000000 };
+    struct shmw_params p = { 100000, 0, 8, 1000000, 0 };
     uint64_t size;
     shmw_t *w;
     void *base;

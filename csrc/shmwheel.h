@@ -65,6 +65,9 @@
 #define SHMW_TRYLOCK      256   /* add: SHMW_EBUSY after a short spin if another holds the lock,
                                  * rather than wait for it (a caller that keeps Python's GIL
                                  * through the call must not block); never stored */
+#define SHMW_RESERVED     512   /* add: may take the last shmw_params.reserve free entries, which
+                                 * every other add leaves: for the timers that must get through
+                                 * a wheel its producers have filled; never stored */
 
 /* Driver states. */
 #define SHMW_DRIVER_NONE     0
@@ -121,6 +124,7 @@ struct shmw_stats {
     uint64_t repairs;
     uint64_t quarantined;
     uint64_t removed;           /* 1: removed from its name or replaced */
+    uint64_t reserve;           /* free entries only an add with SHMW_RESERVED may take */
 };
 
 /* What create is asked for. */
@@ -129,6 +133,7 @@ struct shmw_params {
     uint32_t payload_size;
     uint32_t wheel_bits;
     int64_t  tick_ns;
+    uint32_t reserve;           /* entries only an add with SHMW_RESERVED may take; < capacity */
 };
 
 /* Process-private view of an open segment (opaque). */

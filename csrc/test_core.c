@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #define CAPACITY 256
+#define RESERVE 3     /* of them, only for SHMW_RESERVED adds */
 #define HANDLES  4          /* producers 0, 1, 2 and one not attached */
 #define STEPS    20000
 #define SCRIBBLES 3000
@@ -84,7 +85,7 @@ static void *make(struct shmw_params *p, uint64_t *size, shmw_t **w, int64_t sta
 
 static void model_run(void)
 {
-    struct shmw_params p = { CAPACITY, 8, 4, 1000000 };   /* W = 16, 1 ms tick */
+    struct shmw_params p = { CAPACITY, 8, 4, 1000000, RESERVE };   /* W = 16, 1 ms tick */
     struct model m = { .n = 0 };
     uint64_t size;
     shmw_t *ws[HANDLES], *w;
@@ -105,9 +106,11 @@ static void model_run(void)
     for (step = 0; step < STEPS; step++) {
         /* One stretch in five is adds and cancels only, which fills the wheel. */
         uint64_t r = (step / 500) % 5 == 4 ? rnd() % 50 : rnd() % 100;
+        /* Half the adds may take the reserve. */
+        uint32_t flags = (rnd() & 1) ? SHMW_RESERVED : 0;
         w = ws[rnd() % HANDLES];
-        if (r < 40 && m.n == CAPACITY) {
-            EXPECT(shmw_add(w, 1.0, NULL, 0, 0) == SHMW_EFULL, "an add to a full wheel did not fail");
+        if (r < 40 && m.n >= CAPACITY - (flags ? 0 : RESERVE)) {
+            EXPECT(shmw_add(w, 1.0, NULL, 0, flags) == SHMW_EFULL, "an add to a full wheel did not fail");
             full_adds++;
         } else if (r < 40) {
             /* A deadline around a level boundary, or anywhere in 2^40 ticks. */
@@ -118,7 +121,7 @@ static void model_run(void)
             int64_t at_ns = now_ns + ticks * 1000000LL + (int64_t)(rnd() % 1000000);
             double at = (double)at_ns / 1e9;
             int by_ns = (int)(rnd() & 1);
-            int64_t h = by_ns ? shmw_add_at_ns(w, at_ns, "payload", 7, 0) : shmw_add_at(w, at, "payload", 7, 0);
+            int64_t h = by_ns ? shmw_add_at_ns(w, at_ns, "payload", 7, flags) : shmw_add_at(w, at, "payload", 7, flags);
             EXPECT(h > 0, "add_at failed: %lld", (long long)h);
             m.handle[m.n] = h;
             m.deadline_ns[m.n++] = by_ns ? at_ns : to_ns(at);
@@ -171,7 +174,7 @@ static void model_run(void)
 
 static void scribble_run(void)
 {
-    struct shmw_params p = { 64, 8, 4, 1000000 };
+    struct shmw_params p = { 64, 8, 4, 1000000, 0 };
     uint64_t size, mutex_lo, mutex_hi;
     char reason[256], records[64 * 64];
     int round;
@@ -271,7 +274,7 @@ static void trylock_checks(shmw_t *w)
 
 static void trylock_run(void)
 {
-    struct shmw_params p = { 64, 8, 4, 1000000 };
+    struct shmw_params p = { 64, 8, 4, 1000000, 0 };
     uint64_t size;
     shmw_t *w;
     char *base = make(&p, &size, &w, shmw_now_ns());

@@ -213,12 +213,14 @@ def _create(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         tick=args.tick,
         payload_size=args.payload_size,
+        reserve=args.reserve,
         mode=args.mode,
         wheel_size=args.wheel_size,
     ) as wheel:
         size = os.stat(SHM / wheel.name).st_size
+        reserve = f" ({wheel.reserve} in reserve)" if wheel.reserve else ""
         print(
-            f"created wheel {wheel.name!r}: capacity {wheel.capacity}, tick {_duration(wheel.tick)}, "
+            f"created wheel {wheel.name!r}: capacity {wheel.capacity}{reserve}, tick {_duration(wheel.tick)}, "
             f"payload {wheel.payload_size} bytes, {wheel.levels} levels of {wheel.wheel_size} buckets, "
             f"{size} bytes in {SHM / wheel.name}, mode {args.mode:04o}"
         )
@@ -346,7 +348,7 @@ def _stat_table(r: dict[str, Any]) -> list[str]:
         ("wheel", r["name"]),
         ("pending", r["pending"]),
         ("capacity", f"{r['capacity']} ({r['used_percent']:.1f}% used)"),
-        ("free", r["free"]),
+        ("free", f"{r['free']} ({r['reserve']} of them in reserve)" if r["reserve"] else r["free"]),
         ("in flight", r["in_flight"]),
         ("retired", r["retired"]),
         (
@@ -476,6 +478,13 @@ def _parser() -> argparse.ArgumentParser:
     payload = _int_between(*PAYLOAD_SIZES)
     p.add_argument(
         "--payload-size", type=payload, default=64, metavar="N", help="bytes of payload a timer (default 64)"
+    )
+    p.add_argument(
+        "--reserve",
+        type=_int_between(0, CAPACITIES[1] - 1),
+        default=0,
+        metavar="N",
+        help="of the slots, those kept for reserved adds (default 0)",
     )
     p.add_argument("--mode", type=_octal, default=0o600, metavar="OCTAL", help="permissions (default 600)")
     p.add_argument(

@@ -93,6 +93,7 @@ class WheelStats:
     pending: int
     capacity: int
     free: int
+    reserve: int  #: of the free entries, those only a ``reserved`` add may take
     retired: int
     added: int
     cancelled: int

@@ -82,6 +82,7 @@ _reset = lib.shmw_reset
 _reset_at = lib.shmw_reset_at
 _pending = lib.shmw_pending
 _CANCEL_ON_EXIT = lib.SHMW_CANCEL_ON_EXIT
+_RESERVED = lib.SHMW_RESERVED
 _ENOTATTACHED = lib.SHMW_ENOTATTACHED
 _REAP_CHUNK = 65536  # entries a reap looks at per lock hold
 
@@ -128,6 +129,7 @@ class Wheel:
         "_buf",
         "_w",
         "_capacity",
+        "_reserve",
         "_payload_size",
         "_tick",
         "_levels",
@@ -147,6 +149,7 @@ class Wheel:
     _w: Any  # cffi shmw_t *, NULL once closed
     _fast: Any  # a _fast.Core over _w, once fast_core() has made it
     _capacity: int
+    _reserve: int
     _payload_size: int
     _tick: float
     _levels: int
@@ -179,7 +182,7 @@ class Wheel:
         self._fd = SegmentFile(fd)
         self._w = ffi.gc(out[0], lib.shmw_close)
         self._lock_timeout = lock_timeout
-        self._capacity = self._payload_size = 0  # for an error message until the stats say
+        self._capacity = self._reserve = self._payload_size = 0  # for an error message until the stats say
         lib.shmw_set_lock_timeout(self._w, round(lock_timeout * 1e9))
         try:
             st = self.raw_stats()
@@ -190,6 +193,7 @@ class Wheel:
             self._fd.close()
             raise
         self._capacity = st.capacity
+        self._reserve = st.reserve
         self._payload_size = st.payload_size
         self._tick = st.tick_ns / 1e9
         self._levels = st.levels
@@ -286,6 +290,11 @@ class Wheel:
         return self._capacity
 
     @property
+    def reserve(self) -> int:
+        """Of the free entries, how many only a ``reserved`` add may take."""
+        return self._reserve
+
+    @property
     def payload_size(self) -> int:
         return self._payload_size
 
@@ -305,42 +314,54 @@ class Wheel:
 
     # -- timers ---------------------------------------------------------------
 
-    def add(self, delay: float, payload: Payload = b"", *, cancel_on_exit: bool = False) -> int:
+    def add(self, delay: float, payload: Payload = b"", *, cancel_on_exit: bool = False, reserved: bool = False) -> int:
         """Add a timer due ``delay`` seconds from now; return its handle.
 
         With ``cancel_on_exit``, the driver cancels the timer if this
         process exits first (a request timeout whose worker is gone).
+        With ``reserved``, it may take one of the last free entries that
+        the wheel keeps back from every other add (``create(reserve=)``):
+        for the timers that must get through a wheel its producers filled.
         """
+        flags = (cancel_on_exit and _CANCEL_ON_EXIT) | (reserved and _RESERVED)
         try:
             if cancel_on_exit:
                 _owners_here.add(self._name)
-            h: int = _add(self._w, delay, payload, len(payload), cancel_on_exit and _CANCEL_ON_EXIT)
+            h: int = _add(self._w, delay, payload, len(payload), flags)
         except TypeError:
-            return self.add(check_seconds(delay, "delay"), check_payload(payload), cancel_on_exit=cancel_on_exit)
+            return self.add(
+                check_seconds(delay, "delay"), check_payload(payload), cancel_on_exit=cancel_on_exit, reserved=reserved
+            )
         except OverflowError:
             raise too_big(delay, "delay") from None
         if h < 0:
             if h == _ENOTATTACHED:  # first use, or forked since
-                h = self._attach_producer() or _add(self._w, delay, payload, len(payload), _CANCEL_ON_EXIT)
+                h = self._attach_producer() or _add(self._w, delay, payload, len(payload), flags)
             if h < 0:
                 self._raise(h, "delay", delay)
         return h
 
-    def add_at(self, deadline: float, payload: Payload = b"", *, cancel_on_exit: bool = False) -> int:
+    def add_at(
+        self, deadline: float, payload: Payload = b"", *, cancel_on_exit: bool = False, reserved: bool = False
+    ) -> int:
         """Add a timer due at ``deadline`` on the :func:`time.monotonic` clock (see :meth:`add`)."""
+        flags = (cancel_on_exit and _CANCEL_ON_EXIT) | (reserved and _RESERVED)
         try:
             if cancel_on_exit:
                 _owners_here.add(self._name)
-            h: int = _add_at(self._w, deadline, payload, len(payload), cancel_on_exit and _CANCEL_ON_EXIT)
+            h: int = _add_at(self._w, deadline, payload, len(payload), flags)
         except TypeError:
             return self.add_at(
-                check_seconds(deadline, "deadline"), check_payload(payload), cancel_on_exit=cancel_on_exit
+                check_seconds(deadline, "deadline"),
+                check_payload(payload),
+                cancel_on_exit=cancel_on_exit,
+                reserved=reserved,
             )
         except OverflowError:
             raise too_big(deadline, "deadline") from None
         if h < 0:
             if h == _ENOTATTACHED:  # first use, or forked since
-                h = self._attach_producer() or _add_at(self._w, deadline, payload, len(payload), _CANCEL_ON_EXIT)
+                h = self._attach_producer() or _add_at(self._w, deadline, payload, len(payload), flags)
             if h < 0:
                 self._raise(h, "deadline", deadline)
         return h
@@ -468,8 +489,10 @@ class Wheel:
         handles = ffi.new("int64_t[]", n)
         rc = lib.shmw_add_many(self._w, c_delays, n, joined, lens, handles)
         if rc == lib.SHMW_EFULL:
+            reserve = f" (besides the {self._reserve} kept in reserve)" if self._reserve else ""
             raise WheelFullError(
-                f"add_many of {n} timers: fewer than {n} of the wheel's {self._capacity} slots are free; none was added"
+                f"add_many of {n} timers: fewer than {n} of the wheel's {self._capacity} slots are free{reserve}; "
+                "none was added"
             )
         if rc < 0:
             bad = next((d for d in delays if not (0 <= d <= MAX_DELAY)), None)
@@ -564,6 +587,7 @@ class Wheel:
             pending=st.pending,
             capacity=st.capacity,
             free=st.free,
+            reserve=st.reserve,
             retired=st.retired,
             added=st.added,
             cancelled=st.cancelled,
@@ -726,6 +750,11 @@ class Wheel:
         if rc == lib.SHMW_ELOCK:
             return self._lock_timeout_error()
         exc = error_for(rc, name=self._name, what=what, payload_size=self._payload_size, capacity=self._capacity)
+        if rc == lib.SHMW_EFULL and self._reserve:
+            exc.args = (
+                f"the wheel is full: all {self._capacity} slots are in use or kept in reserve (the last "
+                f"{self._reserve} free ones go only to reserved adds)",
+            )
         if detail:
             exc.args = (f"{exc.args[0]}: {detail}",)
         return exc
@@ -737,6 +766,7 @@ def create(
     capacity: int,
     tick: float = 0.001,
     payload_size: int = 64,
+    reserve: int = 0,
     mode: int = 0o600,
     wheel_size: int = 256,
     lock_timeout: float = LOCK_TIMEOUT,
@@ -745,7 +775,9 @@ def create(
     """Create a wheel in a new shared-memory segment and open it.
 
     ``capacity`` timers can be pending at once; each carries up to
-    ``payload_size`` bytes.  ``tick`` (seconds) is the resolution: a timer
+    ``payload_size`` bytes.  ``reserve`` of them are kept for adds that
+    ask for them (``add(..., reserved=True)``): every other add finds the
+    wheel full once only those are left.  ``tick`` (seconds) is the resolution: a timer
     fires at the first tick boundary at or after its deadline.  The memory
     is reserved now, so a full ``/dev/shm`` fails here and not later.
     ``mode`` is applied as given, whatever the umask.  ``owner``, a
@@ -758,6 +790,7 @@ def create(
     lock_timeout = check_lock_timeout(lock_timeout)
     capacity = check_int(capacity, "capacity", *CAPACITIES)
     payload_size = check_int(payload_size, "payload_size", *PAYLOAD_SIZES)
+    reserve = check_int(reserve, "reserve", 0, capacity - 1)
     mode = check_int(mode, "mode", 0, 0o777)
     wheel_size = check_int(wheel_size, "wheel_size", *WHEEL_SIZES)
     if problem := not_a_wheel_size(wheel_size):
@@ -774,6 +807,7 @@ def create(
             "capacity": capacity,
             "payload_size": payload_size,
             "wheel_bits": wheel_size.bit_length() - 1,
+            "reserve": reserve,
             "tick_ns": round(tick * 1e9),
         },
     )

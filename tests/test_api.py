@@ -490,6 +490,31 @@ def test_full_wheel_raises_keeps_timers_and_recovers(make_wheel) -> None:
     w.check()
 
 
+def test_a_reserve_is_left_to_reserved_adds(make_wheel) -> None:
+    """The last free slots go only to adds that ask for them: not to other
+    adds, not to a batch; a reserved add takes them and then finds the
+    wheel full too."""
+    w = make_wheel(capacity=10, reserve=3)
+    assert (w.reserve, w.stats().reserve) == (3, 3)
+    w.add_many([60] * 5)
+    with pytest.raises(shmwheel.WheelFullError, match="fewer than 3 .* free \\(besides the 3 kept in reserve\\)"):
+        w.add_many([60] * 3)
+    w.add(60)
+    w.add(60, cancel_on_exit=True)
+    with pytest.raises(shmwheel.WheelFullError, match="in use or kept in reserve \\(the last 3 free ones go only to"):
+        w.add(60)
+    mine = [w.add(60, b"r", reserved=True), w.add_at(time.monotonic() + 60, reserved=True), w.add(60, reserved=True)]
+    with pytest.raises(shmwheel.WheelFullError):
+        w.add(60, reserved=True)
+    assert len(w) == 10 and w.stats().free == 0
+    assert w.cancel(mine[0])
+    with pytest.raises(shmwheel.WheelFullError):
+        w.add(60)  # the one free slot is the reserve's
+    w.check()
+    with pytest.raises(ValueError, match="reserve must be between 0 and 9, not 10"):
+        make_wheel(capacity=10, reserve=10)
+
+
 def test_add_many_is_all_or_nothing(make_wheel) -> None:
     w = make_wheel(capacity=10)
     w.add_many([60] * 7)

@@ -4,6 +4,7 @@ the Gunicorn and uWSGI settings.  (test_servers.py runs the real servers.)"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -26,7 +27,9 @@ from shmwheel._binding import ffi, lib
 from shmwheel._process import signal_disposition, start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
+from shmwheel.contrib._handler import DUMP_TIME
 from shmwheel.contrib._record import HEAD
+from shmwheel.contrib._supervisor import reserve_for
 from shmwheel.contrib.timeouts import (
     KIND_ANSWER,
     KIND_CHECK,
@@ -391,6 +394,50 @@ def test_handler_kills_a_worker_that_ignores_the_graceful_signal(make_wheel, wor
         f"killed worker pid {pid} with SIGKILL: it was still there 0.5 s after SIGTERM, which it ignores (GET /"
     )
     assert f"worker pid {polite.pid} exited within 0.5 s of SIGTERM (for GET /slow" in "\n".join(lines)
+    assert "in serving_a_slow_request" in _err(stubborn)  # the stack was written before the kill
+
+
+def fire_all_full(wheel: shmwheel.Wheel, handler: TimeoutHandler, until: float) -> None:
+    """fire_all with the wheel kept full, as requests that flood it keep it:
+    after each poll, ordinary adds take every slot they may."""
+    while time.monotonic() < until:
+        fires = wheel.poll()
+        with contextlib.suppress(shmwheel.WheelFullError):
+            while True:
+                wheel.add(3600.0, b"filler")
+        for fire in fires:
+            handler(fire)
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("reserve", [reserve_for(64), 0], ids=["reserve", "none-left"])
+def test_a_full_wheel_keeps_every_stage_and_its_timing(reserve: int, make_wheel, worker, caplog) -> None:
+    """The workers' requests keep the wheel full.  The driver's follow-ups
+    and the worker's answers take the slots kept in reserve; where none is
+    left, the driver keeps its follow-ups in its memory.  Either way the
+    stages come as they would, in order and on time: the stack written and
+    said, the stack check DUMP_TIME later, SIGTERM, and SIGKILL kill_after
+    after it for the worker that ignores SIGTERM.  (Before, a refused
+    follow-up meant SIGTERM at once, with no SIGKILL after it.)"""
+    wheel = make_wheel(capacity=64, payload_size=PAYLOAD_SIZE, reserve=reserve)
+    stubborn = worker("stubborn", wheel.name, 0.2)
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, kill_after=0.5))
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        fire_all_full(wheel, handler, time.monotonic() + 2.5)
+    assert stubborn.wait(WAIT) == -signal.SIGKILL
+    records = caplog.records
+    kept = [r.getMessage() for r in records if "kept in the driver's memory" in r.getMessage()]
+    if reserve:
+        assert kept == []
+        assert not any("did not write the stack" in r.getMessage() for r in records)  # its answer got through
+    else:
+        assert len(kept) == 1 and re.match(r"\d+ follow-ups? could not be added to wheel", kept[0]), kept
+    timed_out = next(r for r in records if r.getMessage().startswith("request timed out: GET /slow"))
+    [killed] = [r for r in records if r.levelno == logging.ERROR]
+    assert killed.getMessage().startswith(f"killed worker pid {stubborn.pid} with SIGKILL: it was still there 0.5 s "
+                                          "after SIGTERM, which it ignores")  # fmt: skip
+    # The stack check, then kill_after: no stage skipped its wait.
+    assert killed.created - timed_out.created >= DUMP_TIME + 0.5
     assert "in serving_a_slow_request" in _err(stubborn)  # the stack was written before the kill
 
 

@@ -597,3 +597,26 @@ def test_a_file_shrunk_under_an_attached_process_is_reported_not_touched(name: s
         os.truncate(f"/dev/shm/{name}", size)  # what is gone reads as zeroes: a fresh slab it is not
     finally:
         w.close()
+
+
+def test_a_scribbled_reserve_is_refused_at_open_and_changes_nothing_for_those_open() -> None:
+    """Each process copies the reserve at open, checked to be below the
+    capacity: one scribbled after that changes nothing for it, and a
+    process that opens the segment then is refused, not made to refuse
+    every add."""
+    name = f"shmwheel-test-reserve-{os.getpid()}"
+    w = shmwheel.create(name, capacity=10, reserve=2)
+    try:
+        header(w).reserve = 0xFFFFFFFF
+        w.add_many([60] * 8)
+        with pytest.raises(shmwheel.WheelFullError):
+            w.add(60)
+        assert w.add(60, reserved=True) >= 0
+        with pytest.raises(shmwheel.CorruptSegmentError):
+            shmwheel.attach(name)
+        header(w).reserve = 2
+        with shmwheel.attach(name) as again:
+            assert again.reserve == 2
+    finally:
+        w.close()
+        shmwheel.unlink(name)

@@ -107,7 +107,8 @@ struct shmw_header {
     uint32_t stride;            /* bytes a slab entry */
     int64_t  created_ns;        /* CLOCK_MONOTONIC at create */
     int32_t  creator_pid;
-    uint32_t _pad1;
+    uint32_t reserve;           /* the last free entries, for SHMW_RESERVED adds (0 in a
+                                 * segment made before there was a reserve: the same layout) */
     uint64_t handle_key;        /* XORed into the generation bits of every handle */
 
     /* Mutable state: read and written under the mutex only. */
@@ -223,6 +224,7 @@ struct shmw {
     uint32_t             nbuckets;
     uint32_t             index_bits;
     uint32_t             stride;
+    uint32_t             reserve;       /* the header's, checked to be below capacity */
     uint64_t             max_generation;
     uint64_t             handle_key;    /* the header's, masked to the generation bits */
     int64_t              lock_timeout_ns;
@@ -349,7 +351,7 @@ void shmw__futex_wait_until(uint32_t *word, uint32_t seen, int64_t deadline_ns);
 /* slab.c: entries and magazines. */
 uint32_t shmw__lookup(const shmw_t *w, int64_t handle, uint8_t state);
 int  shmw__entry_sane(const shmw_t *w, const struct shmw_entry *e);
-int  shmw__slab_take(shmw_t *w, uint32_t lane, uint32_t *out);
+int  shmw__slab_take(shmw_t *w, uint32_t lane, int reserved, uint32_t *out);
 void shmw__slab_free(shmw_t *w, uint32_t i, uint64_t *count);
 
 /* wheel.c: buckets and the advance. */

@@ -39,7 +39,7 @@ void shmw__pid_init(void)
 
 static int check_params(const struct shmw_params *p)
 {
-    if (p->capacity < 1 || p->capacity > SHMW_MAX_CAPACITY)
+    if (p->capacity < 1 || p->capacity > SHMW_MAX_CAPACITY || p->reserve >= p->capacity)
         return SHMW_EINVAL;
     if (p->payload_size > SHMW_MAX_PAYLOAD)
         return SHMW_EINVAL;
@@ -117,6 +117,7 @@ int shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t no
     h->capacity = p->capacity;
     h->payload_size = p->payload_size;
     h->wheel_bits = p->wheel_bits;
+    h->reserve = p->reserve;
     h->levels = l.levels;
     h->index_bits = shmw_index_bits(p->capacity);
     h->stride = l.stride;
@@ -200,6 +201,7 @@ int shmw_open(void *base, uint64_t size, shmw_t **out)
     p.capacity = h->capacity;
     p.payload_size = h->payload_size;
     p.wheel_bits = h->wheel_bits;
+    p.reserve = h->reserve;
     p.tick_ns = h->tick_ns;
     if (check_params(&p))
         return SHMW_ECORRUPT;
@@ -229,6 +231,7 @@ int shmw_open(void *base, uint64_t size, shmw_t **out)
     w->nbuckets = l.nbuckets;
     w->index_bits = shmw_index_bits(p.capacity);
     w->stride = l.stride;
+    w->reserve = p.reserve;
     w->max_generation = (1ULL << (63 - w->index_bits)) - 1;
     w->handle_key = h->handle_key & w->max_generation;
     w->lock_timeout_ns = SHMW_LOCK_TIMEOUT_NS;

@@ -151,17 +151,17 @@ void shmw__slab_free(shmw_t *w, uint32_t i, uint64_t *count)
         magazine_spill(w, mag);
 }
 
-int shmw__slab_take(shmw_t *w, uint32_t lane, uint32_t *out)
+int shmw__slab_take(shmw_t *w, uint32_t lane, int reserved, uint32_t *out)
 {
     /* A free entry for a timer of `lane`, from its magazine, with its
-     * generation moved on. */
+     * generation moved on; the last w->reserve only if `reserved`. */
     struct shmw_header *h = w->hdr;
     struct shmw_magazine *mag = &h->magazines[lane];
     struct shmw_entry *e;
     uint32_t i;
     int rc;
 
-    if (h->free_count == 0)
+    if (h->free_count <= (reserved ? 0 : w->reserve))
         return SHMW_EFULL;
     if (mag->free_count == 0 && (rc = magazine_refill(w, mag)))
         return rc;

@@ -48,6 +48,7 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     out->capacity = w->capacity;
     out->pending = shmw__pending_locked(w);
     out->free = h->free_count;
+    out->reserve = w->reserve;
     out->retired = h->retired;
     out->added = h->added;
     out->cancelled = h->cancelled;

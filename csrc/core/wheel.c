@@ -181,7 +181,7 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
     if (rc == SHMW_OK)
         rc = bucket_can_take(w, b, lane_of(producer), expires);
     if (rc == SHMW_OK)
-        rc = shmw__slab_take(w, lane_of(producer), &i);
+        rc = shmw__slab_take(w, lane_of(producer), (flags & SHMW_RESERVED) != 0, &i);
     if (rc)
         return rc;
     e = entry_at(w, i);
@@ -253,7 +253,7 @@ static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, 
         return SHMW_ECLOSED;
     if (len > w->payload_size)
         return SHMW_EPAYLOAD;
-    if (flags & ~(uint32_t)(SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK))
+    if (flags & ~(uint32_t)(SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK | SHMW_RESERVED))
         return SHMW_EINVAL;
     /* Cancel-on-exit needs this process's own producer id; after a fork
      * the id is the parent's, so the caller must attach again. */
@@ -318,7 +318,7 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
     }
     if ((rc = shmw__lock(w)))
         return rc;
-    if (w->hdr->removed || w->hdr->free_count < n) {
+    if (w->hdr->removed || w->hdr->free_count < (uint64_t)n + w->reserve) {
         rc = w->hdr->removed ? SHMW_EREMOVED : SHMW_EFULL;
         shmw__unlock(w);
         return rc;

@@ -56,10 +56,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import heapq
+import itertools
 import logging
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -281,11 +284,24 @@ class TimeoutHandler:
         self._producers_read = -math.inf
         self._late: dict[bytes, _Late] = {}  # request (record past its kind): while follow-ups of it are due
         self._draining: dict[tuple[int, int], float] = {}  # (pid, start): when it was sent kill_signal
+        # Fires come from the driver's dispatch thread and, for the
+        # follow-ups a full wheel refused, from _bring_back's: one at a time.
+        self._lock = threading.RLock()
+        self._held: list[tuple[int, int, bytes]] = []  # (due, seq, follow-up) the wheel refused: a heap
+        self._held_seq = itertools.count()
+        self._held_ready = threading.Condition(threading.Lock())
+        self._held_thread: threading.Thread | None = None
+        self._held_count = 0  # kept since the last line that said so
+        self._held_said = -math.inf
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TimeoutHandler, (self.name, self.actions))
 
     def __call__(self, fire: Fire) -> None:
+        with self._lock:
+            self._handle(fire)
+
+    def _handle(self, fire: Fire) -> None:
         record = decode_request(fire.payload)
         if record is None:
             _log.warning("timer %d carries no request record: payload %r", fire.handle, fire.payload[:64])
@@ -374,8 +390,7 @@ class TimeoutHandler:
         if not there:
             return
         key = fire.payload[1:]
-        if not self._later(max(timeout_at - time.monotonic_ns(), 0) / 1e9, KIND_TIMEOUT, fire.payload):
-            return
+        self._later(max(timeout_at - time.monotonic_ns(), 0) / 1e9, KIND_TIMEOUT, fire.payload)
         late = self._new_late(key, WARNED)
         if stack and self._signal(fire, record, stack):
             late.asked_at = time.monotonic()
@@ -426,17 +441,10 @@ class TimeoutHandler:
                 return
             late = self._new_late(key, TIMED_OUT)
             late.asked_at = time.monotonic()
-            checked = self._later(DUMP_TIME, KIND_CHECK, fire.payload)
+            self._later(DUMP_TIME, KIND_CHECK, fire.payload)
             if interrupting:
                 late.interrupted_at = time.monotonic()
-                if not self._later(actions.interrupt_grace, KIND_GRACE, fire.payload):
-                    self._late.pop(key, None)
-                    if actions.kill:
-                        self._graceful(fire, record, late)
-            elif not checked:
-                self._late.pop(key, None)
-                if actions.kill:
-                    self._graceful(fire, record, late)
+                self._later(actions.interrupt_grace, KIND_GRACE, fire.payload)
         elif dump:
             self._late.pop(key, None)
             if self._signal(fire, record, dump) and actions.kill:
@@ -444,9 +452,7 @@ class TimeoutHandler:
                 # that lands before it is done can end the worker mid-dump
                 # (uWSGI's SIGTERM exits at once), so it follows a little later.
                 self._new_late(key, TIMED_OUT)
-                if not self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload):
-                    self._late.pop(key, None)
-                    self._graceful(fire, record)
+                self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
         elif actions.kill:
             self._late.pop(key, None)
             self._graceful(fire, record)
@@ -507,9 +513,8 @@ class TimeoutHandler:
                 late.dumped_at = time.monotonic()
                 if not waits and self.actions.kill:
                     self._late[key] = late
-                    if self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload):
-                        return
-                    self._late.pop(key, None)
+                    self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
+                    return
         if not waits and self.actions.kill:
             self._graceful(fire, record, late)
 
@@ -541,9 +546,8 @@ class TimeoutHandler:
         if late is not None and late.dumped_at and time.monotonic() - late.dumped_at < DUMP_TIME:
             # faulthandler may be writing yet: kill_signal could end the worker mid-dump.
             self._late[fire.payload[1:]] = late
-            if self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload):
-                return
-            self._late.pop(fire.payload[1:], None)
+            self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
+            return
         self._graceful(fire, record, late)
 
     def _finished(self, record: RequestRecord) -> None:
@@ -554,15 +558,54 @@ class TimeoutHandler:
             self._wheel = attach(self.name)
         return self._wheel
 
-    def _later(self, delay: float, kind: int, payload: bytes) -> bool:
-        """A timer of this wheel that will bring the record back as ``kind``;
-        False, and a WARNING, if it could not be added (the wheel is full)."""
+    def _later(self, delay: float, kind: int, payload: bytes) -> None:
+        """A timer of this wheel that will bring the record back as ``kind``.
+        One the wheel refuses (it is full) is kept in this process instead,
+        and comes back from a thread of its own: a stage is never skipped
+        for want of a slot."""
+        follow_up = with_kind(payload, kind)
         try:
-            self._open().add(delay, with_kind(payload, kind))
+            self._open().add(delay, follow_up, reserved=True)
         except (ShmwheelError, OSError) as exc:
-            _log.warning("the %s follow-up could not be added: %s", FOLLOW_UPS[kind], one_line(exc))
-            return False
-        return True
+            self._hold(delay, follow_up, exc)
+
+    def _hold(self, delay: float, follow_up: bytes, exc: Exception) -> None:
+        """Keep a follow-up the wheel refused, due ``delay`` s from now."""
+        now = time.monotonic()
+        with self._held_ready:
+            heapq.heappush(self._held, (time.monotonic_ns() + int(delay * 1e9), next(self._held_seq), follow_up))
+            self._held_count += 1
+            if self._held_thread is None or not self._held_thread.is_alive():
+                self._held_thread = threading.Thread(target=self._bring_back, name="shmwheel-follow-ups", daemon=True)
+                self._held_thread.start()
+            self._held_ready.notify()
+            say = now - self._held_said >= 60.0
+            if say:
+                self._held_said, count, self._held_count = now, self._held_count, 0
+        if say:
+            _log.warning(
+                "%d follow-up%s could not be added to wheel %r (%s), so %s kept in the driver's memory, which a "
+                "driver restart loses",
+                count,
+                "" if count == 1 else "s",
+                self.name,
+                one_line(exc),
+                "it is" if count == 1 else "they are",
+            )
+
+    def _bring_back(self) -> None:
+        """The thread that hands the kept follow-ups back to the handler when due."""
+        me = os.getpid()
+        while True:
+            with self._held_ready:
+                while not self._held or self._held[0][0] > time.monotonic_ns():
+                    wait = (self._held[0][0] - time.monotonic_ns()) / 1e9 if self._held else None
+                    self._held_ready.wait(wait)
+                due, _, follow_up = heapq.heappop(self._held)
+            try:
+                self(Fire(-1, due, time.monotonic_ns(), follow_up, me))
+            except Exception:  # noqa: BLE001 - one failed follow-up must not end the others
+                _log.exception("a kept follow-up failed")
 
     def _kill_waits(self, record: RequestRecord) -> float:
         """Seconds the kill stage of a request whose time counts from the
@@ -587,10 +630,7 @@ class TimeoutHandler:
             # its worker says (see _heard).
             key = fire.payload[1:]
             self._late[key] = late or self._late.get(key) or _Late(TIMED_OUT)
-            if not self._later(wait, KIND_GRACEFUL, fire.payload):
-                self._late.pop(key, None)
-                _log.warning("worker pid %d is not sent %s for %s: it is not late by its own clock yet",
-                             record.pid, signal_name(self.actions.kill_signal), record.describe())  # fmt: skip
+            self._later(wait, KIND_GRACEFUL, fire.payload)
             return
         worker = (record.pid, record.start)
         now = time.monotonic()
@@ -614,10 +654,7 @@ class TimeoutHandler:
             return
         if self._signal(fire, record, self.actions.kill_signal):
             self._draining[worker] = now
-            if not self._later(self.actions.kill_after, KIND_KILL, fire.payload):
-                _log.warning(
-                    "worker pid %d: no SIGKILL follows its %s", record.pid, signal_name(self.actions.kill_signal)
-                )
+            self._later(self.actions.kill_after, KIND_KILL, fire.payload)
 
     def _sigkill(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         name = signal_name(self.actions.kill_signal)

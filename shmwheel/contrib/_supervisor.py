@@ -77,6 +77,16 @@ IDLE_EXIT = 2.0
 USE_POLL = 1.0  # s: how often a --while-used driver looks at who uses its wheel
 
 
+def reserve_for(capacity: int) -> int:
+    """The slots a request-timeout wheel keeps for the timers that must get
+    through when its workers' requests have filled it: the driver's
+    follow-ups (the stack check, the interrupt's grace, the kill signal and
+    the SIGKILL after it) and the workers' answers to them.  A sixteenth:
+    4096 of the default 65536, room for the stages of hundreds of late
+    requests at once."""
+    return capacity // 16
+
+
 def create_wheel(
     name: str, *, capacity: int = DEFAULT_CAPACITY, tick: float = 0.001, owner: tuple[int, int] | None = None
 ) -> bool:
@@ -108,7 +118,8 @@ def create_wheel(
     """
     for _ in range(2):
         try:
-            create(name, capacity=capacity, tick=tick, payload_size=PAYLOAD_SIZE, owner=owner).close()
+            create(name, capacity=capacity, tick=tick, payload_size=PAYLOAD_SIZE, reserve=reserve_for(capacity),
+                   owner=owner).close()  # fmt: skip
             return True
         except SegmentExistsError:
             pass
@@ -153,6 +164,8 @@ def _why_not_take_over(
             f"capacity {st.capacity}, tick {st.tick:g} s and records of {st.payload_size} bytes, "
             f"not {capacity}, {tick:g} s and {PAYLOAD_SIZE}"
         )
+    if st.reserve != reserve_for(capacity):
+        return f"{st.reserve} slots kept in reserve, not {reserve_for(capacity)}"
     uid, gid = owner or (-1, -1)
     want = (os.geteuid() if uid == -1 else uid, os.getegid() if gid == -1 else gid)
     got = old.owner()
@@ -426,7 +439,9 @@ class AutoDriver:
     def make_wheel(self) -> None:
         """Create the wheel unless it is there (of two workers, one makes it)."""
         with contextlib.suppress(SegmentExistsError):
-            create(self.name, capacity=self.capacity, payload_size=PAYLOAD_SIZE).close()
+            create(
+                self.name, capacity=self.capacity, payload_size=PAYLOAD_SIZE, reserve=reserve_for(self.capacity)
+            ).close()
 
     def ensure_running(self) -> int | None:
         """Start a driver unless one runs or is starting; its pid if this call started it.

@@ -507,7 +507,7 @@ class RequestTimer:
         if wheel is None:
             return
         try:
-            wheel.add(0.0, with_kind(payload, kind))
+            wheel.add(0.0, with_kind(payload, kind), reserved=True)
         except (ShmwheelError, ValueError) as exc:
             _log.debug("wheel %r: the driver could not be told about a timed-out request: %s", self.name, exc)
 
