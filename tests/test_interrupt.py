@@ -200,10 +200,35 @@ def test_sync_worker_cpu_loop_is_answered_504_and_the_worker_serves_on(tmp_path:
             stuck=f"/spin?s={STUCK}",
             sibling="/sleep?s=0.1",
             delay=0.1,
-            how="RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next safe point",
+            how=r"RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next safe point, or in the C call it "
+            r"waits in \(SIGRTMIN\+\d\)",
             access=GUNICORN_ACCESS,
         )
         assert booted(server) == 1
+
+
+@pytest.mark.parametrize("stuck", ["/sleep", "/recv"])
+def test_sync_worker_in_a_c_call_is_ended_at_its_deadline_and_serves_on(stuck: str, tmp_path: Path) -> None:
+    """The sync worker's request waits in time.sleep or a blocking recv: C
+    calls, which no line start reaches.  The main thread is where CPython
+    runs signal handlers, so the worker wakes it with a real-time signal
+    of its own: the wait ends, the handler raises at the call, a 504 goes
+    out at the deadline, and the same worker serves on.  (Before, the
+    request slept on; interrupt_grace later the driver sent SIGABRT, and
+    Gunicorn replaced the worker.)"""
+    port = free_port()
+    cmd = gunicorn(tmp_path, port, "sync", "--workers", "1", "--access-logfile", "-", install=STAGES)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        before = pid_of(get(port, "/"))
+        assert get(port, f"{stuck}?s={STUCK}", WAIT, "in-c") == GATEWAY_TIMEOUT
+        server.wait_for(
+            interrupting(stuck, "in-c", before, r"RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next "
+                         r"safe point, or in the C call it waits in \(SIGRTMIN\+\d\)")
+        )  # fmt: skip
+        server.wait_for(rf"GET {stuck} \(request in-c, worker pid {before}, .*\) ended [\d.]+ s after it was "
+                        r"interrupted$")  # fmt: skip
+        assert pid_of(get(port, "/")) == before
+        assert "has not ended 0.5 s after it was interrupted" not in server.log() and booted(server) == 1
 
 
 # -- Gunicorn gthread: one worker, four threads -----------------------------------
@@ -521,12 +546,30 @@ def test_uvicorn_cpu_loop_in_an_async_endpoint_is_answered_504(uvicorn: Server) 
         stuck=f"/spin?s={STUCK}",
         sibling="/await-sleep?s=0.2",
         delay=0.3,
-        how=r"RequestTimeout to be raised in task Task-\d+, which blocks the event loop, at its next safe point",
+        how=r"RequestTimeout to be raised in task Task-\d+, which blocks the event loop, at its next safe point, or "
+        r"in the C call it waits in \(SIGRTMIN\+\d\)",
         access=UVICORN_ACCESS,
     )
     # Starlette answers the RequestTimeout 500, which the 504 replaced, and
     # raises it again: the middleware ends it there, not the server.
     assert "Exception in ASGI application" not in uvicorn.log()[mark:], uvicorn.log()[mark:]
+
+
+def test_uvicorn_time_sleep_in_an_async_endpoint_is_answered_504(uvicorn: Server) -> None:
+    """A time.sleep in an async endpoint blocks the loop in a C call, where
+    no line start comes: the loop's thread is Uvicorn's main thread, so the
+    wake signal ends the sleep and RequestTimeout is raised there, in the
+    task's step.  (Before, the loop slept on for all 30 s.)"""
+    sibling_carries_on(
+        uvicorn,
+        "asgi-loop-sleep",
+        stuck=f"/loop-sleep?s={STUCK}",
+        sibling="/await-sleep?s=0.2",
+        delay=0.3,
+        how=r"RequestTimeout to be raised in task Task-\d+, which blocks the event loop, at its next safe point, or "
+        r"in the C call it waits in \(SIGRTMIN\+\d\)",
+        access=UVICORN_ACCESS,
+    )
 
 
 def test_uvicorn_sync_endpoint_in_the_thread_pool_is_ended_and_its_thread_stops(uvicorn: Server) -> None:

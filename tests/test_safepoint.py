@@ -17,16 +17,17 @@ import io
 import logging
 import random
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from shmwheel.contrib import RequestTimeout
+from shmwheel.contrib import RequestTimeout, _safepoint
 from shmwheel.contrib._interrupt import interrupt
-from shmwheel.contrib._safepoint import can_arm, unsafe_at, unsafe_lines
+from shmwheel.contrib._safepoint import can_arm, unsafe_at, unsafe_in_call, unsafe_lines
 
 ROUNDS = 150
 
@@ -444,3 +445,105 @@ def test_a_frame_below_cleanup_code_is_unsafe_too() -> None:
     assert verdicts["in a try"] is None
     assert verdicts["called from a finally"] is not None
     assert "cleanup code" in verdicts["called from a finally"]
+
+
+def test_a_signal_handler_may_raise_only_in_a_call_not_on_an_acquiring_line() -> None:
+    """The main thread's wake signal raises from a handler, mid-line: only
+    at a call (the C function the signal ended), and never on the line
+    before a try: or a with, which may have just acquired what they release."""
+    assert _safepoint._read(example.__code__)[1] == lines_of(
+        example, "safe: before the acquire", "safe: an inlined comprehension's clean-up moves values only"
+    )
+    verdicts: dict[str, str | None] = {}
+
+    def call_here(name: str) -> None:
+        verdicts[name] = unsafe_in_call(sys._getframe(1))  # its caller is at the call to here
+
+    lock = threading.Lock()
+    call_here("in a call")
+    lock.acquire()
+    call_here("an acquiring line")  # the line before the try
+    try:
+        call_here("in the try")
+    finally:
+        lock.release()
+    assert verdicts["in a call"] is None and verdicts["in the try"] is None
+    assert "which acquires what the try or with after it releases" in str(verdicts["an acquiring line"])
+
+    def suspended() -> Iterator[int]:
+        yield 1  # at a yield, not in a call
+
+    paused = suspended()
+    next(paused)
+    assert paused.gi_frame is not None
+    assert "not in a call" in str(unsafe_in_call(paused.gi_frame))
+
+
+MAIN_THREAD = """
+import sys, threading, time
+from shmwheel.contrib._interrupt import interrupt, listen_for_wake, RequestTimeout
+assert listen_for_wake()
+main = threading.get_ident()
+left = threading.Event()
+
+def soon(delay):
+    def go():
+        time.sleep(delay)
+        print("how:", interrupt(main, None, lambda: not left.is_set()), file=sys.stderr, flush=True)
+    threading.Thread(target=go).start()
+
+def case(name, body):
+    left.clear()
+    start = time.monotonic()
+    try:
+        body()
+        print(name, "ran to its end in", round(time.monotonic() - start, 1), flush=True)
+    except RequestTimeout:
+        print(name, "interrupted in", round(time.monotonic() - start, 1), flush=True)
+    finally:
+        left.set()
+        time.sleep(0.1)
+
+def sleeps():
+    soon(0.2)
+    time.sleep(5)
+
+def sleeps_in_finally():
+    try:
+        soon(0.2)
+    finally:
+        time.sleep(1)
+
+lock = threading.Lock()
+
+def waits_for_a_lock():
+    lock.acquire()
+    threading.Timer(0.6, lock.release).start()
+    soon(0.2)
+    lock.acquire()
+    try:
+        time.sleep(5)
+    finally:
+        lock.release()
+
+case("sleep", sleeps)
+case("finally", sleeps_in_finally)
+case("lock", waits_for_a_lock)
+print("lock left held:", lock.locked())
+"""
+
+
+def test_the_main_thread_is_woken_from_a_c_call_only_where_it_may_be() -> None:
+    """In the main thread, in a fresh interpreter: a time.sleep is ended
+    at once; one in a finally runs whole, and the request is ended after
+    it; a lock.acquire() that waits is not ended (its line acquires what
+    the try after it releases), and the request is ended in the try, which
+    releases the lock."""
+    done = subprocess.run([sys.executable, "-c", MAIN_THREAD], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "sleep interrupted in 0.2" in out, out
+    assert "finally interrupted in 1.0" in out, out
+    assert "lock interrupted in 0.6" in out, out
+    assert "lock left held: False" in out, out
+    assert done.stderr.count("or in the C call it waits in (SIGRTMIN") == 3, done.stderr

@@ -10,7 +10,11 @@ ends it the way its kind of worker allows:
   code, never between an acquire and the ``try`` that releases it, never
   in ``logging`` - and only while the request is still the application's.
   A thread in a C call (``time.sleep``, a blocking ``recv``, a regular
-  expression) gets there only once the call returns;
+  expression) gets there only once the call returns - but for the main
+  thread (a sync worker's), where CPython runs signal handlers: a
+  real-time signal with a Python handler ends a wait in an interruptible
+  system call (a sleep, a socket, a select), and the handler raises there
+  under the same rule, and only there (see :func:`listen_for_wake`);
 * an asyncio task: cancelled through its loop (``call_soon_threadsafe``),
   which ends whatever it awaits; a task that blocks its loop (it never
   awaits) has the loop's thread armed instead, since the loop cannot run
@@ -31,16 +35,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from ._safepoint import arm, can_arm, unsafe_at
+from .._binding import lib
+from ._record import DUMP_SIGNALS, signal_name
+from ._safepoint import arm, can_arm, check_from_signal, unsafe_at
 from ._stacks import real
 
-__all__ = ["RESPONSE_BODY", "RESPONSE_STATUS", "RequestTimeout", "interrupt"]
+__all__ = ["RESPONSE_BODY", "RESPONSE_STATUS", "RequestTimeout", "interrupt", "listen_for_wake"]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
@@ -118,6 +126,56 @@ def _armed(where: str) -> str:
     return f"RequestTimeout to be raised in {where} at its next safe point"
 
 
+# The wake signal: a real-time signal with a Python handler, which the
+# reporter sends the main thread when it arms it.  (pid, main thread, signal)
+# of the process that set it up; none where no thread was the main one.
+_wake: tuple[int, int, int] = (0, 0, 0)
+
+
+def listen_for_wake() -> int:
+    """From the main thread: a handler for the first free real-time signal
+    of DUMP_SIGNALS, which :func:`interrupt` sends the main thread when it
+    arms it.  The main thread is the only one in which CPython runs signal
+    handlers, and a signal with a Python handler (set without SA_RESTART)
+    ends a wait in an interruptible system call - ``time.sleep``, a socket,
+    ``select`` - with EINTR, upon which the C function runs the handler.
+    The handler raises RequestTimeout there only where a line start would
+    (:func:`~shmwheel.contrib._safepoint.unsafe_at`), only inside a call,
+    and never on a line that acquires what the ``try`` or ``with`` after it
+    releases; elsewhere it returns, and the call goes on (PEP 475).
+    Returns the signal, 0 if none (not the main thread, none free)."""
+    global _wake
+    _, _, mine = _wake
+    if not (mine and signal.getsignal(mine) is _on_wake):  # inherited across fork, or none yet
+        mine = next((signum for signum in DUMP_SIGNALS if lib.shmw_signal_owner(signum) == 0), 0)
+    if not mine:
+        return 0
+    try:
+        signal.signal(mine, _on_wake)  # again, if it is there: that tells the main thread
+    except ValueError:  # not the main thread: only it may set a handler, and only it runs them
+        return 0
+    _wake = (os.getpid(), real("_thread", "get_ident")(), mine)
+    return mine
+
+
+def _on_wake(signum: int, frame: FrameType | None) -> None:
+    if frame is not None:
+        check_from_signal(frame)
+
+
+def _wake_up(thread: int) -> str:
+    """Send the wake signal to ``thread`` if it is the main thread it was
+    set up in; what it adds to the log's "how"."""
+    pid, main, signum = _wake
+    if not signum or pid != os.getpid() or thread != main:
+        return ""
+    try:
+        signal.pthread_kill(thread, signum)
+    except OSError:
+        return ""
+    return f", or in the C call it waits in ({signal_name(signum)})"
+
+
 def _not_armed(still: Callable[[], bool]) -> str:
     if not still():
         return "not interrupted: it has ended"
@@ -138,7 +196,7 @@ def interrupt(thread: int, task: Any, still: Callable[[], bool], mine: Callable[
     if task is not None:
         return _throw(task, thread, still)
     if _raise_in(thread, still):
-        return _armed(f"thread 0x{thread:016x}")
+        return _armed(f"thread 0x{thread:016x}") + _wake_up(thread)
     return _not_armed(still)
 
 
@@ -156,7 +214,7 @@ def _cancel(task: asyncio.Task[Any], thread: int, still: Callable[[], bool], min
             loop.call_soon(_cancel_in_loop, task, still)
 
         if _raise_in(thread, still, running, elsewhere):
-            return _armed(f"task {task.get_name()}, which blocks the event loop,")
+            return _armed(f"task {task.get_name()}, which blocks the event loop,") + _wake_up(thread)
         return _not_armed(still)
     try:
         loop.call_soon_threadsafe(_cancel_in_loop, task, still)

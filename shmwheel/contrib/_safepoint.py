@@ -73,7 +73,7 @@ except ImportError as exc:  # a build without it: said where an interrupt is ask
     state_id = None  # type: ignore[assignment]
     _no_linetrace = str(exc)
 
-__all__ = ["arm", "can_arm", "unsafe_at", "unsafe_lines"]
+__all__ = ["arm", "can_arm", "check_from_signal", "unsafe_at", "unsafe_in_call", "unsafe_lines"]
 
 #: check(frame): True to go on looking, False to stop; what it raises is
 #: raised in the thread, at that line.
@@ -105,24 +105,33 @@ _PLAIN = frozenset(
     if name in _OP
 )  # fmt: skip
 
-_lines: dict[CodeType, frozenset[int]] = {}
+#: Calls: where a frame is while a C function it called runs.
+_CALLS = frozenset(_OP[name] for name in ("CALL", "CALL_KW", "CALL_FUNCTION_EX", "PRECALL") if name in _OP)
+_NONE: tuple[frozenset[int], frozenset[int], frozenset[int]] = (frozenset(), frozenset(), frozenset())
+_lines: dict[CodeType, tuple[frozenset[int], frozenset[int], frozenset[int]]] = {}
 
 
 def unsafe_lines(code: CodeType) -> frozenset[int]:
     """The lines of ``code`` at which the request may not be interrupted:
     those of its cleanup code and its ``try:`` lines.  Read once a code
     object, from its bytecode and exception table."""
+    return _read(code)[0]
+
+
+def _read(code: CodeType) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
+    """unsafe_lines(code); the lines that come right before a ``try`` or
+    ``with`` protects what follows; the offsets of its calls."""
     lines = _lines.get(code)
     if lines is None:
-        lines = _lines[code] = _read_unsafe_lines(code)
+        lines = _lines[code] = _read_lines(code)
     return lines
 
 
-def _read_unsafe_lines(code: CodeType) -> frozenset[int]:
+def _read_lines(code: CodeType) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
     bytecode = dis.Bytecode(code)
     instructions = list(bytecode)
     if not instructions:
-        return frozenset()
+        return _NONE
     index = {ins.offset: i for i, ins in enumerate(instructions)}
 
     def reach(starts: list[int]) -> set[int]:
@@ -156,7 +165,36 @@ def _read_unsafe_lines(code: CodeType) -> frozenset[int]:
             before = instructions[i - 1]
             if before.opcode == _OP["NOP"] and before.positions is not None and before.positions.lineno is not None:
                 unsafe.add(before.positions.lineno)
-    return frozenset(unsafe)
+    # The line before a protected range's own unsafe line (the try:, the
+    # with): where a resource is acquired that the range releases.
+    acquiring = set()
+    for entry in entries:
+        if entry.start in handlers:
+            continue  # a handler's own range
+        # Back along the normal path: past the try: or with line, to the
+        # line before it, unless that is cleanup code itself.
+        i = index.get(entry.start, 0) - 1
+        while i >= 0 and instructions[i].offset in handlers:
+            i -= 1
+        protector = _line_of(instructions[i]) if i >= 0 else None
+        while i >= 0 and (instructions[i].offset in handlers or _line_of(instructions[i]) == protector):
+            i -= 1
+        if i >= 0 and (line := _line_of(instructions[i])) is not None and line not in unsafe:
+            acquiring.add(line)
+    # A frame in a call has its f_lasti at the call, or (3.11, 3.12) at the
+    # last of the inline cache entries that follow it.
+    ends = [ins.offset for ins in instructions[1:]] + [len(code.co_code)]
+    calls = frozenset(
+        at
+        for ins, end in zip(instructions, ends, strict=True)
+        if ins.opcode in _CALLS
+        for at in range(ins.offset, end, 2)
+    )
+    return frozenset(unsafe), frozenset(acquiring), calls
+
+
+def _line_of(ins: dis.Instruction) -> int | None:
+    return ins.positions.lineno if ins.positions is not None else None
 
 
 def _directory(module: Any) -> str:
@@ -201,6 +239,41 @@ def unsafe_at(frame: FrameType | None) -> str | None:
         innermost = False
         frame = frame.f_back
     return None
+
+
+def unsafe_in_call(frame: FrameType) -> str | None:
+    """Why a signal handler that Python runs at ``frame`` (the frame it
+    interrupted) may not raise there, where :func:`unsafe_at` would let a
+    line start raise: None only if the frame is at a call (the handler runs
+    inside the C function it called, whose wait the signal ended, or right
+    after it returned), and that call is not on a line that acquires what a
+    ``try`` or ``with`` after it releases."""
+    _, acquiring, calls = _read(frame.f_code)
+    if frame.f_lasti not in calls:
+        return f"at {_where(frame)}, not in a call"
+    if frame.f_lineno in acquiring:
+        return f"at {_where(frame)}, which acquires what the try or with after it releases"
+    return None
+
+
+def check_from_signal(frame: FrameType) -> None:
+    """From a signal handler that Python runs in this thread, with the frame
+    it interrupted: the checks armed in this thread, run at that frame, if
+    a handler may raise there (:func:`unsafe_in_call`); what they raise is
+    raised from the handler, which ends the C call."""
+    global _in_signal
+    if _in_signal or frame.f_code.co_filename.startswith(_OURS):
+        return  # shmwheel's own bookkeeping, halfway through
+    thread = real("_thread", "get_ident")()
+    # While this runs, the line checks of what it calls (dis, on 3.11 under
+    # the thread's tracer) must not raise: their frames sit on top of the
+    # interrupted frame, which would look like any safe line.
+    _in_signal = thread
+    try:
+        if thread in _checks and unsafe_in_call(frame) is None:
+            _dispatch(thread, frame, signalled=True)
+    finally:
+        _in_signal = 0
 
 
 def _where(frame: FrameType) -> str:
@@ -327,7 +400,11 @@ _arm, _why_not = _choose()
 # each check keeps the unique id of the thread state it was armed for, and
 # runs only in that one.
 _checks: dict[int, list[tuple[int, Check]]] = {}
-_checks_lock = threading.Lock()
+_in_signal = 0  # the thread in check_from_signal (a main thread), if one is
+# Reentrant: a signal handler (check_from_signal) runs between two bytecodes
+# of the thread, which may hold it, and on 3.11 the thread's own line tracer
+# runs _dispatch again for the lines of the handler's _dispatch.
+_checks_lock = threading.RLock()
 
 
 def can_arm() -> str:
@@ -356,9 +433,12 @@ def arm(thread: int, check: Check) -> bool:
     return False
 
 
-def _dispatch(thread: int, frame: FrameType) -> bool:
+def _dispatch(thread: int, frame: FrameType, *, signalled: bool = False) -> bool:
     """Every check armed in this thread, in it; whether any is left.  A
-    check armed for an earlier thread of the same id is dropped unrun."""
+    check armed for an earlier thread of the same id is dropped unrun, and
+    none runs at the lines of what check_from_signal calls."""
+    if _in_signal == thread and not signalled:
+        return True
     state = state_id()
     with _checks_lock:
         armed = list(_checks.get(thread, ()))
@@ -387,7 +467,7 @@ def _drop_all(thread: int) -> None:
 def _forget_checks() -> None:
     """In a forked child: no thread of the parent's is armed here."""
     global _checks_lock
-    _checks_lock = threading.Lock()
+    _checks_lock = threading.RLock()
     _checks.clear()
 
 

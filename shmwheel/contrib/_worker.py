@@ -28,7 +28,7 @@ from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, 
 from .._process import start_time
 from .._segment import segment_name
 from .._wheel import Wheel, _fast_ext, attach
-from ._interrupt import interrupt
+from ._interrupt import interrupt, listen_for_wake
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
     GREENLET,
@@ -292,6 +292,8 @@ class RequestTimer:
             self._warn(f"a timed-out request's stack cannot be asked for: {one_line(exc)}")
             return
         self._stack_signal, self._dump_signal = self.traceback_signal, dump
+        if self.interrupt:
+            listen_for_wake()  # in the main thread (a sync worker's): its C calls can be ended too
 
     def _attach(self) -> Wheel:
         """This process's attach of the wheel; with an AutoDriver, the wheel
