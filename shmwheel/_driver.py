@@ -190,12 +190,12 @@ class Driver:
         (:meth:`Wheel.take_over_driver`) and repairing a segment a scribble
         broke first: a driver that cannot start is a driver that restarts
         for ever, and nothing fires meanwhile."""
-        gone = 0
+        gone = gone_start = 0
 
         def register() -> int:
-            nonlocal gone
+            nonlocal gone, gone_start
             rc, st = wheel.take_over_driver(me, my_start)
-            gone = st.driver_pid
+            gone, gone_start = st.driver_pid, st.driver_start
             if rc == 0 and st.inflight:
                 _log.warning("driver %d: redelivering %d fires left in flight", me, st.inflight)
             return rc
@@ -211,6 +211,11 @@ class Driver:
             if rc == 0:
                 if gone:
                     _log.warning("driver %d: took over wheel %r from driver %d, which is gone", me, self.name, gone)
+                    # A handler that keeps state across fires (a request
+                    # timeout's stages) may carry on what that one began.
+                    took_over = getattr(self._handler, "took_over", None)
+                    if callable(took_over):
+                        took_over(gone, gone_start or 0)
                 return
             if rc != lib.SHMW_ENOTDRIVER:
                 raise wheel.error(rc)

@@ -733,6 +733,27 @@ def test_supervisor_restarts_a_dead_driver_and_cleans_up(name: str) -> None:
     assert last is not None and not os.path.exists(f"/proc/{last}")
 
 
+def test_supervisor_restarts_a_crash_loop_at_once_and_says_so_once(name: str, caplog) -> None:
+    """Five deaths in a row: each driver is restarted as soon as it may be
+    (twice a second at most), not after a backoff that doubles (1, 2, 4, 8,
+    16 s: 31 s in all), which left requests untimed; one ERROR line says it."""
+    sup = DriverSupervisor(name, TimeoutActions(tracebacks=False))
+    sup.start()
+    try:
+        started = time.monotonic()
+        with caplog.at_level(logging.ERROR, "shmwheel.timeouts"):
+            for n in range(1, 6):
+                pid = sup.pid
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                wait_until(lambda n=n: sup.restarts == n and driver_pid(name) == sup.pid, "not restarted")
+        assert time.monotonic() - started < 15.0  # the doubling backoff alone took 31 s
+        died = [r.getMessage() for r in caplog.records if "the driver (pid" in r.getMessage()]
+        assert len(died) == 1 and "was killed by SIGKILL after" in died[0], died
+    finally:
+        sup.stop()
+
+
 def test_supervisor_keeps_the_driver_out_of_the_servers_process_group(name: str) -> None:
     # A terminal's Ctrl-C goes to the foreground process group: the server's.
     # The driver must not get it behind the server's back (the watcher would

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import os
 import re
 import signal
 import time
@@ -411,6 +412,43 @@ def test_a_forged_x_request_start_never_gets_a_worker_killed(tmp_path: Path) -> 
         assert get_queued(port, "/sleep?s=30", "stuck", 3000.0)[0] in (0, 500)
         assert time.monotonic() - sent >= 1.3
         server.wait_for(rf"Booting worker with pid: (?!{before}\b)\d+")
+
+
+@pytest.mark.parametrize("when", ["in the grace", "before the SIGKILL"])
+def test_a_driver_killed_mid_stages_is_replaced_and_the_stuck_worker_still_ended(when: str, tmp_path: Path) -> None:
+    """A gthread request in time.sleep (a C call no thread but the main one
+    can be woken from) is interrupted, to no effect.  The driver is
+    SIGKILLed in its interrupt grace, or after it sent SIGABRT and before
+    the SIGKILL due kill_after later.  The supervisor starts another within
+    a second, which carries on the stages the dead one began: the worker is
+    still ended, and Gunicorn replaces it.  (Before, the new driver refused
+    the dead one's follow-ups, and the worker was never signalled.)"""
+    port = free_port()
+    install = "timeout=1.0, interrupt=True, interrupt_grace=1.0, kill=True, kill_after=1.0"
+    cmd = gunicorn(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        before = pid_of(get(port, "/"))
+        first = int(server.wait_for(r"driver running, pid (\d+)").group(1))
+        with ThreadPoolExecutor(1) as pool:
+            stuck = Answer(pool, port, f"/sleep?s={STUCK}", "stuck")
+            if when == "in the grace":
+                server.wait_for(interrupting("/sleep", "stuck", before, ".*"))
+            else:
+                server.wait_for(r"GET /sleep \(request stuck, .*\) has not ended 1 s after it was interrupted: .*; "
+                                r"sending SIGABRT$")  # fmt: skip
+            os.kill(first, signal.SIGKILL)
+            server.wait_for(rf"driver running, pid (?!{first}\b)\d+")
+            assert stuck.result()[0] in (0, 500)  # its worker ended under it
+        server.wait_for(rf"Booting worker with pid: (?!{before}\b)\d+")
+        assert pid_of(get(port, "/")) != before
+        log = server.log()
+        assert "but is not acted on" not in log, log[-4000:]
+        if when == "in the grace":
+            carried = r"GET /sleep \(request stuck, .*\): carrying on its (?:stack|interrupt) check, which driver "
+            assert len(re.findall(carried + rf"{first} added before it died", log)) == 1, log[-4000:]
+            assert len(re.findall(r"request timed out: GET /sleep \(request stuck,", log)) == 2  # its own, then again
+        else:
+            assert re.search(rf"killed worker pid {before} with SIGKILL: it was still there 1 s after SIGABRT", log)
 
 
 # -- Gunicorn gevent: one worker, greenlets ----------------------------------------

@@ -293,6 +293,13 @@ class TimeoutHandler:
         self._held_thread: threading.Thread | None = None
         self._held_count = 0  # kept since the last line that said so
         self._held_said = -math.inf
+        self._predecessor = 0  # the driver this one took the wheel over from, which died: its follow-ups count
+        self._carried: dict[bytes, float] = {}  # requests whose stages it began that this one carries on: since
+
+    def took_over(self, pid: int, start: int) -> None:
+        """The driver took the wheel over from driver ``pid``, which died:
+        the stages it began are carried on (:meth:`_carry_on`)."""
+        self._predecessor = pid
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TimeoutHandler, (self.name, self.actions))
@@ -317,7 +324,9 @@ class TimeoutHandler:
             if why is not None:
                 self._refuse(fire, record, why)
                 return
-        if record.kind == KIND_KILL:
+        if record.kind in (KIND_CHECK, KIND_GRACE, KIND_GRACEFUL) and fire.owner_pid != os.getpid():
+            self._carry_on(fire, record, there)
+        elif record.kind == KIND_KILL:
             self._sigkill(fire, record, there)
         elif record.kind == KIND_GRACEFUL:
             late = self._late.pop(key, None)
@@ -339,6 +348,30 @@ class TimeoutHandler:
             self._warned(fire, record, there)
         else:  # its timeout; a warn_after stage delivered late (a driver restart) is its timeout too
             self._timed_out(fire, record, there)
+
+    def _carry_on(self, fire: Fire, record: RequestRecord, there: bool) -> None:
+        """A follow-up that the driver this one took over from added before
+        it died: what it knew of the request (answered, ended) died with it,
+        so the stage is begun again, from the timeout, as a fire of the
+        request's own would; the worker answers again, and says again that
+        a request has ended if it has (see _stacks.report_overdue).  Its
+        SIGKILL follow-up needs nothing it knew, and is acted on as it is.
+        Once a request: its other follow-ups from then are the new stage's."""
+        key = fire.payload[1:]
+        now = time.monotonic()
+        self._carried = {k: t for k, t in self._carried.items() if now - t < FORGET_AFTER}
+        if key in self._carried:
+            return
+        self._carried[key] = now
+        if self.actions.log:
+            _log.info(
+                "%s: carrying on its %s, which driver %d added before it died",
+                record.describe(),
+                FOLLOW_UPS[record.kind],
+                fire.owner_pid,
+            )
+        self._late.pop(key, None)
+        self._timed_out(fire, record, there)
 
     def _heard(self, late: _Late | None, record: RequestRecord) -> None:
         """The worker's word about a request whose follow-ups are due."""
@@ -691,15 +724,17 @@ class TimeoutHandler:
         """Why the live process a record names is not one this driver may
         signal for it, or None if it is."""
         if record.kind in FOLLOW_UPS:
-            # Only this driver adds follow-ups, so only its own count; one
-            # an earlier driver left (it died or was restarted within the
-            # wait) is not told from a forgery, and is not acted on.
+            # Only a driver adds follow-ups, so only this one's count, and
+            # those of the driver it took the wheel over from, which died;
+            # any other (an earlier driver's still) is not told from a
+            # forgery, and is not acted on.
             me = os.getpid()
-            if fire.owner_pid != me:
+            if fire.owner_pid not in (me, self._predecessor or me):
                 what = FOLLOW_UPS[record.kind]
-                return (
-                    f"its {what} follow-up was added by pid {fire.owner_pid}, and only this driver's (pid {me}) count"
-                )
+                whose = f"this driver's (pid {me})"
+                if self._predecessor:
+                    whose += f" and the one it took over from (pid {self._predecessor})"
+                return f"its {what} follow-up was added by pid {fire.owner_pid}, and only {whose} count"
         elif fire.owner_pid != record.pid:
             return f"the timer was added by pid {fire.owner_pid}, not by the worker it names"
         if not self._is_producer(record.pid, record.start):

@@ -302,6 +302,7 @@ def report_overdue(now_ns: int | None = None) -> int:
     written = 0
     still: set[tuple[bytes, bool]] = set()
     for timer in list(_timers()):
+        timer.tell_ended_again()
         for handle, active in timer.active().items():
             # Due exactly when its timer is: the driver fires no timer before
             # its deadline, and its follow-ups at the record's timeout, which

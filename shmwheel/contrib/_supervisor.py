@@ -40,7 +40,7 @@ from .._segment import SHM, bare_name, segment_name, wheel_stat
 from .._wheel import Wheel, create, observe, unlink
 from ._handler import TimeoutActions
 from ._logs import LogTarget
-from ._record import PAYLOAD_SIZE
+from ._record import PAYLOAD_SIZE, signal_name
 from ._stacks import server_logger
 
 __all__ = [
@@ -228,10 +228,15 @@ class DriverSupervisor:
     else.
     """
 
-    #: Seconds between two looks at the driver; and the longest wait
-    #: between restarts of a driver that keeps dying.
-    POLL = 0.5
-    MAX_BACKOFF = 30.0
+    #: Seconds between two looks at the driver.
+    POLL = 0.1
+    #: The shortest time between two starts of a driver that keeps dying:
+    #: a crash loop costs a start twice a second, and no request goes
+    #: untimed for more than about this plus POLL.
+    MIN_LIFE = 0.5
+    #: How often a crash loop is said in the log, at most: one line a
+    #: minute with the deaths since the last one.
+    SAY_EVERY = 60.0
 
     def __init__(
         self,
@@ -253,6 +258,8 @@ class DriverSupervisor:
         self.tick = tick
         self.start_timeout = check_seconds(start_timeout, "start_timeout", positive=True)
         self.restarts = 0
+        self._deaths = 0  # since the last line that said so
+        self._said = -math.inf
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -328,7 +335,11 @@ class DriverSupervisor:
         _log.info("wheel %r: driver running, pid %d", self.name, proc.pid)
 
     def _watch(self) -> None:
-        backoff = self.POLL
+        """Restart a driver that died, within a second: the requests' timers
+        go on being added meanwhile, and a new driver fires what came due
+        and carries on the stages the dead one began.  A crash loop is
+        restarted just as soon, no more than twice a second, and said once
+        a minute."""
         while not self._stopping.wait(self.POLL):
             with self._lock:
                 proc = self._proc
@@ -337,15 +348,8 @@ class DriverSupervisor:
                 if proc is None or proc.poll() is None:
                     continue
                 lived = time.monotonic() - self._started
-            backoff = self.POLL if lived > 60.0 else min(backoff * 2, self.MAX_BACKOFF)
-            _log.error(
-                "wheel %r: the driver (pid %d) died after %.1f s; starting another in %.1f s",
-                self.name,
-                proc.pid,
-                lived,
-                backoff,
-            )
-            if self._stopping.wait(backoff):
+            self._say_died(proc, lived)
+            if self._stopping.wait(max(self.MIN_LIFE - lived, 0.0)):
                 return
             with self._lock:
                 if self._proc is not proc or self._stopping.is_set():
@@ -356,6 +360,21 @@ class DriverSupervisor:
                     _log.error("wheel %r: %s", self.name, exc)
                 else:
                     self.restarts += 1
+
+    def _say_died(self, proc: subprocess.Popen[bytes], lived: float) -> None:
+        now = time.monotonic()
+        self._deaths += 1
+        if now - self._said < self.SAY_EVERY:
+            return
+        status = proc.returncode
+        how = f"was killed by {signal_name(-status)}" if status is not None and status < 0 else f"exited ({status})"
+        more = f", and {self._deaths - 1} more died in the last {self.SAY_EVERY:g} s" if self._deaths > 1 else ""
+        _log.error(
+            "wheel %r: the driver (pid %d) %s after %.1f s%s; starting another (a driver that dies again is "
+            "restarted as soon, and said once a minute)",
+            self.name, proc.pid, how, lived, more,
+        )  # fmt: skip
+        self._said, self._deaths = now, 0
 
 
 def terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:

@@ -64,6 +64,12 @@ __all__ = ["RequestTimer", "current_handle", "extend", "no_timeout", "queued_ns"
 _log = logging.getLogger("shmwheel.timeouts")
 
 LOOK_INTERVAL_NS = 1_000_000_000  # how often a worker checks that its wheel's name still names it
+#: How long, and how many, requests that ended after their timer fired are
+#: remembered, to be said again to a driver that carries on a dead one's
+#: stages (a restart takes about a second), and how many times at most.
+ENDED_FOR = 10.0
+ENDED_KEPT = 64
+ENDED_TOLD = 3
 KEEP_OLD = 2  # wheels replaced under a worker that it keeps open for the cancels of their requests
 ATTACH_TRIES = 3  # an AutoDriver's wheel may be removed between its making and the attach: made again
 
@@ -173,6 +179,9 @@ class RequestTimer:
         self._routes = compile_routes(routes, round(self.timeout * 1e9))
         self._warn_ns = 0 if self.warn_after is None else round(self.warn_after * 1e9)
         self._interrupted: set[int] = set()  # handles of the requests interrupted
+        # Requests that ended after their timer fired: record: (when, times told) (tell_ended_again).
+        self._ended_late: dict[bytes, tuple[float, int]] = {}
+        self._ended_lock = threading.Lock()
         # The server's wsgi.file_wrapper last seen, and what stands for it (see _timing_file_wrapper).
         self._file_wrapper: tuple[object, Any] = (None, None)
         #: Handles of the requests whose code is the application's right now,
@@ -230,6 +239,8 @@ class RequestTimer:
                 self._old = []
                 self._active = _new_table()
                 self._interrupted = set()
+                self._ended_late = {}
+                self._ended_lock = threading.Lock()
                 self.in_app = set()
                 self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
                 self._get_ident = real("_thread", "get_ident")
@@ -565,6 +576,29 @@ class RequestTimer:
         # request that has ended.  Told, it leaves the worker alone.
         if _monotonic_ns() >= active.deadline_ns - SLACK_NS:
             self._tell(active.payload, KIND_FINISHED)
+            now = time.monotonic()
+            with self._ended_lock:
+                ended = self._ended_late
+                ended[active.payload] = (now, 1)
+                if len(ended) > ENDED_KEPT:
+                    del ended[next(iter(ended))]
+
+    def tell_ended_again(self) -> None:
+        """Say again which requests ended after their timer fired, in the
+        last ENDED_FOR seconds: a driver that died may have taken the first
+        word with it, and its successor, carrying on the stages it began,
+        asks again (in the reporter thread, at each stack signal)."""
+        now = time.monotonic()
+        with self._ended_lock:
+            ended = self._ended_late
+            for payload in [p for p, (at, told) in ended.items() if now - at > ENDED_FOR or told >= ENDED_TOLD]:
+                del ended[payload]
+            again = list(ended)
+            for payload in again:
+                at, told = ended[payload]
+                ended[payload] = (at, told + 1)
+        for payload in again:
+            self._tell(payload, KIND_FINISHED)
 
     def _cancel(self, handle: int) -> bool | None:
         """Cancel timer ``handle`` in whichever of this process's wheels has
