@@ -439,6 +439,8 @@ def test_a_full_wheel_keeps_every_stage_and_its_timing(reserve: int, make_wheel,
     # The stack check, then kill_after: no stage skipped its wait.
     assert killed.created - timed_out.created >= DUMP_TIME + 0.5
     assert "in serving_a_slow_request" in _err(stubborn)  # the stack was written before the kill
+    # The thread that brought kept follow-ups back ends once none is left.
+    wait_until(lambda: not any(t.name == "shmwheel-follow-ups" for t in threading.enumerate()), "it lingers")
 
 
 def test_handler_leaves_a_worker_that_has_exited_alone(make_wheel, worker, caplog) -> None:

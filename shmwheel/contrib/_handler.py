@@ -238,6 +238,7 @@ FOLLOW_UPS = {
 }
 WARNED, TIMED_OUT = "warned", "timed out"  # the stage a late request is at
 FORGET_AFTER = 600.0  # s: how long a worker sent kill_signal, or a late request, is remembered, at most
+HELD_IDLE = 1.0  # s: how long the thread that brings kept follow-ups back waits for another before it ends
 SLACK_NS = 5_000_000  # a fire this close to a request's timeout is its timeout (clock rounding)
 
 
@@ -291,6 +292,7 @@ class TimeoutHandler:
         self._held_seq = itertools.count()
         self._held_ready = threading.Condition(threading.Lock())
         self._held_thread: threading.Thread | None = None
+        self._held_pid = os.getpid()
         self._held_count = 0  # kept since the last line that said so
         self._held_said = -math.inf
         self._predecessor = 0  # the driver this one took the wheel over from, which died: its follow-ups count
@@ -606,6 +608,8 @@ class TimeoutHandler:
         """Keep a follow-up the wheel refused, due ``delay`` s from now."""
         now = time.monotonic()
         with self._held_ready:
+            if self._held_pid != os.getpid():  # a fork's copy: what its parent kept is the parent's to bring back
+                self._held, self._held_thread, self._held_pid = [], None, os.getpid()
             heapq.heappush(self._held, (time.monotonic_ns() + int(delay * 1e9), next(self._held_seq), follow_up))
             self._held_count += 1
             if self._held_thread is None or not self._held_thread.is_alive():
@@ -632,8 +636,15 @@ class TimeoutHandler:
         while True:
             with self._held_ready:
                 while not self._held or self._held[0][0] > time.monotonic_ns():
-                    wait = (self._held[0][0] - time.monotonic_ns()) / 1e9 if self._held else None
-                    self._held_ready.wait(wait)
+                    if not self._held:
+                        # Nothing kept: the thread ends after a while (another
+                        # starts with the next), so none lingers in a process
+                        # that fills its wheel once.
+                        if not self._held_ready.wait(HELD_IDLE) and not self._held:
+                            self._held_thread = None
+                            return
+                        continue
+                    self._held_ready.wait((self._held[0][0] - time.monotonic_ns()) / 1e9)
                 due, _, follow_up = heapq.heappop(self._held)
             try:
                 self(Fire(-1, due, time.monotonic_ns(), follow_up, me))
