@@ -530,6 +530,73 @@ case("sleep", sleeps)
 case("finally", sleeps_in_finally)
 case("lock", waits_for_a_lock)
 print("lock left held:", lock.locked())
+
+# The wake as the acquire returns (the lock released by another thread
+# just before it): at the end of the call, where CPython also runs signal
+# handlers, the value is in hand and must not be dropped.
+import signal
+from shmwheel.contrib import _interrupt
+
+def release_then_wake():
+    def go():
+        time.sleep(0.2)
+        wake, _interrupt._wake = _interrupt._wake, (0, 0, 0)  # armed, not woken
+        interrupt(main, None, lambda: not left.is_set())
+        _interrupt._wake = wake
+        lock.release()
+        signal.pthread_kill(main, wake[2])
+    threading.Thread(target=go).start()
+
+class Pool:
+    lock = lock
+    def get(self):
+        return self
+
+def if_not_acquired():
+    lock.acquire()
+    release_then_wake()
+    if not lock.acquire(timeout=5):
+        raise KeyError
+    try:
+        time.sleep(1)
+    finally:
+        lock.release()
+
+def acquired_over_lines():
+    lock.acquire()
+    release_then_wake()
+    ok = (Pool()
+          .get()
+          .lock.acquire())
+    try:
+        time.sleep(1)
+    finally:
+        lock.release()
+
+def on_alarm(signum, frame):
+    time.sleep(0.5)  # an application's own handler, which waits
+
+def in_another_handler():
+    lock.acquire()
+    def go():
+        time.sleep(0.2)
+        lock.release()
+        signal.pthread_kill(main, signal.SIGALRM)
+        time.sleep(0.2)  # the main thread waits in on_alarm, right after its acquire returned
+        interrupt(main, None, lambda: not left.is_set())
+    threading.Thread(target=go).start()
+    lock.acquire()
+    try:
+        time.sleep(1)
+    finally:
+        lock.release()
+
+signal.signal(signal.SIGALRM, on_alarm)
+for name, body in (("if-not", if_not_acquired), ("lines", acquired_over_lines), ("handler", in_another_handler)):
+    case(name, body)
+    print(name, "lock left held:", lock.locked(), flush=True)
+    if lock.locked():
+        lock.release()
 """
 
 
@@ -538,7 +605,9 @@ def test_the_main_thread_is_woken_from_a_c_call_only_where_it_may_be() -> None:
     at once; one in a finally runs whole, and the request is ended after
     it; a lock.acquire() that waits is not ended (its line acquires what
     the try after it releases), and the request is ended in the try, which
-    releases the lock."""
+    releases the lock.  Nor is an acquire whose value is tested, or that
+    spans lines, when the wake comes as it returns; nor the request's code
+    below another signal handler, which ran right after an acquire."""
     done = subprocess.run([sys.executable, "-c", MAIN_THREAD], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
@@ -547,3 +616,5 @@ def test_the_main_thread_is_woken_from_a_c_call_only_where_it_may_be() -> None:
     assert "lock interrupted in 0.6" in out, out
     assert "lock left held: False" in out, out
     assert done.stderr.count("or in the C call it waits in (SIGRTMIN") == 3, done.stderr
+    for name in ("if-not", "lines", "handler"):
+        assert f"{name} lock left held: False" in out, out

@@ -53,12 +53,14 @@ interpreter, and is chosen once, here:
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
 import gc
 import importlib
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -165,32 +167,61 @@ def _read_lines(code: CodeType) -> tuple[frozenset[int], frozenset[int], frozens
             before = instructions[i - 1]
             if before.opcode == _OP["NOP"] and before.positions is not None and before.positions.lineno is not None:
                 unsafe.add(before.positions.lineno)
-    # The line before a protected range's own unsafe line (the try:, the
-    # with): where a resource is acquired that the range releases.
+    # The statement before a protected range's own unsafe line (the try:,
+    # the with), every line of it: where a resource is acquired that the
+    # range releases.
     acquiring = set()
     for entry in entries:
         if entry.start in handlers:
             continue  # a handler's own range
-        # Back along the normal path: past the try: or with line, to the
-        # line before it, unless that is cleanup code itself.
+        # Back along the normal path: past the try: or with line, then over
+        # the statement before it, to the end of the one before that.
         i = index.get(entry.start, 0) - 1
         while i >= 0 and instructions[i].offset in handlers:
             i -= 1
         protector = _line_of(instructions[i]) if i >= 0 else None
         while i >= 0 and (instructions[i].offset in handlers or _line_of(instructions[i]) == protector):
             i -= 1
-        if i >= 0 and (line := _line_of(instructions[i])) is not None and line not in unsafe:
-            acquiring.add(line)
-    # A frame in a call has its f_lasti at the call, or (3.11, 3.12) at the
-    # last of the inline cache entries that follow it.
+        while i >= 0 and instructions[i].offset not in handlers:
+            line = _line_of(instructions[i])
+            if line is not None and line not in unsafe:
+                acquiring.add(line)
+            if i == 0 or instructions[i - 1].opname.startswith(_STATEMENT_ENDS):
+                break
+            i -= 1
+    # The calls whose value a raise right after their return would drop
+    # harmlessly (see unsafe_in_call): the offsets a frame in one has as
+    # f_lasti, the call's own or (3.11, 3.12) its inline caches'.
     ends = [ins.offset for ins in instructions[1:]] + [len(code.co_code)]
     calls = frozenset(
         at
-        for ins, end in zip(instructions, ends, strict=True)
-        if ins.opcode in _CALLS
+        for i, (ins, end) in enumerate(zip(instructions, ends, strict=True))
+        if ins.opcode in _CALLS and _dropped_at(instructions, i + 1, code.co_filename)
         for at in range(ins.offset, end, 2)
     )
     return frozenset(unsafe), frozenset(acquiring), calls
+
+
+#: Where one statement's instructions end and the next one's begin.
+_STATEMENT_ENDS = ("POP_TOP", "STORE_", "RETURN_", "JUMP", "POP_JUMP", "NOP", "RESUME", "END_FOR", "RAISE", "RERAISE")
+#: Standard library code whose calls return plain values (bytes, counts,
+#: ready lists), never something a caller must release: a raise after such
+#: a call returned drops nothing that matters.
+_PLAIN_VALUE_FILES = tuple(
+    os.path.join(os.path.dirname(os.__file__), name) for name in ("socket.py", "ssl.py", "selectors.py")
+)
+
+
+def _dropped_at(instructions: list[dis.Instruction], after: int, filename: str) -> bool:
+    """Whether the value of the call whose next instruction is ``after`` is
+    thrown away (a call made for its effect: ``time.sleep(1)``), or, in the
+    standard library's socket code, only stored or returned."""
+    if after >= len(instructions):
+        return False
+    name = instructions[after].opname
+    if name == "POP_TOP":
+        return True
+    return filename in _PLAIN_VALUE_FILES and name in ("STORE_FAST", "RETURN_VALUE")
 
 
 def _line_of(ins: dis.Instruction) -> int | None:
@@ -231,26 +262,55 @@ def unsafe_at(frame: FrameType | None) -> str | None:
             return f"in {_where(frame)}, which is not the request's code"
         if code.co_name == "__del__" or code in collecting:
             return f"in {_where(frame)}, a finalizer or a collection's hook"
+        if code in _handler_codes:
+            return f"in {_where(frame)}, a signal handler, which runs between two bytecodes of the code below it"
         if innermost and name.startswith(_OURS):
             return f"in shmwheel's own {_where(frame)}"
         line = frame.f_lineno
-        if line is None or line in unsafe_lines(code):
+        unsafe, acquiring, _ = _read(code)
+        if line is None or line in unsafe:
             return f"at {_where(frame)}, in cleanup code or before the try it protects"
+        if innermost and line in acquiring:
+            # A line starts again inside a statement that spans several
+            # (its store is on its first line): after the acquire returned.
+            # (A frame below is in a call that has not returned: nothing
+            # is acquired yet.)
+            return f"at {_where(frame)}, in the statement that acquires what the try or with after it releases"
         innermost = False
         frame = frame.f_back
     return None
 
 
+#: The code of the Python signal handlers (the application's, the
+#: server's): read when a thread is armed, and by the wake signal's handler.
+_handler_codes: frozenset[CodeType] = frozenset()
+
+
+def _read_handlers() -> None:
+    global _handler_codes
+    codes = set()
+    for signum in signal.valid_signals():
+        with contextlib.suppress(ValueError, OSError):
+            code = getattr(signal.getsignal(signum), "__code__", None)
+            if code is not None:
+                codes.add(code)
+    _handler_codes = frozenset(codes)
+
+
 def unsafe_in_call(frame: FrameType) -> str | None:
     """Why a signal handler that Python runs at ``frame`` (the frame it
     interrupted) may not raise there, where :func:`unsafe_at` would let a
-    line start raise: None only if the frame is at a call (the handler runs
-    inside the C function it called, whose wait the signal ended, or right
-    after it returned), and that call is not on a line that acquires what a
-    ``try`` or ``with`` after it releases."""
+    line start raise.  The handler runs inside the C function the frame
+    called, whose wait the signal ended - or right after that function
+    returned, at the check CPython makes at the end of a call, which looks
+    the same from here.  So: None only if the frame is at a call whose
+    value is thrown away (``time.sleep(1)``; in the standard library's
+    socket code, a count or bytes), so that a raise after its return drops
+    nothing that must be released, and not in the statement before a
+    ``try`` or ``with`` (``lock.acquire()``)."""
     _, acquiring, calls = _read(frame.f_code)
     if frame.f_lasti not in calls:
-        return f"at {_where(frame)}, not in a call"
+        return f"at {_where(frame)}, not in a call whose value may be dropped"
     if frame.f_lineno in acquiring:
         return f"at {_where(frame)}, which acquires what the try or with after it releases"
     return None
@@ -270,6 +330,7 @@ def check_from_signal(frame: FrameType) -> None:
     # interrupted frame, which would look like any safe line.
     _in_signal = thread
     try:
+        _read_handlers()
         if thread in _checks and unsafe_in_call(frame) is None:
             _dispatch(thread, frame, signalled=True)
     finally:
@@ -419,6 +480,7 @@ def arm(thread: int, check: Check) -> bool:
     to arm one."""
     if _arm is None:
         return False
+    _read_handlers()
     state = state_id(thread)
     if state is None:
         return False
