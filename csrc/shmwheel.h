@@ -237,17 +237,24 @@ int     shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len
  * else of its own, as an asynchronous signal handler must; SA_RESTART, so
  * that the process's system calls go on undisturbed.  A thread that reads
  * fd then acts, in Python, whatever the main thread is doing - even where
- * it never runs Python (uWSGI's).  A handler the signal had that is not
- * the default, ignore or this one (the application's, Python's own for a
- * signal.signal() handler) is kept and called after the byte is written,
- * for every signal, so that both work.  fd -1 puts back the handler it
- * found, or the default action.  Returns 1 if it keeps such a handler now,
- * else 0; -errno if the signal cannot be caught. */
-int     shmw_signal_to_fd(int signum, int fd);
+ * it never runs Python (uWSGI's).  A handler the signal has that is the
+ * default or ignore is replaced; one at address `chainable` (CPython's
+ * own, which runs a signal.signal() handler and does nothing else) is
+ * kept and called after the byte is written, for every signal, with its
+ * flags and mask, so that both work; any other (faulthandler's, which
+ * raises the signal again, a C library's) is left alone and nothing is
+ * installed.  fd -1 puts back the handler it found, or the default.
+ * Returns 0 (installed), 1 (installed, and it calls the one it found), 2
+ * (left to another's handler), -errno (the signal cannot be caught). */
+int     shmw_signal_to_fd(int signum, int fd, uint64_t chainable);
 
 /* Whose handler signum has now: 0 the default action, 1 ignored, 2 the
  * one shmw_signal_to_fd() installs, 3 another; -errno on error. */
 int     shmw_signal_owner(int signum);
+
+/* The address of signum's handler now (0 the default action, 1 ignored),
+ * to tell one handler from another; 0 on error. */
+uint64_t shmw_signal_handler(int signum);
 
 /* ---- cffi end ------------------------------------------------------------ */
 

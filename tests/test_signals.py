@@ -50,16 +50,35 @@ def fresh(body: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_handler_set_before_shmwheel_is_kept_and_called_after_its_own() -> None:
+    """Theirs runs after shmwheel's, as it was installed: a Python handler
+    that raises still ends a blocking recv in the main thread (no
+    SA_RESTART, as CPython installs it), where shmwheel's alone would not."""
     done = fresh("""
+        import socket, threading
         signal.signal(signal.SIGURG, count)
         _stacks.listen(signal.SIGURG, lambda: woke.append(1) or [])
         print("owner", owner())
         os.kill(os.getpid(), signal.SIGURG)
         wait_for(lambda: theirs and woke)
         print("theirs", len(theirs), "woke", len(woke))
+
+        class Stop(Exception):
+            pass
+        def stop(signum, frame):
+            raise Stop
+        signal.signal(signal.SIGURG, stop)
+        _stacks.keep_listening()
+        main = threading.get_ident()
+        threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGURG)).start()
+        a, b = socket.socketpair()
+        try:
+            a.recv(1)
+        except Stop:
+            print("recv ended by their handler", flush=True)
     """)
     assert "owner shmwheel\ntheirs 1 woke 1\n" in done.stdout, done.stdout
-    assert "shmwheel: SIGURG has a handler of its own in this process, which is kept" in done.stdout
+    assert "recv ended by their handler" in done.stdout, done.stdout
+    assert "shmwheel: SIGURG has a Python handler of its own in this process, which is kept" in done.stdout
 
 
 def test_a_handler_set_after_shmwheel_is_taken_back_at_the_look_and_kept() -> None:
@@ -81,9 +100,45 @@ def test_a_handler_set_after_shmwheel_is_taken_back_at_the_look_and_kept() -> No
     """)
     assert re.search(r"^owner another\n(?:shmwheel: .*\n)?owner shmwheel\n", done.stdout, re.M), done.stdout
     assert "theirs 1 woke 1\n" in done.stdout, done.stdout
-    said = re.findall(r"shmwheel: SIGURG was given a handler of its own in this process after shmwheel's; shmwheel's "
-                      r"is back, and calls that handler after its own, for every signal", done.stdout)  # fmt: skip
+    said = re.findall(
+        r"shmwheel: SIGURG was given a Python handler of its own in this process after shmwheel's; shmwheel's is back, "
+        r"and calls that handler after its own, for every signal",
+        done.stdout,
+    )
     assert len(said) == 1, done.stdout
+
+
+def test_a_handler_that_is_not_pythons_is_left_alone_and_said_so() -> None:
+    """faulthandler registered on SIGURG with chain=True, after shmwheel: it
+    raises the signal again for the handler before it, so the two calling
+    each other would recurse until the stack overflows.  shmwheel's look
+    leaves it alone and says so, and the signal does no harm; registered
+    before, listen() refuses the signal in one line."""
+    done = fresh("""
+        import tempfile
+        sink = tempfile.TemporaryFile("w+")
+        _stacks.listen(signal.SIGURG, lambda: woke.append(1) or [])
+        faulthandler.register(signal.SIGURG, file=sink, all_threads=True, chain=True)
+        print("lost", _stacks.keep_listening() == {signal.SIGURG}, "owner", owner(), flush=True)
+        for _ in range(20):
+            os.kill(os.getpid(), signal.SIGURG)
+        time.sleep(0.1)
+        print("alive", flush=True)
+    """)
+    assert "lost True owner another\nalive\n" in done.stdout, done.stdout + done.stderr
+    assert "after shmwheel's that is not a Python one (a C library's, or faulthandler's), which shmwheel leaves " in (
+        done.stdout
+    )
+    refused = fresh("""
+        faulthandler.register(signal.SIGURG, file=sys.stderr, all_threads=True)
+        try:
+            _stacks.listen(signal.SIGURG, lambda: [])
+        except OSError as exc:
+            print("refused:", exc)
+    """)
+    assert "refused: [Errno 16] SIGURG has a handler of its own in this process that is not a Python one" in (
+        refused.stdout
+    ), refused.stdout
 
 
 def test_an_applications_faulthandler_registration_is_left_to_it() -> None:
@@ -145,13 +200,13 @@ def test_an_applications_own_signal_handlers_work_beside_shmwheels_under_gunicor
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         pid = pid_of(get(port, "/"))
         worker = rf"\[{pid}\] \[WARNING\] shmwheel: "
-        server.wait_for(worker + r"SIGURG has a handler of its own in this process, which is kept")
+        server.wait_for(worker + r"SIGURG has a Python handler of its own in this process, which is kept")
         server.wait_for(worker + r"SIGRTMIN has a handler of its own in this process .*: every thread's stack is "
                         r"dumped on SIGRTMIN\+1$")  # fmt: skip
         assert pid_of(get(port, "/retake")) == pid
         # The look, once a second from a request's start, takes it back.
         give_up = time.monotonic() + WAIT
-        while not re.search(worker + "SIGURG was given a handler of its own", server.log()):
+        while not re.search(worker + "SIGURG was given a Python handler of its own", server.log()):
             assert time.monotonic() < give_up, server.log()[-3000:]
             get(port, "/")
             time.sleep(0.2)

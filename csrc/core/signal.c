@@ -10,8 +10,11 @@
  * forks and closes its descriptors may reuse the number for a file of its
  * own, so the handler checks the descriptor is still that pipe (device and
  * inode, taken when it was given) before it writes.  A handler the signal
- * had of the application's is called after the write, with the same
- * arguments, so that taking the signal takes nothing from anyone.
+ * had that is CPython's own (a signal.signal() handler, which only marks
+ * the signal for the main thread) is called after the write, with the
+ * same arguments, so that taking the signal takes nothing from anyone; any
+ * other handler is left alone, since it may do what a handler called from
+ * within another may not (faulthandler's raises the signal again).
  *
  * Python's own signal.signal() will not do here: its handlers run in the
  * main thread, between bytecodes, and a server's main thread may sit in C
@@ -31,7 +34,15 @@ static volatile sig_atomic_t wake_fd[SIGNALS];
 static volatile uint64_t wake_dev[SIGNALS], wake_ino[SIGNALS];
 static struct sigaction before[SIGNALS];          /* the handler each had, called after ours */
 static volatile sig_atomic_t chained[SIGNALS];    /* before[signum] is set and called */
-static volatile sig_atomic_t in_chain[SIGNALS];   /* before[signum] is running: not again from within */
+
+/* before[signum] is running in this thread: not again from within it.  Per
+ * thread, so that a signal on another thread still reaches it; initial-exec
+ * on glibc, so that reading it in a signal handler allocates nothing. */
+#ifdef __GLIBC__
+static __thread __attribute__((tls_model("initial-exec"))) unsigned char in_chain[SIGNALS];
+#else
+static __thread unsigned char in_chain[SIGNALS];
+#endif
 
 static void on_signal(int signum, siginfo_t *info, void *context)
 {
@@ -68,7 +79,12 @@ static int is_default_or_ignored(const struct sigaction *sa)
     return !(sa->sa_flags & SA_SIGINFO) && (sa->sa_handler == SIG_DFL || sa->sa_handler == SIG_IGN);
 }
 
-int shmw_signal_to_fd(int signum, int fd)
+static uint64_t address_of(const struct sigaction *sa)
+{
+    return (sa->sa_flags & SA_SIGINFO) ? (uint64_t)(uintptr_t)sa->sa_sigaction : (uint64_t)(uintptr_t)sa->sa_handler;
+}
+
+int shmw_signal_to_fd(int signum, int fd, uint64_t chainable)
 {
     if (signum <= 0 || signum >= SIGNALS || signum == SIGKILL || signum == SIGSTOP)
         return -EINVAL;
@@ -94,14 +110,22 @@ int shmw_signal_to_fd(int signum, int fd)
     if (fstat(fd, &st) != 0)
         return -errno;
     if (!is_ours(&now)) {
-        /* The handler it has now is the one to call after ours: another's,
-         * or none.  Not called while it is being replaced. */
+        /* The handler it has now: none, one to call after ours, or one
+         * that is left alone.  Not called while it is being replaced. */
+        if (!is_default_or_ignored(&now) && (chainable == 0 || address_of(&now) != chainable))
+            return 2;
         chained[signum] = 0;
         before[signum] = now;
         chained[signum] = !is_default_or_ignored(&now);
     }
     sa.sa_sigaction = on_signal;
     sa.sa_flags = SA_SIGINFO | SA_RESTART;
+    if (chained[signum]) {
+        /* As the handler it calls was installed: whether a wait it ends
+         * returns EINTR (a Python handler expects it to), its stack, its mask. */
+        sa.sa_flags = SA_SIGINFO | (before[signum].sa_flags & (SA_RESTART | SA_ONSTACK));
+        sa.sa_mask = before[signum].sa_mask;
+    }
     wake_fd[signum] = -1; /* no write while the identity below changes */
     wake_dev[signum] = (uint64_t)st.st_dev;
     wake_ino[signum] = (uint64_t)st.st_ino;
@@ -124,4 +148,12 @@ int shmw_signal_owner(int signum)
     if (is_default_or_ignored(&now))
         return now.sa_handler == SIG_IGN ? 1 : 0;
     return 3;
+}
+
+uint64_t shmw_signal_handler(int signum)
+{
+    struct sigaction now;
+    if (signum <= 0 || signum >= SIGNALS || sigaction(signum, NULL, &now) != 0)
+        return 0;
+    return address_of(&now);
 }

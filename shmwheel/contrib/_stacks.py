@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import faulthandler
 import logging
 import os
@@ -53,7 +54,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._binding import lib
 from .._wheel import _fast_ext
-from ._record import DUMP_SIGNALS, RequestRecord, decode_request, signal_name
+from ._record import DUMP_SIGNALS, STACK_SIGNALS, RequestRecord, decode_request, signal_name
 
 if TYPE_CHECKING:
     from ._worker import RequestTimer
@@ -141,10 +142,13 @@ def listen(signum: int, timers: Callable[[], Iterable[RequestTimer]]) -> int:
     signal (0: none is free).  From any thread: the handler is C's
     (``shmw_signal_to_fd``), which wakes the reporter through a pipe.
 
-    Taking the signals takes nothing from the application: a handler that
-    ``signum`` has already is kept, and called after shmwheel's; a dump
-    signal the application has a handler for (its own faulthandler
-    registration, say) is left to it, and the next free one taken."""
+    Taking the signals takes nothing from the application: a Python handler
+    ``signum`` has already (``signal.signal()``) is kept, and called after
+    shmwheel's; any other handler (a C library's, faulthandler's) is left
+    to it, and OSError says that this process cannot be asked for stacks
+    on ``signum``; a dump signal the application has a handler for (its
+    own faulthandler registration, say) is left to it, and the next free
+    one taken."""
     global _timers
     _timers = timers
     with _lock:
@@ -152,18 +156,40 @@ def listen(signum: int, timers: Callable[[], Iterable[RequestTimer]]) -> int:
         _start_reporter()
         if signum in _listening:  # a fork's: _after_fork pointed it at this process's pipe
             return dump
-        kept = lib.shmw_signal_to_fd(signum, _pipe[1])
+        kept = lib.shmw_signal_to_fd(signum, _pipe[1], _python_handler())
         if kept < 0:
             raise OSError(-kept, f"{signal_name(signum)} cannot be caught: {os.strerror(-kept)}")
+        if kept == 2:
+            raise OSError(errno.EBUSY, _not_shared(signum))
         _listening.add(signum)
     if kept:
         server_logger().warning(
-            "shmwheel: %s has a handler of its own in this process, which is kept: shmwheel's asks for a timed-out "
-            "request's stack and then calls it, for every %s",
+            "shmwheel: %s has a Python handler of its own in this process, which is kept: shmwheel's asks for a "
+            "timed-out request's stack and then calls it, for every %s",
             signal_name(signum),
             signal_name(signum),
         )
     return dump
+
+
+def _not_shared(signum: int) -> str:
+    name = signal_name(signum)
+    return (
+        f"{name} has a handler of its own in this process that is not a Python one (a C library's, or "
+        f"faulthandler's), which shmwheel leaves alone: set traceback_signal to a signal nothing here handles "
+        f"({', '.join(sorted(signal_name(s) for s in STACK_SIGNALS if s != signum))})"
+    )
+
+
+def _python_handler() -> int:
+    """The address of CPython's own C signal handler, which runs the Python
+    handlers (signal.signal()): the one handler shmwheel's may call after its
+    own.  Read off a signal that has a Python handler; 0 if none has."""
+    for signum in signal.valid_signals():
+        with contextlib.suppress(ValueError, OSError):
+            if callable(signal.getsignal(signum)) and lib.shmw_signal_owner(signum) == 3:
+                return int(lib.shmw_signal_handler(signum))
+    return 0
 
 
 def _dump_signal() -> int:
@@ -191,26 +217,45 @@ def _dump_signal() -> int:
     return _dump_signum
 
 
-def keep_listening() -> None:
+def keep_listening() -> set[int]:
     """That the stack signals are still shmwheel's in this process: once a
-    second, from a request's start.  One given another handler since
-    (``signal.signal()`` in the application) is taken back, with that
-    handler kept and called after shmwheel's, and the log says so once."""
+    second, from a request's start.  One the application gave a Python
+    handler since (``signal.signal()``) is taken back, with that handler
+    kept and called after shmwheel's; one given any other handler is left
+    to it.  The log says each once.  Returns the signals left to others:
+    this process's requests can no longer be asked for a stack on them."""
+    lost: set[int] = set()
     if _pid != os.getpid():
-        return
+        return lost
     for signum in list(_listening):
         if lib.shmw_signal_owner(signum) == 2:
             continue
         with _lock:
-            kept = lib.shmw_signal_to_fd(signum, _pipe[1])
-        if kept >= 0 and signum not in _told:
-            _told.add(signum)
+            kept = lib.shmw_signal_to_fd(signum, _pipe[1], _python_handler())
+            if kept == 2:
+                _listening.discard(signum)
+                lost.add(signum)
+        if kept < 0 or signum in _told:
+            continue
+        _told.add(signum)
+        if kept == 2:
+            others = ", ".join(sorted(signal_name(s) for s in STACK_SIGNALS if s != signum))
+            server_logger().warning(
+                "shmwheel: %s was given a handler of its own in this process after shmwheel's that is not a Python "
+                "one (a C library's, or faulthandler's), which shmwheel leaves alone: from now on its timed-out "
+                "requests get no stack of their own and are not interrupted; set traceback_signal to a signal "
+                "nothing here handles (%s)",
+                signal_name(signum),
+                others,
+            )
+        else:
             server_logger().warning(
                 "shmwheel: %s was given %s in this process after shmwheel's; shmwheel's is back, %s",
                 signal_name(signum),
-                "a handler of its own" if kept else "the default action or ignored",
+                "a Python handler of its own" if kept else "the default action or ignored",
                 "and calls that handler after its own, for every signal" if kept else "and nothing else needed it",
             )
+    return lost
 
 
 def _start_reporter() -> None:
@@ -253,7 +298,7 @@ def _after_fork() -> None:
             os.close(fd)
     _pipe = _new_pipe()
     for signum in _listening:
-        lib.shmw_signal_to_fd(signum, _pipe[1])
+        lib.shmw_signal_to_fd(signum, _pipe[1], 0)  # its own, inherited: only the pipe changes
 
 
 os.register_at_fork(after_in_child=_after_fork)

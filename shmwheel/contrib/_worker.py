@@ -452,8 +452,12 @@ class RequestTimer:
             return
         if self._pid != _pid:
             return  # not attached in this process yet
-        if self._stack_signal:
-            keep_listening()
+        if self._stack_signal and self._stack_signal in keep_listening():
+            with self._lock:  # its records must not name it: the driver goes on to the dump or the kill
+                self._stack_signal = 0
+                if self._fast is not None and self._wheel is not None:
+                    self._drop_fast()
+                    self._fast = self._make_fast(self._wheel)
         current = self._wheel  # once: another thread may drop it meanwhile
         if current is not None and not current.is_current():  # removed by hand (rm, an old unlink)
             self._replaced(current)
