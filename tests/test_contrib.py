@@ -412,9 +412,9 @@ def fire_all_full(wheel: shmwheel.Wheel, handler: TimeoutHandler, until: float) 
 
 @pytest.mark.parametrize("reserve", [reserve_for(64), 0], ids=["reserve", "none-left"])
 def test_a_full_wheel_keeps_every_stage_and_its_timing(reserve: int, make_wheel, worker, caplog) -> None:
-    """The workers' requests keep the wheel full.  The driver's follow-ups
-    and the worker's answers take the slots kept in reserve; where none is
-    left, the driver keeps its follow-ups in its memory.  Either way the
+    """The workers' requests keep the wheel full.  The worker's answers
+    take the slots kept in reserve, and the driver's follow-ups half of
+    them at most; the driver keeps the others in its memory.  Either way the
     stages come as they would, in order and on time: the stack written and
     said, the stack check DUMP_TIME later, SIGTERM, and SIGKILL kill_after
     after it for the worker that ignores SIGTERM.  (Before, a refused
@@ -427,9 +427,8 @@ def test_a_full_wheel_keeps_every_stage_and_its_timing(reserve: int, make_wheel,
     assert stubborn.wait(WAIT) == -signal.SIGKILL
     records = caplog.records
     kept = [r.getMessage() for r in records if "kept in the driver's memory" in r.getMessage()]
-    if reserve:
-        assert kept == []
-        assert not any("did not write the stack" in r.getMessage() for r in records)  # its answer got through
+    if reserve:  # the driver takes at most half of it, and keeps the rest of its follow-ups itself
+        assert not any("did not write the stack" in r.getMessage() for r in records)  # the answers got through
     else:
         assert len(kept) == 1 and re.match(r"\d+ follow-ups? could not be added to wheel", kept[0]), kept
     timed_out = next(r for r in records if r.getMessage().startswith("request timed out: GET /slow"))

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._checks import check_flag, check_seconds, check_signal
-from .._errors import ShmwheelError, one_line
+from .._errors import ShmwheelError, WheelFullError, one_line
 from .._process import alive, signal_disposition, uids
 from .._records import Fire
 from .._segment import segment_name
@@ -600,7 +600,15 @@ class TimeoutHandler:
         for want of a slot."""
         follow_up = with_kind(payload, kind)
         try:
-            self._open().add(delay, follow_up, reserved=True)
+            wheel = self._open()
+            try:
+                wheel.add(delay, follow_up)
+            except WheelFullError:
+                # Into the reserve while at least half of it is free: the
+                # rest is the workers', whose answers have no other way.
+                if wheel.stats().free * 2 <= wheel.reserve:
+                    raise
+                wheel.add(delay, follow_up, reserved=True)
         except (ShmwheelError, OSError) as exc:
             self._hold(delay, follow_up, exc)
 

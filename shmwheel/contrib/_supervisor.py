@@ -135,6 +135,9 @@ def create_wheel(
             raise DriverRunningError(f"wheel {name!r} is in use: its driver, pid {st.driver_pid}, is running")
         if problem is None:
             _log.info("wheel %r: taking over a wheel no driver runs on%s", name, _kept(st))
+            if st.reserve != reserve_for(capacity):  # made by an earlier version, with workers on it: kept
+                _log.info("wheel %r keeps %d slots in reserve, not %d, until it is made again",
+                          name, st.reserve, reserve_for(capacity))  # fmt: skip
             return False
         # A driver that registers or a timer added from here to the unlink
         # goes with the segment: the name is the only lock there is.
@@ -164,8 +167,6 @@ def _why_not_take_over(
             f"capacity {st.capacity}, tick {st.tick:g} s and records of {st.payload_size} bytes, "
             f"not {capacity}, {tick:g} s and {PAYLOAD_SIZE}"
         )
-    if st.reserve != reserve_for(capacity):
-        return f"{st.reserve} slots kept in reserve, not {reserve_for(capacity)}"
     uid, gid = owner or (-1, -1)
     want = (os.geteuid() if uid == -1 else uid, os.getegid() if gid == -1 else gid)
     got = old.owner()
