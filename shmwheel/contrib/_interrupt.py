@@ -45,7 +45,7 @@ from typing import Any
 
 from .._binding import lib
 from ._record import DUMP_SIGNALS, signal_name
-from ._safepoint import arm, can_arm, check_from_signal, unsafe_at
+from ._safepoint import arm, armed, can_arm, check_from_signal, unsafe_at
 from ._stacks import real
 
 __all__ = ["RESPONSE_BODY", "RESPONSE_STATUS", "RequestTimeout", "interrupt", "listen_for_wake"]
@@ -163,9 +163,16 @@ def _on_wake(signum: int, frame: FrameType | None) -> None:
         check_from_signal(frame)
 
 
+#: How often the wake signal is sent again to a main thread that is still
+#: armed: a call it ended may have been declined (in cleanup code, say) and
+#: retried, or its RequestTimeout swallowed.
+WAKE_AGAIN = 0.05
+
+
 def _wake_up(thread: int) -> str:
     """Send the wake signal to ``thread`` if it is the main thread it was
-    set up in; what it adds to the log's "how"."""
+    set up in, and again every WAKE_AGAIN for as long as it stays armed;
+    what it adds to the log's "how"."""
     pid, main, signum = _wake
     if not signum or pid != os.getpid() or thread != main:
         return ""
@@ -173,7 +180,20 @@ def _wake_up(thread: int) -> str:
         signal.pthread_kill(thread, signum)
     except OSError:
         return ""
+    real("_thread", "start_new_thread")(_wake_again, (thread, signum, pid))
     return f", or in the C call it waits in ({signal_name(signum)})"
+
+
+def _wake_again(thread: int, signum: int, pid: int) -> None:
+    sleep = real("time", "sleep")
+    while True:
+        sleep(WAKE_AGAIN)
+        if os.getpid() != pid or not armed(thread):
+            return
+        try:
+            signal.pthread_kill(thread, signum)
+        except OSError:  # it has ended
+            return
 
 
 def _not_armed(still: Callable[[], bool]) -> str:

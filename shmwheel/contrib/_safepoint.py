@@ -75,7 +75,7 @@ except ImportError as exc:  # a build without it: said where an interrupt is ask
     state_id = None  # type: ignore[assignment]
     _no_linetrace = str(exc)
 
-__all__ = ["arm", "can_arm", "check_from_signal", "unsafe_at", "unsafe_in_call", "unsafe_lines"]
+__all__ = ["arm", "armed", "can_arm", "check_from_signal", "unsafe_at", "unsafe_in_call", "unsafe_lines"]
 
 #: check(frame): True to go on looking, False to stop; what it raises is
 #: raised in the thread, at that line.
@@ -493,6 +493,11 @@ def arm(thread: int, check: Check) -> bool:
         return True
     _drop(thread, check)
     return False
+
+
+def armed(thread: int) -> bool:
+    """Whether ``thread`` has a check armed."""
+    return thread in _checks
 
 
 def _dispatch(thread: int, frame: FrameType, *, signalled: bool = False) -> bool:
