@@ -111,6 +111,7 @@ _PLAIN = frozenset(
 _CALLS = frozenset(_OP[name] for name in ("CALL", "CALL_KW", "CALL_FUNCTION_EX", "PRECALL") if name in _OP)
 _NONE: tuple[frozenset[int], frozenset[int], frozenset[int]] = (frozenset(), frozenset(), frozenset())
 _lines: dict[CodeType, tuple[frozenset[int], frozenset[int], frozenset[int]]] = {}
+MAX_CODES = 20_000  #: code objects whose lines are kept read, at most
 
 
 def unsafe_lines(code: CodeType) -> frozenset[int]:
@@ -125,6 +126,8 @@ def _read(code: CodeType) -> tuple[frozenset[int], frozenset[int], frozenset[int
     ``with`` protects what follows; the offsets of its calls."""
     lines = _lines.get(code)
     if lines is None:
+        if len(_lines) >= MAX_CODES:  # code made per request (a template's, exec's): not kept for ever
+            _lines.clear()
         lines = _lines[code] = _read_lines(code)
     return lines
 
@@ -352,7 +355,9 @@ class _Monitoring:
         self._tool: int | None = None
         self._armed: dict[int, Check] = {}
         self._codes: set[CodeType] = set()
-        self._lock = threading.Lock()
+        # Reentrant: _line may prune (and disarm) from a callback that runs
+        # in a thread already inside _disarm (a finalizer, a signal handler).
+        self._lock = threading.RLock()
         # The OS thread's id, as sys._current_frames() has it: under gevent's
         # monkey-patching threading.get_ident() is the greenlet's instead.
         self._get_ident: Callable[[], int] = threading.get_ident
@@ -431,7 +436,7 @@ class _Monitoring:
 
     def _forget(self) -> None:
         """In a forked child: no thread of the parent's is armed here."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._armed.clear()
         if self._tool is not None:
             monitoring: Any = getattr(sys, "monitoring")  # noqa: B009
