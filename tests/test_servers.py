@@ -268,7 +268,8 @@ def test_gunicorn_without_kill_logs_and_dumps_and_lets_the_request_finish(tmp_pa
 
         # A driver that dies is replaced by the master, and the wheel keeps working.
         os.kill(driver_pid, signal.SIGKILL)
-        server.wait_for(rf"the driver \(pid {driver_pid}\) was killed by SIGKILL after")
+        # Gunicorn's master reaps every child itself: how the driver died is its to know.
+        server.wait_for(rf"the driver \(pid {driver_pid}\) (?:was killed by SIGKILL|is gone) after")
         server.wait_for(r"driver \d+: took over wheel")
         assert get(server.port, "/sleep?s=1.5")[0] == 200
         server.wait_for(timed_out_line("/sleep") + r"[\s\S]*" + timed_out_line("/sleep"))

@@ -368,7 +368,12 @@ class DriverSupervisor:
         if now - self._said < self.SAY_EVERY:
             return
         status = proc.returncode
-        how = f"was killed by {signal_name(-status)}" if status is not None and status < 0 else f"exited ({status})"
+        if status is not None and status < 0:
+            how = f"was killed by {signal_name(-status)}"
+        elif status:
+            how = f"exited with status {status}"
+        else:  # 0: or the server reaped it (Gunicorn's master waits for any child), and its status is gone
+            how = "is gone"
         more = f", and {self._deaths - 1} more died in the last {self.SAY_EVERY:g} s" if self._deaths > 1 else ""
         _log.error(
             "wheel %r: the driver (pid %d) %s after %.1f s%s; starting another (a driver that dies again is "
