@@ -232,8 +232,8 @@ int     shmw_check(shmw_t *w, char *reason, uint32_t reason_len);
  * was repaired (reason says what was wrong first), or a negative code. */
 int     shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len);
 
-/* A worker's stack signal: from now on, signal signum writes one byte (the
- * signal's number) to fd, which should be non-blocking, and does nothing
+/* A worker's stack signal: from now on, signal signum writes one record
+ * (below) to fd, which should be non-blocking, and does nothing
  * else of its own, as an asynchronous signal handler must; SA_RESTART, so
  * that the process's system calls go on undisturbed.  A thread that reads
  * fd then acts, in Python, whatever the main thread is doing - even where
@@ -247,6 +247,17 @@ int     shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len
  * Returns 0 (installed), 1 (installed, and it calls the one it found), 2
  * (left to another's handler), -errno (the signal cannot be caught). */
 int     shmw_signal_to_fd(int signum, int fd, uint64_t chainable);
+
+/* Each signal writes one record of SHMW_SIGNAL_RECORD bytes to the pipe:
+ * the signal's number, then the value the sender queued with it (8 bytes,
+ * little-endian; 0 for a plain kill).  One that did not fit (the pipe was
+ * full) sets a flag, which this returns and clears: 1 if one was lost. */
+#define SHMW_SIGNAL_RECORD 9
+int     shmw_signal_overflowed(void);
+
+/* pidfd_send_signal(2) of signum with `value` queued (SI_QUEUE), as the
+ * driver asks a worker about one request; 0 or -errno. */
+int     shmw_pidfd_sigqueue(int pidfd, int signum, int64_t value);
 
 /* Whose handler signum has now: 0 the default action, 1 ignored, 2 the
  * one shmw_signal_to_fd() installs, 3 another; -errno on error. */

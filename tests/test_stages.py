@@ -584,3 +584,47 @@ def test_gunicorn_says_at_boot_that_eventlet_requests_cannot_be_interrupted() ->
         )  # fmt: skip
         gunicorn._check_setup(server, settings, gunicorn.HOOKS)
     assert len(said) == 1 and said[0].startswith("shmwheel: interrupt=True cannot end a request of the eventlet")
+
+
+ASKED_FIRST = """
+import logging, sys, time
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
+import shmwheel
+from shmwheel.contrib.timeouts import PAYLOAD_SIZE, RequestTimer, TimeoutActions, TimeoutHandler
+name = sys.argv[1]
+wheel = shmwheel.create(name, capacity=100, payload_size=PAYLOAD_SIZE)
+try:
+    timer = RequestTimer(name, 0.05)
+    assert timer.prepare()
+    a = timer.start("GET", "/a", "a")
+    b = timer.start("GET", "/b", "b")
+    time.sleep(0.3)  # both past their timeout: their timers have fired, but no driver has handled them
+    fires = {bytes(fire.payload).split(b"GET", 1)[1][:2]: fire for fire in wheel.poll()}
+    handler = TimeoutHandler(name, TimeoutActions())
+    handler(fires[b"a/"])  # the driver's line for /a, then its signal
+    time.sleep(0.5)
+    print("--- now /b", flush=True)
+    handler(fires[b"b/"])
+    time.sleep(0.5)
+    timer.finish(a)
+    timer.finish(b)
+finally:
+    wheel.close()
+    shmwheel.unlink(name)
+"""
+
+
+def test_a_late_request_is_acted_on_only_once_its_driver_has_said_so(name: str) -> None:
+    """Two requests past their timeout; the driver handles the first one's
+    fire only.  Its signal names that request (a value queued with it), so
+    the worker writes that one's stack and leaves the other, late as it
+    is, until the driver's own line for it comes.  (Before, a signal made
+    the worker act on every late request: the second one's stack, and its
+    interrupt, came before the driver had said a word of it.)"""
+    done = subprocess.run([sys.executable, "-c", ASKED_FIRST, name], capture_output=True, text=True, timeout=60)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    first, then = out.split("--- now /b\n")
+    assert "request timed out: GET /a" in first and "the stack of timed-out request GET /a" in first, out
+    assert "GET /b" not in first, out
+    assert then.index("request timed out: GET /b") < then.index("the stack of timed-out request GET /b"), out

@@ -24,13 +24,19 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#ifndef SYS_pidfd_send_signal
+#define SYS_pidfd_send_signal 424
+#endif
 
 #include "core.h"
 
 #define SIGNALS 65 /* 1..64 on Linux, SIGRTMAX included */
 
 static volatile sig_atomic_t wake_fd[SIGNALS];
+static volatile sig_atomic_t overflowed;          /* a record did not fit in the pipe */
 static volatile uint64_t wake_dev[SIGNALS], wake_ino[SIGNALS];
 static struct sigaction before[SIGNALS];          /* the handler each had, called after ours */
 static volatile sig_atomic_t chained[SIGNALS];    /* before[signum] is set and called */
@@ -49,11 +55,23 @@ static void on_signal(int signum, siginfo_t *info, void *context)
     int saved = errno;
     if (signum > 0 && signum < SIGNALS) {
         int fd = wake_fd[signum];
-        unsigned char byte = (unsigned char)signum;
+        unsigned char record[SHMW_SIGNAL_RECORD];
+        uint64_t value = 0;
         struct stat st;
+        int i;
+        /* What the sender named, if it queued the signal with a value (the
+         * driver: the request it asks about); 0 for a plain kill(2). */
+        if (info && info->si_code == SI_QUEUE)
+            value = (uint64_t)(uintptr_t)info->si_value.sival_ptr;
+        record[0] = (unsigned char)signum;
+        for (i = 0; i < 8; i++)
+            record[1 + i] = (unsigned char)(value >> (8 * i));
         if (fd >= 0 && fstat(fd, &st) == 0 && (uint64_t)st.st_dev == wake_dev[signum] &&
-            (uint64_t)st.st_ino == wake_ino[signum] && write(fd, &byte, 1) < 0) {
-            /* EAGAIN: a wake-up is pending already.  Nothing else to do. */
+            (uint64_t)st.st_ino == wake_ino[signum] && write(fd, record, sizeof record) < 0) {
+            /* EAGAIN: the pipe is full, and the reader behind; it is told
+             * to look at everything (a record with value 0 stands for
+             * this one), once it has read what is there. */
+            overflowed = 1;
         }
         if (chained[signum] && !in_chain[signum]) {
             const struct sigaction *then = &before[signum];
@@ -148,6 +166,27 @@ int shmw_signal_owner(int signum)
     if (is_default_or_ignored(&now))
         return now.sa_handler == SIG_IGN ? 1 : 0;
     return 3;
+}
+
+int shmw_signal_overflowed(void)
+{
+    int was = overflowed;
+    overflowed = 0;
+    return was;
+}
+
+int shmw_pidfd_sigqueue(int pidfd, int signum, int64_t value)
+{
+    siginfo_t info;
+    memset(&info, 0, sizeof info);
+    info.si_signo = signum;
+    info.si_code = SI_QUEUE;
+    info.si_pid = getpid();
+    info.si_uid = getuid();
+    info.si_value.sival_ptr = (void *)(uintptr_t)value;
+    if (syscall(SYS_pidfd_send_signal, pidfd, signum, &info, 0) != 0)
+        return -errno;
+    return 0;
 }
 
 uint64_t shmw_signal_handler(int signum)

@@ -68,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._binding import lib
 from .._checks import check_flag, check_seconds, check_signal
 from .._errors import ShmwheelError, WheelFullError, one_line
 from .._process import alive, signal_disposition, uids
@@ -90,6 +91,7 @@ from ._record import (
     signal_name,
     with_kind,
 )
+from ._stacks import asked_value
 
 __all__ = [
     "DEFAULT_INTERRUPT_GRACE",
@@ -127,9 +129,10 @@ def signal_process(pid: int, start: int, signum: int) -> bool:
     return signal_if(pid, start, signum, None)
 
 
-def signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None) -> bool:
+def signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None, value: int = 0) -> bool:
     """signal_process(), asking ``may()`` too once the process is known to be
-    the one that started at ``start``, right before the signal."""
+    the one that started at ``start``, right before the signal; with
+    ``value`` queued with it (sigqueue's), where the kernel has pidfds."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -147,7 +150,12 @@ def signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None)
     try:
         if not alive(pid, start) or (may is not None and not may()):
             return False
-        signal.pidfd_send_signal(fd, signum)
+        if value:
+            rc = lib.shmw_pidfd_sigqueue(fd, signum, value)
+            if rc < 0:
+                raise OSError(-rc, os.strerror(-rc))
+        else:
+            signal.pidfd_send_signal(fd, signum)
         return True
     except ProcessLookupError:
         return False
@@ -427,7 +435,7 @@ class TimeoutHandler:
         key = fire.payload[1:]
         self._later(max(timeout_at - time.monotonic_ns(), 0) / 1e9, KIND_TIMEOUT, fire.payload)
         late = self._new_late(key, WARNED)
-        if stack and self._signal(fire, record, stack):
+        if stack and self._signal(fire, record, stack, asked_value(record.started_ns, False)):
             late.asked_at = time.monotonic()
             self._later(DUMP_TIME, KIND_CHECK, fire.payload)
 
@@ -471,7 +479,7 @@ class TimeoutHandler:
             return
         key = fire.payload[1:]
         if stack:
-            if not self._signal(fire, record, stack):
+            if not self._signal(fire, record, stack, asked_value(record.started_ns, True)):
                 self._late.pop(key, None)
                 return
             late = self._new_late(key, TIMED_OUT)
@@ -727,9 +735,11 @@ class TimeoutHandler:
             _log.error("killed worker pid %d with SIGKILL: %s (%s had run for %.3f s)", record.pid, why,
                        record.describe(), record.running_for())  # fmt: skip
 
-    def _signal(self, fire: Fire, record: RequestRecord, signum: int) -> bool:
+    def _signal(self, fire: Fire, record: RequestRecord, signum: int, value: int = 0) -> bool:
         """``signum`` to the record's worker, if it is still there and still
-        passes the uid rule right before the signal; whether it was sent."""
+        passes the uid rule right before the signal; whether it was sent.
+        ``value``, queued with it, names the request and the stage asked
+        about, so that the worker acts on no other before its line."""
 
         def may() -> bool:
             why = uid_refusal(record.pid)
@@ -737,7 +747,7 @@ class TimeoutHandler:
                 self._refuse(fire, record, why)
             return why is None
 
-        return signal_if(record.pid, record.start, signum, may)
+        return signal_if(record.pid, record.start, signum, may, value)
 
     def _refusal(self, fire: Fire, record: RequestRecord) -> str | None:
         """Why the live process a record names is not one this driver may

@@ -44,6 +44,7 @@ import faulthandler
 import logging
 import os
 import signal
+import struct
 import sys
 import threading
 import time
@@ -318,30 +319,49 @@ def real(module: str, name: str) -> Any:
     return getattr(__import__(module), name)
 
 
+#: The value a driver queues with its signal for a request: its start
+#: (the record's, on CLOCK_MONOTONIC) and the stage it asks about.
+def asked_value(started_ns: int, timed_out: bool) -> int:
+    """What the driver queues with the stack signal for a request at a stage
+    (warn_after, or its timeout): never 0, which a plain kill(2) reads as."""
+    return (((started_ns & (2**61 - 1)) << 1) | timed_out) + 2
+
+
 def _report_forever(fd: int, pid: int) -> None:
     global _reporter_ident
     _reporter_ident = real("_thread", "get_ident")()
     read = real("os", "read")
+    size = lib.SHMW_SIGNAL_RECORD
+    rest = b""
     while _pid == pid:
         try:
-            read(fd, 64)  # one byte a signal; those that came meanwhile are one report
+            data = rest + read(fd, 64 * size)  # those that came meanwhile are one report
         except OSError:  # closed: a fork of this process replaced it
             return
+        whole = len(data) - len(data) % size
+        data, rest = data[:whole], data[whole:]
+        values = {int.from_bytes(data[at + 1 : at + size], "little") for at in range(0, whole, size)}
+        # A plain kill (an operator's, an older driver's), or records lost: every late request.
+        everyone = 0 in values or lib.shmw_signal_overflowed()
         try:
-            report_overdue()
+            report_overdue(asked=None if everyone else values)
         except Exception:  # noqa: BLE001 - one failed report must not end the reporter
             with contextlib.suppress(Exception):
                 _log.exception("shmwheel: writing a timed-out request's stack failed")
 
 
 _reported: set[tuple[bytes, bool]] = set()  # (record, timed out) whose stack has been written
+_RECORD_STARTED = struct.Struct("<q")
+_STARTED_AT = 16  # the request's start in its record (see _record.HEAD)
 
 
-def report_overdue(now_ns: int | None = None) -> int:
+def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> int:
     """For each request of this process past its warn_after stage or its
-    timeout: its stack written (once a stage), and at its timeout the
-    worker's on_timeout hook and its interrupt; then the driver answered.
-    Returns how many stacks were written."""
+    timeout that the driver has asked about (``asked``: the values its
+    signals carried, see :func:`asked_value`; None: every one): its stack
+    written (once a stage), and at its timeout the worker's on_timeout
+    hook and its interrupt; then the driver answered.  Returns how many
+    stacks were written."""
     now = time.monotonic_ns() if now_ns is None else now_ns
     frames = sys._current_frames()
     written = 0
@@ -356,6 +376,16 @@ def report_overdue(now_ns: int | None = None) -> int:
             if active.deadline_ns > now:
                 continue
             timed_out = active.timeout_ns <= now
+            if asked is not None:
+                # Only at the stage the driver has asked about, which it said
+                # in its log first: a request whose deadline has passed but
+                # whose own fire the driver has not handled yet waits for it.
+                started = _RECORD_STARTED.unpack_from(active.payload, _STARTED_AT)[0]
+                if timed_out and asked_value(started, True) not in asked:
+                    timed_out = False
+                if not timed_out and asked_value(started, False) not in asked:
+                    still.update(m for m in ((active.payload, False), (active.payload, True)) if m in _reported)
+                    continue
             mark = (active.payload, timed_out)
             still.add(mark)
             if mark not in _reported:
