@@ -442,6 +442,43 @@ def test_a_full_wheel_keeps_every_stage_and_its_timing(reserve: int, make_wheel,
     wait_until(lambda: not any(t.name == "shmwheel-follow-ups" for t in threading.enumerate()), "it lingers")
 
 
+def test_a_dead_drivers_warn_stage_check_is_carried_on_as_the_warn_stage(make_wheel, worker, caplog) -> None:
+    """The driver that died had warned about a request (warn_after 0.1 s of
+    a 30 s timeout) and left its stack check; the new one carries it on as
+    the warn stage it was: a "slow" line and a timeout stage for later, no
+    timeout, no kill.  (Carried on as a timeout, it was killed at 0.6 s.)"""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("polite", wheel.name, 60.0)  # a worker of the wheel, with a handler for SIGURG
+    start = start_time(proc.pid)
+    assert start is not None
+    record = encode_request(
+        KIND_CHECK, proc.pid, start, time.monotonic_ns(), "GET", "r9", "/warned",
+        stack_signal=signal.SIGURG, timeout_ms=30_000, warn=True,
+    )  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", f"import shmwheel; shmwheel.attach({wheel.name!r}).add(0.05, {record!r}); print(1)"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert dead.stdout == "1\n"
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, kill_after=0.2))
+    fires = []
+    give_up = time.monotonic() + WAIT
+    while not fires:
+        assert time.monotonic() < give_up
+        fires = wheel.poll()
+        time.sleep(0.01)
+    [fire] = fires
+    handler.took_over(fire.owner_pid, 0)
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        handler(fire)
+        fire_all(wheel, handler, time.monotonic() + 1.0)
+    text = caplog.text
+    assert "carrying on its stack check, which driver" in text, text
+    assert "request is slow: GET /warned (request r9," in text, text
+    assert "request timed out" not in text and "SIGTERM" not in text, text
+    assert proc.poll() is None
+
+
 def test_handler_leaves_a_worker_that_has_exited_alone(make_wheel, worker, caplog) -> None:
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
     proc = worker()

@@ -270,6 +270,7 @@ class _Late:
     asked_at: float = 0.0  # time.monotonic() when the worker was signalled at this stage
     interrupted_at: float = 0.0  # time.monotonic() when it was asked to end it
     dumped_at: float = 0.0  # time.monotonic() when faulthandler's dump was asked for
+    asked_again: bool = False  # the stack signal was sent a second time, plainly
 
 
 class TimeoutHandler:
@@ -373,7 +374,7 @@ class TimeoutHandler:
         if key in self._carried:
             return
         self._carried[key] = now
-        if self.actions.log:
+        if self.actions.log and there:
             _log.info(
                 "%s: carrying on its %s, which driver %d added before it died",
                 record.describe(),
@@ -381,7 +382,12 @@ class TimeoutHandler:
                 fire.owner_pid,
             )
         self._late.pop(key, None)
-        self._timed_out(fire, record, there)
+        if not there:
+            return
+        if record.warn and time.monotonic_ns() < (record.timeout_at() or 0) - SLACK_NS:
+            self._warned(fire, record, there)  # the request is not past its timeout yet: its warn stage it is
+        else:
+            self._timed_out(fire, record, there)
 
     def _heard(self, late: _Late | None, record: RequestRecord) -> None:
         """The worker's word about a request whose follow-ups are due."""
@@ -541,6 +547,17 @@ class TimeoutHandler:
             if not waits:
                 self._finished(record)
             return
+        if not late.answered and not late.asked_again and self._catches(record, record.stack_signal):
+            # Once more, plainly (every late request of the worker), before it
+            # is taken for one in which no Python runs: a standard signal
+            # that came while another was pending merged with it, and the
+            # value that named this request was lost with it.
+            late.asked_again = True
+            if self._signal(fire, record, record.stack_signal):
+                late.asked_at = time.monotonic()
+                self._late[key] = late
+                self._later(DUMP_TIME, KIND_CHECK, fire.payload)
+                return
         if not late.answered and record.dump_signal in DUMP_SIGNALS and self._catches(record, record.dump_signal):
             _log.warning(
                 "worker pid %d did not write the stack of %s within %g s: no Python runs in it (a C call that holds "

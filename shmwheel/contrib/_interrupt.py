@@ -180,20 +180,28 @@ def _wake_up(thread: int) -> str:
         signal.pthread_kill(thread, signum)
     except OSError:
         return ""
-    real("_thread", "start_new_thread")(_wake_again, (thread, signum, pid))
+    if (pid, thread) not in _waking:  # one resender a thread, for all its checks
+        _waking.add((pid, thread))
+        real("_thread", "start_new_thread")(_wake_again, (thread, signum, pid))
     return f", or in the C call it waits in ({signal_name(signum)})"
+
+
+_waking: set[tuple[int, int]] = set()  # (process, thread) that a _wake_again runs for
 
 
 def _wake_again(thread: int, signum: int, pid: int) -> None:
     sleep = real("time", "sleep")
-    while True:
-        sleep(WAKE_AGAIN)
-        if os.getpid() != pid or not armed(thread):
-            return
-        try:
-            signal.pthread_kill(thread, signum)
-        except OSError:  # it has ended
-            return
+    try:
+        while True:
+            sleep(WAKE_AGAIN)
+            if os.getpid() != pid or not armed(thread):
+                return
+            try:
+                signal.pthread_kill(thread, signum)
+            except OSError:  # it has ended
+                return
+    finally:
+        _waking.discard((pid, thread))
 
 
 def _not_armed(still: Callable[[], bool]) -> str:

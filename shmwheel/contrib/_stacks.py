@@ -342,7 +342,8 @@ def _report_forever(fd: int, pid: int) -> None:
         data, rest = data[:whole], data[whole:]
         values = {int.from_bytes(data[at + 1 : at + size], "little") for at in range(0, whole, size)}
         # A plain kill (an operator's, an older driver's), or records lost: every late request.
-        everyone = 0 in values or lib.shmw_signal_overflowed()
+        overflowed = lib.shmw_signal_overflowed()  # read (and cleared) whatever the values say
+        everyone = overflowed or 0 in values
         try:
             report_overdue(asked=None if everyone else values)
         except Exception:  # noqa: BLE001 - one failed report must not end the reporter

@@ -66,10 +66,9 @@ _log = logging.getLogger("shmwheel.timeouts")
 LOOK_INTERVAL_NS = 1_000_000_000  # how often a worker checks that its wheel's name still names it
 #: How long, and how many, requests that ended after their timer fired are
 #: remembered, to be said again to a driver that carries on a dead one's
-#: stages (a restart takes about a second), and how many times at most.
+#: stages (a restart takes about a second).
 ENDED_FOR = 10.0
 ENDED_KEPT = 64
-ENDED_TOLD = 3
 KEEP_OLD = 2  # wheels replaced under a worker that it keeps open for the cancels of their requests
 ATTACH_TRIES = 3  # an AutoDriver's wheel may be removed between its making and the attach: made again
 
@@ -179,8 +178,9 @@ class RequestTimer:
         self._routes = compile_routes(routes, round(self.timeout * 1e9))
         self._warn_ns = 0 if self.warn_after is None else round(self.warn_after * 1e9)
         self._interrupted: set[int] = set()  # handles of the requests interrupted
-        # Requests that ended after their timer fired: record: (when, times told) (tell_ended_again).
-        self._ended_late: dict[bytes, tuple[float, int]] = {}
+        # Requests that ended after their timer fired: record: when (tell_ended_again).
+        self._ended_late: dict[bytes, float] = {}
+        self._driver_seen = 0  # the wheel's driver at the last stack signal
         self._ended_lock = threading.Lock()
         # The server's wsgi.file_wrapper last seen, and what stands for it (see _timing_file_wrapper).
         self._file_wrapper: tuple[object, Any] = (None, None)
@@ -240,6 +240,7 @@ class RequestTimer:
                 self._active = _new_table()
                 self._interrupted = set()
                 self._ended_late = {}
+                self._driver_seen = 0
                 self._ended_lock = threading.Lock()
                 self.in_app = set()
                 self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
@@ -583,24 +584,32 @@ class RequestTimer:
             now = time.monotonic()
             with self._ended_lock:
                 ended = self._ended_late
-                ended[active.payload] = (now, 1)
+                ended[active.payload] = now
                 if len(ended) > ENDED_KEPT:
                     del ended[next(iter(ended))]
 
     def tell_ended_again(self) -> None:
         """Say again which requests ended after their timer fired, in the
-        last ENDED_FOR seconds: a driver that died may have taken the first
-        word with it, and its successor, carrying on the stages it began,
-        asks again (in the reporter thread, at each stack signal)."""
+        last ENDED_FOR seconds, to a driver other than the one last seen (in
+        the reporter thread, at each stack signal): the one that died may
+        have taken the first word with it, and its successor, carrying on
+        the stages it began, asks again."""
+        wheel = self._wheel
+        if wheel is None:
+            return
+        try:
+            driver = wheel.raw_stats().driver_pid
+        except ShmwheelError:
+            return
         now = time.monotonic()
         with self._ended_lock:
             ended = self._ended_late
-            for payload in [p for p, (at, told) in ended.items() if now - at > ENDED_FOR or told >= ENDED_TOLD]:
+            for payload in [p for p, at in ended.items() if now - at > ENDED_FOR]:
                 del ended[payload]
+            if driver == self._driver_seen:
+                return
+            self._driver_seen = driver
             again = list(ended)
-            for payload in again:
-                at, told = ended[payload]
-                ended[payload] = (at, told + 1)
         for payload in again:
             self._tell(payload, KIND_FINISHED)
 
