@@ -298,7 +298,7 @@ def test_a_worker_in_which_no_python_runs_gets_faulthandlers_dump(make_wheel, wo
     proc = worker("gil", wheel.name)
     handler = TimeoutHandler(wheel.name, TimeoutActions())
     with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
-        assert fire_all(wheel, handler, time.monotonic() + 1.2) == 2  # the request, the look: no answer
+        assert fire_all(wheel, handler, time.monotonic() + 1.2) == 3  # the request, two looks: no answer
     timed_out, no_answer = [r.getMessage() for r in caplog.records]
     thread = re.search(r"thread (0x[0-9a-f]{16})", timed_out)
     assert thread is not None
@@ -436,7 +436,7 @@ def test_a_full_wheel_keeps_every_stage_and_its_timing(reserve: int, make_wheel,
     assert killed.getMessage().startswith(f"killed worker pid {stubborn.pid} with SIGKILL: it was still there 0.5 s "
                                           "after SIGTERM, which it ignores")  # fmt: skip
     # The stack check, then kill_after: no stage skipped its wait.
-    assert killed.created - timed_out.created >= DUMP_TIME + 0.5
+    assert killed.created - timed_out.created >= DUMP_TIME / 2 + 0.5
     assert "in serving_a_slow_request" in _err(stubborn)  # the stack was written before the kill
     # The thread that brought kept follow-ups back ends once none is left.
     wait_until(lambda: not any(t.name == "shmwheel-follow-ups" for t in threading.enumerate()), "it lingers")

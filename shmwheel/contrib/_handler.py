@@ -443,7 +443,7 @@ class TimeoutHandler:
         late = self._new_late(key, WARNED)
         if stack and self._signal(fire, record, stack, asked_value(record.started_ns, False)):
             late.asked_at = time.monotonic()
-            self._later(DUMP_TIME, KIND_CHECK, fire.payload)
+            self._later(DUMP_TIME / 2, KIND_CHECK, fire.payload)
 
     def _timed_out(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         actions = self.actions
@@ -490,7 +490,7 @@ class TimeoutHandler:
                 return
             late = self._new_late(key, TIMED_OUT)
             late.asked_at = time.monotonic()
-            self._later(DUMP_TIME, KIND_CHECK, fire.payload)
+            self._later(DUMP_TIME / 2, KIND_CHECK, fire.payload)
             if interrupting:
                 late.interrupted_at = time.monotonic()
                 self._later(actions.interrupt_grace, KIND_GRACE, fire.payload)
@@ -531,11 +531,12 @@ class TimeoutHandler:
         return False
 
     def _check(self, fire: Fire, record: RequestRecord, there: bool) -> None:
-        """DUMP_TIME after the stack signal: the dump if the worker did not
-        answer; then, at a timeout that is not interrupted, the kill."""
+        """Half of DUMP_TIME after the stack signal, the signal once more if
+        the worker has not answered; DUMP_TIME after it, the dump if it has
+        still not; then, at a timeout that is not interrupted, the kill."""
         key = fire.payload[1:]
         late = self._late.get(key)
-        if late is None or time.monotonic() - late.asked_at < DUMP_TIME / 2:
+        if late is None or time.monotonic() - late.asked_at < DUMP_TIME / 4:
             return  # settled (it ended), or the check of its warn_after stage, which its timeout has overtaken
         waits = late.stage == WARNED or late.interrupted_at > 0  # a timeout stage or an interrupt check follows
         if not waits:
@@ -554,9 +555,8 @@ class TimeoutHandler:
             # value that named this request was lost with it.
             late.asked_again = True
             if self._signal(fire, record, record.stack_signal):
-                late.asked_at = time.monotonic()
                 self._late[key] = late
-                self._later(DUMP_TIME, KIND_CHECK, fire.payload)
+                self._later(DUMP_TIME / 2, KIND_CHECK, fire.payload)
                 return
         if not late.answered and record.dump_signal in DUMP_SIGNALS and self._catches(record, record.dump_signal):
             _log.warning(
