@@ -558,31 +558,43 @@ class TimeoutHandler:
                 self._late[key] = late
                 self._later(DUMP_TIME / 2, KIND_CHECK, fire.payload)
                 return
-        if not late.answered and record.dump_signal in DUMP_SIGNALS and self._catches(record, record.dump_signal):
-            _log.warning(
-                "worker pid %d did not write the stack of %s within %g s: no Python runs in it (a C call that holds "
-                "the GIL?); faulthandler writes every thread's stack to its stderr on %s, and the request's is "
-                "thread 0x%016x",
-                record.pid,
-                record.describe(),
-                DUMP_TIME,
-                signal_name(record.dump_signal),
-                record.thread,
-            )
-            if self._signal(fire, record, record.dump_signal):
-                late.dumped_at = time.monotonic()
-                if not waits and self.actions.kill:
-                    self._late[key] = late
-                    self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
-                    return
+        if self._dump(fire, record, late) and not waits and self.actions.kill:
+            self._late[key] = late
+            self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
+            return
         if not waits and self.actions.kill:
             self._graceful(fire, record, late)
+
+    def _dump(self, fire: Fire, record: RequestRecord, late: _Late) -> bool:
+        """faulthandler's dump of every thread, for a worker that has not
+        answered and was not dumped yet, if it catches the dump signal;
+        whether it was sent."""
+        if late.answered or late.dumped_at or record.dump_signal not in DUMP_SIGNALS:
+            return False
+        if not self._catches(record, record.dump_signal):
+            return False
+        _log.warning(
+            "worker pid %d did not write the stack of %s within %.3f s: no Python runs in it (a C call that holds "
+            "the GIL?); faulthandler writes every thread's stack to its stderr on %s, and the request's is "
+            "thread 0x%016x",
+            record.pid,
+            record.describe(),
+            time.monotonic() - late.asked_at,
+            signal_name(record.dump_signal),
+            record.thread,
+        )
+        if not self._signal(fire, record, record.dump_signal):
+            return False
+        late.dumped_at = time.monotonic()
+        return True
 
     def _grace_over(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         """interrupt_grace after the interrupt: a request that has not ended is logged, and with kill, killed."""
         late = self._late.pop(fire.payload[1:], None)
         if not there or (late is not None and late.ended):
             return
+        if late is not None and late.asked_again:
+            self._dump(fire, record, late)  # its stack check is due with this: the dump comes first
         actions = self.actions
         wait = self._kill_waits(record)
         if not actions.kill:
