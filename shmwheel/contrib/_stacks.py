@@ -331,11 +331,16 @@ def _report_forever(fd: int, pid: int) -> None:
     global _reporter_ident
     _reporter_ident = real("_thread", "get_ident")()
     read = real("os", "read")
+    wait = real("select", "select")
     size = lib.SHMW_SIGNAL_RECORD
     rest = b""
     while _pid == pid:
+        # A request left for its own ask is looked at again once it is
+        # ASK_WAIT late, whether or not a signal comes.
+        timeout = None if _look_again is None else max(_look_again - time.monotonic_ns(), 0) / 1e9
         try:
-            data = rest + read(fd, 64 * size)  # those that came meanwhile are one report
+            ready = wait([fd], [], [], timeout)[0]
+            data = rest + read(fd, 64 * size) if ready else rest  # those that came meanwhile are one report
         except OSError:  # closed: a fork of this process replaced it
             return
         whole = len(data) - len(data) % size
@@ -352,6 +357,9 @@ def _report_forever(fd: int, pid: int) -> None:
 
 
 _reported: set[tuple[bytes, bool]] = set()  # (record, timed out) whose stack has been written
+#: How long a late request the driver has not asked about waits for its ask.
+ASK_WAIT_NS = 50_000_000
+_look_again: int | None = None  # time.monotonic_ns() when such a request is looked at again
 _RECORD_STARTED = struct.Struct("<q")
 _STARTED_AT = 16  # the request's start in its record (see _record.HEAD)
 
@@ -363,10 +371,12 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> 
     written (once a stage), and at its timeout the worker's on_timeout
     hook and its interrupt; then the driver answered.  Returns how many
     stacks were written."""
+    global _look_again
     now = time.monotonic_ns() if now_ns is None else now_ns
     frames = sys._current_frames()
     written = 0
     still: set[tuple[bytes, bool]] = set()
+    look_again: int | None = None
     for timer in list(_timers()):
         timer.tell_ended_again()
         for handle, active in timer.active().items():
@@ -377,15 +387,20 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> 
             if active.deadline_ns > now:
                 continue
             timed_out = active.timeout_ns <= now
-            if asked is not None:
+            if asked is not None and now - active.deadline_ns < ASK_WAIT_NS:
                 # Only at the stage the driver has asked about, which it said
-                # in its log first: a request whose deadline has passed but
-                # whose own fire the driver has not handled yet waits for it.
+                # in its log first: a request whose deadline has just passed
+                # but whose own fire the driver has not handled yet waits
+                # for it - at most ASK_WAIT, since a signal that came while
+                # another was pending merged with it, and lost the value
+                # that named its request, though the driver had said its line.
                 started = _RECORD_STARTED.unpack_from(active.payload, _STARTED_AT)[0]
                 if timed_out and asked_value(started, True) not in asked:
                     timed_out = False
                 if not timed_out and asked_value(started, False) not in asked:
                     still.update(m for m in ((active.payload, False), (active.payload, True)) if m in _reported)
+                    again = active.deadline_ns + ASK_WAIT_NS
+                    look_again = again if look_again is None else min(look_again, again)
                     continue
             mark = (active.payload, timed_out)
             still.add(mark)
@@ -401,6 +416,7 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> 
             timer.answer(active.payload)
     _reported.intersection_update(still)
     _reported.update(still)
+    _look_again = look_again
     return written
 
 
