@@ -534,8 +534,8 @@ def test_uwsgi_thread_in_a_cpu_loop_is_answered_504_and_its_worker_serves_on(uws
         sibling="/sleep?s=0.8",
         delay=0.1,
         # uWSGI's main thread serves requests too (core 0), and is woken there as well.
-        how=r"RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next safe point(?:, or in the C call it waits "
-        r"in \(SIGRTMIN\+\d\))?",
+        how=r"RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next safe point(?:, or in the C call it "
+        r"waits in \(SIGRTMIN\+\d\))?",
         access=UWSGI_ACCESS,
     )
     assert "Respawned uWSGI worker" not in uwsgi.log()
