@@ -28,7 +28,6 @@ Each server is started once for the tests that use it, with a 1 s timeout
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import re
 import signal
@@ -60,6 +59,10 @@ TIMEOUT = 1.0  # s: every server's, but the kill test's
 STUCK = 30  # s a stuck request would last if nothing ended it
 GATEWAY_TIMEOUT = (504, RESPONSE_BODY.decode())
 THREAD = r"thread 0x[0-9a-f]{16}(?:, (?:task|greenlet) 0x[0-9a-f]+)?"
+# How the worker says it ends a request: a thread armed, a task that blocks its loop; in the main thread, woken too.
+ARMED_THREAD = r"RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next safe point"
+ARMED_LOOP = r"RequestTimeout to be raised in task Task-\d+, which blocks the event loop, at its next safe point"
+WOKEN = r", or in the C call it waits in \(SIGRTMIN\+\d\)"
 
 
 class Answer:
@@ -201,8 +204,7 @@ def test_sync_worker_cpu_loop_is_answered_504_and_the_worker_serves_on(tmp_path:
             stuck=f"/spin?s={STUCK}",
             sibling="/sleep?s=0.1",
             delay=0.1,
-            how=r"RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next safe point, or in the C call it "
-            r"waits in \(SIGRTMIN\+\d\)",
+            how=ARMED_THREAD + WOKEN,
             access=GUNICORN_ACCESS,
         )
         assert booted(server) == 1
@@ -222,10 +224,7 @@ def test_sync_worker_in_a_c_call_is_ended_at_its_deadline_and_serves_on(stuck: s
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         before = pid_of(get(port, "/"))
         assert get(port, f"{stuck}?s={STUCK}", WAIT, "in-c") == GATEWAY_TIMEOUT
-        server.wait_for(
-            interrupting(stuck, "in-c", before, r"RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next "
-                         r"safe point, or in the C call it waits in \(SIGRTMIN\+\d\)")
-        )  # fmt: skip
+        server.wait_for(interrupting(stuck, "in-c", before, ARMED_THREAD + WOKEN))
         server.wait_for(rf"GET {stuck} \(request in-c, worker pid {before}, .*\) ended [\d.]+ s after it was "
                         r"interrupted$")  # fmt: skip
         assert pid_of(get(port, "/")) == before
@@ -254,7 +253,7 @@ def test_gthread_cpu_loop_is_answered_504_and_its_worker_serves_on(gthread: Serv
         stuck=f"/spin?s={STUCK}",
         sibling="/sleep?s=0.8",
         delay=0.1,
-        how="RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next safe point",
+        how=ARMED_THREAD,
         access=GUNICORN_ACCESS,
     )
     gthread.wait_for(rf"GET /spin \(request gthread-spin-stuck, worker pid {pid}, .*\) ended [\d.]+ s after "
@@ -372,16 +371,7 @@ def test_a_request_in_a_c_call_that_holds_the_gil_goes_on_to_the_kill(tmp_path: 
 
 def get_queued(port: int, path: str, request_id: str, queued: float) -> tuple[int, str]:
     """GET with the X-Request-Start a proxy (or a client that forges it) sets: ``queued`` s ago, nginx's form."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
-    try:
-        start = f"t={time.time() - queued:.3f}"
-        conn.request("GET", path, headers={"X-Request-Id": request_id, "X-Request-Start": start})
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    except (OSError, http.client.HTTPException) as exc:
-        return 0, repr(exc)
-    finally:
-        conn.close()
+    return get(port, path, WAIT, request_id, headers={"X-Request-Start": f"t={time.time() - queued:.3f}"})
 
 
 def test_a_forged_x_request_start_never_gets_a_worker_killed(tmp_path: Path) -> None:
@@ -534,8 +524,7 @@ def test_uwsgi_thread_in_a_cpu_loop_is_answered_504_and_its_worker_serves_on(uws
         sibling="/sleep?s=0.8",
         delay=0.1,
         # uWSGI's main thread serves requests too (core 0), and is woken there as well.
-        how=r"RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next safe point(?:, or in the C call it "
-        r"waits in \(SIGRTMIN\+\d\))?",
+        how=ARMED_THREAD + f"(?:{WOKEN})?",
         access=UWSGI_ACCESS,
     )
     assert "Respawned uWSGI worker" not in uwsgi.log()
@@ -586,8 +575,7 @@ def test_uvicorn_cpu_loop_in_an_async_endpoint_is_answered_504(uvicorn: Server) 
         stuck=f"/spin?s={STUCK}",
         sibling="/await-sleep?s=0.2",
         delay=0.3,
-        how=r"RequestTimeout to be raised in task Task-\d+, which blocks the event loop, at its next safe point, or "
-        r"in the C call it waits in \(SIGRTMIN\+\d\)",
+        how=ARMED_LOOP + WOKEN,
         access=UVICORN_ACCESS,
     )
     # Starlette answers the RequestTimeout 500, which the 504 replaced, and
@@ -606,8 +594,7 @@ def test_uvicorn_time_sleep_in_an_async_endpoint_is_answered_504(uvicorn: Server
         stuck=f"/loop-sleep?s={STUCK}",
         sibling="/await-sleep?s=0.2",
         delay=0.3,
-        how=r"RequestTimeout to be raised in task Task-\d+, which blocks the event loop, at its next safe point, or "
-        r"in the C call it waits in \(SIGRTMIN\+\d\)",
+        how=ARMED_LOOP + WOKEN,
         access=UVICORN_ACCESS,
     )
 

@@ -44,11 +44,16 @@ def free_port() -> int:
         return port
 
 
-def get(port: int, path: str, timeout: float = 10.0, request_id: str | None = None) -> tuple[int, str]:
-    """GET a path (with an X-Request-Id if given): (status, body); (0, error) if the connection broke."""
+def get(
+    port: int, path: str, timeout: float = 10.0, request_id: str | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """GET a path (with an X-Request-Id if given, and ``headers``): (status, body); (0, error) if it broke."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("GET", path, headers={} if request_id is None else {"X-Request-Id": request_id})
+        sent = dict(headers or {})
+        if request_id is not None:
+            sent["X-Request-Id"] = request_id
+        conn.request("GET", path, headers=sent)
         resp = conn.getresponse()
         return resp.status, resp.read().decode()
     except (OSError, http.client.HTTPException) as exc:
