@@ -9,8 +9,10 @@ in: a pure-Python CPU loop in a Gunicorn gthread worker's thread, in a
 gevent greenlet (which keeps the hub, so its sibling is served once it is
 ended) and in a uWSGI thread; a cooperative ``time.sleep`` under gevent; an
 ``await asyncio.sleep`` (its task is cancelled) and a CPU loop (which
-blocks the event loop: the exception is raised in it) under Uvicorn.  The
-504 is in the server's access log.
+blocks the event loop: the exception is raised in it) under Uvicorn; the
+same, a ``time.sleep`` and a synchronous endpoint under Hypercorn's trio
+worker, where a trio task's cancel scope is cancelled.  The 504 is in the
+server's access log.
 
 A request stuck in a C call that holds the GIL (a catastrophic regular
 expression) cannot be interrupted: the driver says so once
@@ -139,8 +141,9 @@ def sibling_carries_on(
     sibling of it (``name``-sibling) on the same (only) worker: the stuck one
     is answered 504 within a few seconds of its timeout, which the worker
     says it interrupted (``how``) and the access log shows (``access``,
-    with {path}); the sibling is answered 200 by the same worker, which
-    still answers afterwards.  Returns the worker's pid."""
+    with {path}, or {route}: the path without its query); the sibling is
+    answered 200 by the same worker, which still answers afterwards.
+    Returns the worker's pid."""
     before = pid_of(get(server.port, "/"))
     with ThreadPoolExecutor(2) as pool:
         hung = Answer(pool, server.port, stuck, f"{name}-stuck")
@@ -152,7 +155,7 @@ def sibling_carries_on(
     pid = driver_pid(server, stuck, hung.request_id)
     assert pid == before
     server.wait_for(interrupting(stuck, hung.request_id, pid, how))
-    server.wait_for(access.format(path=re.escape(stuck)))
+    server.wait_for(access.format(path=re.escape(stuck), route=route(stuck)))
     never_timed_out(server, sibling, other.request_id, slow=True)
     # Past interrupt_grace: the kill never came, the worker is the same.
     time.sleep(max(0.0, hung.sent + TIMEOUT + 1.0 - time.monotonic()))
@@ -174,6 +177,7 @@ def stream_is_cut_when_extend_is_too_short(server: Server, request_id: str) -> N
 GUNICORN_ACCESS = r'"GET {path} HTTP/1\.1" 504 '
 UWSGI_ACCESS = r"GET {path} => generated \d+ bytes in \d+ msecs \(HTTP/1\.1 504\)"
 UVICORN_ACCESS = r'"GET {path} HTTP/1\.1" 504'
+HYPERCORN_ACCESS = r'"GET {route} 1\.1" 504 '  # the path without its query
 STAGES = f"timeout={TIMEOUT}, interrupt=True, interrupt_grace=0.5, kill=True, kill_after=2.0"
 
 
@@ -630,3 +634,74 @@ def test_uvicorn_extend_keeps_a_streaming_response_alive_past_its_timeout(uvicor
 def test_uvicorn_no_timeout_exempts_a_request(uvicorn: Server) -> None:
     """no_timeout() in an async endpoint, which then awaits past its timeout."""
     exempted(uvicorn, "asgi-exempt")
+
+
+# -- Hypercorn's trio worker: a trio task, cancelled through its own run --------------
+
+ARMED_TRIO = (
+    r"RequestTimeout to be raised in trio task hypercorn\.trio\.task_group\._handle, which blocks trio's loop, "
+    r"at its next safe point"
+)
+
+
+@pytest.fixture(scope="module")
+def hypercorn_trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``-k trio`` with one worker process, the app wrapped in
+    TimeoutMiddleware(interrupt=True): trio runs every request, and no
+    asyncio loop runs at all."""
+    tmp_path, port = tmp_path_factory.mktemp("hypercorn-trio"), free_port()
+    cmd = [str(BIN / "hypercorn"), "-k", "trio", f"{APPS / 'asgi_stuck'}:interrupting", "--bind",
+           f"127.0.0.1:{port}", "--access-logfile", "-"]  # fmt: skip
+    with serve_asgi(cmd, port, tmp_path) as server:
+        driver = auto_driver_of(server)
+        yield server
+        assert server.stop(signal.SIGTERM) == 0
+        assert_nothing_left_of_asgi(server, driver)
+
+
+def test_hypercorn_trio_awaiting_task_is_cancelled_and_answered_504(hypercorn_trio: Server) -> None:
+    """A trio task in ``await anyio.sleep`` is cancelled through its run's
+    token, at its checkpoint; a sibling task on the same run finishes.
+    (Before, a trio task was never interrupted: the client waited 30 s.)"""
+    sibling_carries_on(
+        hypercorn_trio,
+        "trio-await",
+        stuck=f"/anyio-sleep?s={STUCK}",
+        sibling="/anyio-sleep?s=0.6",
+        delay=0.5,
+        how=r"trio task hypercorn\.trio\.task_group\._handle cancelled.*",
+        access=HYPERCORN_ACCESS,
+    )
+
+
+def test_hypercorn_trio_cpu_loop_and_time_sleep_in_an_async_endpoint_are_answered_504(
+    hypercorn_trio: Server,
+) -> None:
+    """A CPU loop, and a time.sleep, in an async endpoint block trio's loop,
+    which could never run a cancel: RequestTimeout is raised in the task's
+    step, never in trio's own code between two steps (where it would end
+    the whole run: TrioInternalError); the sibling is served after."""
+    for name, stuck, how in (
+        ("trio-spin", f"/spin?s={STUCK}", ARMED_TRIO + WOKEN),
+        ("trio-loop-sleep", f"/loop-sleep?s={STUCK}", ARMED_TRIO + WOKEN),
+    ):
+        sibling_carries_on(
+            hypercorn_trio, name, stuck=stuck, sibling="/anyio-sleep?s=0.2", delay=0.3, how=how, access=HYPERCORN_ACCESS
+        )
+    assert "TrioInternalError" not in hypercorn_trio.log()
+
+
+def test_hypercorn_trio_sync_endpoint_in_a_worker_thread_is_ended_and_its_thread_stops(hypercorn_trio: Server) -> None:
+    """A ``def`` endpoint runs in one of trio's cached threads (anyio's
+    to_thread under trio), below trio's and outcome's frames: that thread
+    raises RequestTimeout itself, the client gets its 504, the thread stops
+    spinning and the driver hears the request end."""
+    status, body = get(hypercorn_trio.port, f"/thread-spin?s={STUCK}", WAIT, "trio-thread")
+    assert (status, body) == GATEWAY_TIMEOUT
+    pid = driver_pid(hypercorn_trio, "/thread-spin", "trio-thread")
+    how = r"trio task .* cancelled, and the thread .*"
+    hypercorn_trio.wait_for(interrupting("/thread-spin", "trio-thread", pid, how))
+    hypercorn_trio.wait_for(r"GET /thread-spin \(request trio-thread, .*\) ended [\d.]+ s after it was interrupted$")
+    turns = get(hypercorn_trio.port, "/spun")
+    time.sleep(0.3)
+    assert get(hypercorn_trio.port, "/spun") == turns  # no thread spins on

@@ -448,6 +448,43 @@ def test_a_frame_below_cleanup_code_is_unsafe_too() -> None:
     assert "cleanup code" in verdicts["called from a finally"]
 
 
+def test_an_event_loops_own_code_is_never_a_safe_point() -> None:
+    """Under trio.run: a task's code is safe, with trio's loop below it, and
+    so is a function trio runs in one of its threads; but not code that
+    trio's code (outcome's, here) calls from a task, nor code generated at
+    run time (an attrs ``__init__``) that it calls: a raise there would
+    leave the loop's state half-changed (trio.TrioInternalError)."""
+    import outcome
+    import trio
+
+    verdicts: dict[str, str | None] = {}
+
+    def look(name: str) -> None:
+        verdicts[name] = unsafe_at(sys._getframe(1))
+
+    generated: dict[str, Callable[[], None]] = {}
+    exec(compile("def made():\n    look('generated, called by the loop')\n", "<attrs generated test>", "exec"),
+         {"look": look}, generated)  # fmt: skip
+
+    def in_a_thread() -> None:
+        look("in one of the loop's threads")
+
+    def called(name: str) -> None:
+        look(name)
+
+    async def main() -> None:
+        look("in a task")
+        outcome.capture(called, "called by the loop's code")
+        outcome.capture(generated["made"])
+        await trio.to_thread.run_sync(in_a_thread)
+
+    trio.run(main)
+    assert verdicts["in a task"] is None
+    assert verdicts["in one of the loop's threads"] is None
+    for name in ("called by the loop's code", "generated, called by the loop"):
+        assert verdicts[name] is not None and "the event loop's own code" in verdicts[name], (name, verdicts)
+
+
 def test_a_signal_handler_may_raise_only_in_a_call_not_on_an_acquiring_line() -> None:
     """The main thread's wake signal raises from a handler, mid-line: only
     at a call (the C function the signal ended), and never on the line

@@ -19,6 +19,11 @@ ends it the way its kind of worker allows:
   which ends whatever it awaits; a task that blocks its loop (it never
   awaits) has the loop's thread armed instead, since the loop cannot run
   the cancel;
+* a trio task (Hypercorn's trio worker): the request runs inside a cancel
+  scope of the middleware's (:func:`trio_cancel_scope`), cancelled through
+  the run's token (``run_sync_soon``); trio raises ``Cancelled`` at the
+  task's next checkpoint, and the middleware answers 504.  A task that
+  blocks trio's loop has the loop's thread armed, as for asyncio;
 * a greenlet (gevent): :class:`RequestTimeout` thrown into it from its
   hub (``run_callback_threadsafe``) once its frames are at a safe point,
   which ends a cooperative wait; one that is running (a CPU loop that
@@ -34,12 +39,13 @@ interrupted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -48,7 +54,7 @@ from ._record import DUMP_SIGNALS, signal_name
 from ._safepoint import arm, armed, can_arm, check_from_signal, unsafe_at
 from ._stacks import real
 
-__all__ = ["RESPONSE_BODY", "RESPONSE_STATUS", "RequestTimeout", "interrupt", "listen_for_wake"]
+__all__ = ["RESPONSE_BODY", "RESPONSE_STATUS", "RequestTimeout", "interrupt", "listen_for_wake", "trio_cancel_scope"]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
@@ -109,7 +115,8 @@ def _raise_in(
             return False  # it has left: nothing to end
         if running is not None and not running():
             if elsewhere is not None:
-                elsewhere()
+                with contextlib.suppress(Exception):  # shmwheel's own: never the request's thread's
+                    elsewhere()
             return False
         if unsafe_at(frame) is not None:
             return True  # not here: at a later line
@@ -219,8 +226,8 @@ def interrupt(thread: int, task: Any, still: Callable[[], bool], mine: Callable[
     it could not, for the log."""
     if isinstance(task, asyncio.Future):
         return _cancel(task, thread, still, mine)  # type: ignore[arg-type]
-    if task is not None and hasattr(getattr(task, "coro", None), "cr_frame"):
-        return "not interrupted: shmwheel cannot cancel a trio task from outside trio"
+    if task is not None and is_trio_task(task):
+        return _cancel_trio(task, thread, still, mine)
     if task is not None:
         return _throw(task, thread, still)
     if _raise_in(thread, still):
@@ -271,6 +278,69 @@ def _arm_pool(loop_thread: int, mine: Callable[[], bool]) -> int:
         if ident not in (loop_thread, here) and _raise_in(ident, _always, mine):
             armed += 1
     return armed
+
+
+def is_trio_task(task: Any) -> bool:
+    """Whether ``task`` is a trio task (asyncio's have no ``coro`` attribute)."""
+    return hasattr(getattr(task, "coro", None), "cr_frame")
+
+
+# The cancel scopes of the requests that run in trio tasks, by the task's
+# id: (trio, the run's token, the scope).  trio has no way to cancel a task
+# from outside it; a scope around the request's code, cancelled from its
+# own run, is the way.  Set and cleared in the task, read by the reporter.
+_trio_scopes: dict[int, tuple[Any, Any, Any]] = {}
+
+
+@contextlib.contextmanager
+def trio_cancel_scope(task: Any) -> Iterator[Any]:
+    """In the trio task ``task``: a cancel scope around the request's code,
+    which :func:`interrupt` can cancel from any thread while it is entered.
+    Trio then raises ``Cancelled`` at the task's next checkpoint, and goes
+    on raising it at every later one in the scope (level-triggered), until
+    the code has left it; ``cancelled_caught`` says whether it ended so."""
+    trio = sys.modules["trio"]
+    scope = trio.CancelScope()
+    key = id(task)
+    _trio_scopes[key] = (trio, trio.lowlevel.current_trio_token(), scope)
+    try:
+        with scope:
+            yield scope
+    finally:
+        del _trio_scopes[key]
+
+
+def _cancel_trio(task: Any, thread: int, still: Callable[[], bool], mine: Callable[[], bool] | None) -> str:
+    entry = _trio_scopes.get(id(task))
+    if entry is None:
+        return "not interrupted: its task has ended"
+    trio, token, scope = entry
+
+    def cancel() -> None:  # in trio's thread, between two steps of its tasks
+        if still():
+            scope.cancel()
+
+    def cancel_soon() -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(cancel)
+
+    if task.coro.cr_running:
+        # In a step now, which blocks trio's loop: the loop's thread is
+        # armed, for as long as the step lasts; then the scope is cancelled.
+        def running() -> bool:  # its coroutine is being sent to: trio's loop is in the task's step
+            return bool(task.coro.cr_running)
+
+        if _raise_in(thread, still, running, cancel_soon):
+            return _armed(f"trio task {task.name}, which blocks trio's loop,") + _wake_up(thread)
+        return _not_armed(still)
+    try:
+        token.run_sync_soon(cancel)
+    except trio.RunFinishedError:
+        return "not interrupted: its trio run has finished"
+    how = f"trio task {task.name} cancelled"
+    if mine is not None and _arm_pool(thread, mine):
+        how += ", and the thread that runs its synchronous code, if one does, armed to raise at its next safe point"
+    return how
 
 
 def _always() -> bool:

@@ -35,7 +35,11 @@ line of its code, and none is in code that is not the request's:
   prints;
 * not in shmwheel's own code, where the request's bookkeeping is being
   done (the innermost frame only: the middleware's frame that called the
-  application sits lower on every request's stack).
+  application sits lower on every request's stack);
+* not in an event loop's own code (asyncio, trio and its outcome, anyio), whose locks,
+  queues and schedulers are Python too, nor in what that code calls.  The
+  loop's frames may be on the stack only in one piece, at the bottom of the
+  request's: they run the task or the thread whose code lies above them.
 
 Handler code that only moves values (an inlined comprehension's clean-up,
 a generator's ``StopIteration`` guard) does not make its line unsafe.
@@ -58,6 +62,7 @@ import dis
 import functools
 import gc
 import importlib
+import importlib.util
 import logging
 import os
 import signal
@@ -245,6 +250,15 @@ _NOT_THE_REQUESTS = (
     os.path.join(os.path.dirname(os.__file__), "weakref.py"),
     os.path.join(os.path.dirname(os.__file__), "_weakrefset.py"),
 )
+#: Event loops' own code (their locks, queues and schedulers are Python
+#: too): never the innermost frame, where a raise would leave their state
+#: half-changed; lower on the stack, below a task's code, they are the
+#: loop that runs it.
+_LOOPS = tuple(
+    os.path.dirname(str(spec.origin)) + os.sep
+    for spec in (importlib.util.find_spec(name) for name in ("asyncio", "trio", "outcome", "anyio"))
+    if spec is not None and spec.origin is not None
+)
 _FROZEN = "<frozen importlib"
 _THREADING = threading.__file__
 _THREAD_ENTRIES = frozenset({"_bootstrap", "_bootstrap_inner", "run"})
@@ -255,6 +269,7 @@ def unsafe_at(frame: FrameType | None) -> str | None:
     """Why the thread whose innermost frame is ``frame`` may not be
     interrupted there, or None if it may."""
     innermost = True
+    in_loop = below_loop = False
     collecting = {getattr(hook, "__code__", None) for hook in gc.callbacks}
     while frame is not None:
         code = frame.f_code
@@ -269,6 +284,12 @@ def unsafe_at(frame: FrameType | None) -> str | None:
             return f"in {_where(frame)}, a signal handler, which runs between two bytecodes of the code below it"
         if innermost and name.startswith(_OURS):
             return f"in shmwheel's own {_where(frame)}"
+        if _in_loop(frame):
+            if innermost or below_loop:
+                return f"in {_where(frame)}, the event loop's own code"
+            in_loop = True
+        elif in_loop:
+            below_loop = True  # what the loop runs lies above: any loop code further down runs its caller
         line = frame.f_lineno
         unsafe, acquiring, _ = _read(code)
         if line is None or line in unsafe:
@@ -282,6 +303,16 @@ def unsafe_at(frame: FrameType | None) -> str | None:
         innermost = False
         frame = frame.f_back
     return None
+
+
+def _in_loop(frame: FrameType) -> bool:
+    """Whether ``frame`` runs an event loop's own code: its file is the
+    loop's, or it is code generated at run time (an attrs ``__init__``, a
+    dataclass's) that the loop's code called."""
+    name = frame.f_code.co_filename
+    if name.startswith("<") and frame.f_back is not None:
+        name = frame.f_back.f_code.co_filename
+    return name.startswith(_LOOPS)
 
 
 #: The code of the Python signal handlers (the application's, the

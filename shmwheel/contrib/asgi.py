@@ -45,7 +45,7 @@ from .._checks import CAPACITIES, check_flag, check_int, check_seconds
 from .._segment import segment_name
 from .._wheel import _fast_ext
 from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
-from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RequestTimeout
+from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RequestTimeout, is_trio_task, trio_cancel_scope
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
 from ._routes import Routes, compile_routes
 from ._stacks import server_logger
@@ -180,12 +180,6 @@ class TimeoutMiddleware:
         )  # fmt: skip
 
     def _resolve(self) -> RequestTimer:
-        if self.interrupt and "hypercorn.trio.run" in sys.modules:
-            server_logger().warning(
-                "shmwheel: interrupt=True cannot end a request of Hypercorn's trio worker (a trio task cannot be "
-                "cancelled from outside trio): its timed-out requests are logged, and with kill=True killed; use "
-                "the asyncio worker to have them ended"
-            )
         name = self.name or os.environ.get(WHEEL_ENV)
         if name:
             try:
@@ -237,6 +231,11 @@ class TimeoutMiddleware:
         gated = timer.interrupt and handle is not None
         in_app = timer.in_app
         mark = -1 if handle is None else handle
+        # Under trio the request's code runs in a cancel scope, which the
+        # interrupt cancels; the server's own sends are shielded from it.
+        cancel = trio_cancel_scope(task) if gated and is_trio_task(task) else None
+        if cancel is not None:
+            send = _shielded(send, lambda: timer.interrupted(handle))
 
         # With interrupt, http.response.start is held back until the first
         # message of the body, so that until then a 504 can take its place
@@ -282,7 +281,13 @@ class TimeoutMiddleware:
             if gated:
                 timer.gated = True
                 in_app.add(mark)
-            await self.app({**scope, TIMED: handle}, receive, send_timed)
+            if cancel is None:
+                await self.app({**scope, TIMED: handle}, receive, send_timed)
+            else:
+                with cancel as cancelled:
+                    await self.app({**scope, TIMED: handle}, receive, send_timed)
+                if cancelled.cancelled_caught:
+                    raise RequestTimeout()  # trio's Cancelled, which ends in the scope it was raised for
             if held is not None:  # it sent no body: the server says what it says of that
                 start, held = held, None
                 started = True
@@ -323,6 +328,20 @@ async def _send_504(send: Send) -> None:
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in RESPONSE_HEADERS]
     await send({"type": "http.response.start", "status": 504, "headers": headers})
     await send({"type": "http.response.body", "body": RESPONSE_BODY, "more_body": False})
+
+
+def _shielded(send: Send, interrupted: Callable[[], bool]) -> Send:
+    """``send``, shielded from trio's cancellation once the request is
+    ``interrupted()``: the interrupt ends the application's code, never a
+    message the server is sending (the 504).  Until then the server's own
+    cancellation (a client gone, a shutdown) reaches its sends as before."""
+    trio = sys.modules["trio"]
+
+    async def shielded(message: Message) -> None:
+        with trio.CancelScope(shield=interrupted()):
+            await send(message)
+
+    return shielded
 
 
 def _task() -> Any:

@@ -4,6 +4,7 @@ can be, for the end-to-end tests of the stacks the workers write.
     GET /              answers at once
     GET /loop-sleep    time.sleep in an async endpoint: blocks the event loop
     GET /await-sleep   awaits asyncio.sleep: the loop runs on
+    GET /anyio-sleep   awaits anyio.sleep, under asyncio or trio
     GET /recv          a blocking recv on a socket with no data, in an async
                        endpoint: blocks the event loop
     GET /spin          a pure-Python loop: blocks the event loop, holds the
@@ -34,6 +35,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
@@ -94,6 +96,11 @@ def sleep_in_a_thread(seconds: float) -> None:
 
 async def loop_sleep(request: Request) -> PlainTextResponse:
     sleep_in_the_loop(_number(request, "s", 3.0))
+    return _done()
+
+
+async def anyio_sleep(request: Request) -> PlainTextResponse:
+    await anyio.sleep(_number(request, "s", 3.0))
     return _done()
 
 
@@ -166,6 +173,7 @@ routes = Starlette(
         Route("/", index),
         Route("/loop-sleep", loop_sleep),
         Route("/await-sleep", await_sleep_endpoint),
+        Route("/anyio-sleep", anyio_sleep),
         Route("/recv", recv),
         Route("/spin", spin_endpoint),
         Route("/regex", regex),
