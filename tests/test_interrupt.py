@@ -65,6 +65,7 @@ THREAD = r"thread 0x[0-9a-f]{16}(?:, (?:task|greenlet) 0x[0-9a-f]+)?"
 ARMED_THREAD = r"RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next safe point"
 ARMED_LOOP = r"RequestTimeout to be raised in task Task-\d+, which blocks the event loop, at its next safe point"
 WOKEN = r", or in the C call it waits in \(SIGRTMIN\+\d\)"
+ARMED_GREENLET = ARMED_THREAD.replace(" at its", ", where its greenlet runs, at its")
 
 
 class Answer:
@@ -466,7 +467,7 @@ def test_gevent_cpu_loop_is_answered_504_and_then_its_sibling_is_served(gevent: 
         stuck=f"/spin?s={STUCK}",
         sibling="/sleep?s=0.2",
         delay=0.3,
-        how="RequestTimeout to be raised in thread 0x[0-9a-f]{16}, where its greenlet runs, at its next safe point",
+        how=ARMED_GREENLET + WOKEN,
         access=GUNICORN_ACCESS,
     )
     # The sibling's request came in only once the hub ran again: after the interrupt.
@@ -474,6 +475,24 @@ def test_gevent_cpu_loop_is_answered_504_and_then_its_sibling_is_served(gevent: 
     interrupted = re.search(r"shmwheel: interrupting GET /spin ", log)
     served = re.search(r'"GET /sleep\?s=0\.2 HTTP/1\.1" 200 ', log)
     assert interrupted is not None and served is not None and interrupted.start() < served.start(), log[-4000:]
+    assert booted(gevent) == 1
+
+
+def test_gevent_greenlet_in_a_c_call_that_keeps_the_hub_is_ended_and_its_sibling_served(gevent: Server) -> None:
+    """A greenlet in CPython's own time.sleep, which gevent did not patch,
+    keeps the hub in a C call where no line starts: gevent's worker runs in
+    the main thread, so the wake signal ends the sleep and RequestTimeout
+    is raised there.  (Before, the worker slept on for all 30 s, and its
+    sibling with it.)"""
+    sibling_carries_on(
+        gevent,
+        "gevent-c-sleep",
+        stuck=f"/c-sleep?s={STUCK}",
+        sibling="/sleep?s=0.2",
+        delay=0.3,
+        how=ARMED_GREENLET + WOKEN,
+        access=GUNICORN_ACCESS,
+    )
     assert booted(gevent) == 1
 
 

@@ -27,7 +27,8 @@ ends it the way its kind of worker allows:
 * a greenlet (gevent): :class:`RequestTimeout` thrown into it from its
   hub (``run_callback_threadsafe``) once its frames are at a safe point,
   which ends a cooperative wait; one that is running (a CPU loop that
-  keeps the hub) has its thread armed.
+  keeps the hub, or a C call that does not yield to it) has its thread
+  armed, and in the main thread woken as above.
 
 The server adapters then answer ``504 Gateway Timeout`` if the response
 has not started, and close the connection if it has.  Whether the request
@@ -379,7 +380,10 @@ def _throw(glet: Any, thread: int, still: Callable[[], bool]) -> str:
     if getattr(glet, "gr_frame", None) is None:  # the one running in its thread: it keeps the hub
         getcurrent = sys.modules["greenlet"].getcurrent
         if _raise_in(thread, still, lambda: getcurrent() is glet, lambda: run(throw)):
-            return _armed(f"thread 0x{thread:016x}, where its greenlet runs,")
+            # Gevent's workers run in the main thread: a greenlet blocked in
+            # a C call that does not yield (a sleep or a socket gevent did
+            # not patch) is woken there like a sync worker's request.
+            return _armed(f"thread 0x{thread:016x}, where its greenlet runs,") + _wake_up(thread)
         return _not_armed(still)
     run(throw)
     return f"RequestTimeout to be thrown into greenlet 0x{id(glet):x} at its next safe point"

@@ -4,6 +4,8 @@
     GET /sleep?s=N       time.sleep(N)
     GET /recv?s=N        a blocking recv on a socket no data comes to, N s
     GET /spin?s=N        a pure-Python CPU loop, N s
+    GET /c-sleep?s=N     CPython's own time.sleep(N), which does not yield
+                         to gevent's hub even under its monkey-patching
     GET /regex?n=N       a catastrophic regular expression: 2**N steps in C
                          with the GIL held (N = 26: a few seconds), which
                          nothing can interrupt
@@ -13,8 +15,8 @@
                          F s after the response starts (default 0)
     GET /no-timeout?s=N  shmwheel.contrib.no_timeout(), then time.sleep(N)
 
-Under gevent's monkey-patching the first two yield to the hub, the last
-two keep it.  Each way is a function of its own, which a timed-out
+Under gevent's monkey-patching the first two yield to the hub; a spin,
+a C sleep and a regular expression keep it.  Each way is a function of its own, which a timed-out
 request's stack names.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 import time
 from collections.abc import Iterator
 
@@ -49,6 +52,12 @@ def stuck_in_recv(seconds: float) -> None:
             ours.recv(1)
         except TimeoutError:
             pass
+
+
+def stuck_in_c_sleep(seconds: float) -> None:
+    monkey = sys.modules.get("gevent.monkey")
+    sleep = time.sleep if monkey is None else monkey.get_original("time", "sleep")
+    sleep(seconds)
 
 
 def stuck_in_spin(seconds: float) -> None:
@@ -79,6 +88,12 @@ def sleep() -> Response:
 @app.route("/recv")
 def recv() -> Response:
     stuck_in_recv(_seconds())
+    return _done()
+
+
+@app.route("/c-sleep")
+def c_sleep() -> Response:
+    stuck_in_c_sleep(_seconds())
     return _done()
 
 
