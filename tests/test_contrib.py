@@ -27,7 +27,7 @@ from shmwheel._binding import ffi, lib
 from shmwheel._process import signal_disposition, start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
-from shmwheel.contrib._handler import DUMP_TIME
+from shmwheel.contrib._handler import DUMP_TIME, signal_if
 from shmwheel.contrib._record import HEAD
 from shmwheel.contrib._supervisor import reserve_for
 from shmwheel.contrib.timeouts import (
@@ -189,7 +189,8 @@ WORKER = textwrap.dedent(
         handle = timer.start("GET", "/slow", "r1")
         assert handle is not None
         if mode == "lost":  # something took the stack signal since its start's look: its default action ends it
-            signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+            from shmwheel.contrib.timeouts import decode_request
+            signal.signal(decode_request(timer.active()[handle].payload).stack_signal, signal.SIG_DFL)
         if mode in ("two", "stubborn"):
             assert timer.start("GET", "/slower", "r2") is not None
     else:
@@ -227,6 +228,36 @@ def test_signal_process_checks_the_start_time(worker) -> None:
     assert signal_process(proc.pid, start, signal.SIGKILL)
     assert proc.wait(WAIT) == -signal.SIGKILL
     assert not signal_process(proc.pid, start, signal.SIGKILL)  # reaped: gone
+
+
+SIGNAL_WAITER = """
+import resource, signal, sys
+resource.setrlimit(resource.RLIMIT_SIGPENDING, (0, resource.getrlimit(resource.RLIMIT_SIGPENDING)[1]))
+ask = signal.SIGRTMIN + 5
+signal.pthread_sigmask(signal.SIG_BLOCK, {ask})
+print("ready", flush=True)
+info = signal.sigwaitinfo({ask})
+print("queued" if info.si_code == -1 else "plain", flush=True)  # SI_QUEUE is -1
+"""
+
+
+def test_an_ask_with_no_room_for_its_value_still_gets_there_plainly() -> None:
+    """A worker whose user has no room for one more queued real-time signal
+    (RLIMIT_SIGPENDING, here 0): the driver's sigqueue gets EAGAIN, and the
+    ask goes plainly instead, which the worker reads as "every late
+    request".  (Before, the driver raised OSError and the ask was lost.)"""
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_WAITER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        start = start_time(proc.pid)
+        assert start is not None
+        assert signal_if(proc.pid, start, signal.SIGRTMIN + 5, None, 12345)
+        assert proc.stdout.readline() == "plain\n"
+        assert proc.wait(WAIT) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
 
 
 def fire_all(wheel: shmwheel.Wheel, handler: TimeoutHandler, until: float) -> int:
@@ -281,7 +312,7 @@ def test_handler_asks_the_worker_for_the_requests_own_stack(make_wheel, worker, 
     [line] = [r.getMessage() for r in caplog.records]
     assert re.fullmatch(
         rf"request timed out: GET /slow \(request r1, worker pid {proc.pid}, thread (0x[0-9a-f]{{16}})\), "
-        r"running for 0\.\d+ s; asking it for the request's stack \(SIGURG\)",
+        r"running for 0\.\d+ s; asking it for the request's stack \(SIGRTMIN\+\d\)",
         line,
     )
     err = wait_for(proc, "in serving_a_slow_request")
@@ -320,7 +351,7 @@ def test_a_stack_signal_the_worker_does_not_catch_is_not_sent(make_wheel, worker
         assert fire_all(wheel, handler, time.monotonic() + 0.8) == 1
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == (
-        f"worker pid {proc.pid} does not catch SIGUSR2, which its records name to ask it for a stack (it leaves the "
+        f"worker pid {proc.pid} does not catch SIGRTMIN+1, which its records name to ask it for a stack (it leaves the "
         "default action to it): not sent"
     )
     assert lines[1].endswith("; asking it for every thread's stack (SIGRTMIN)")

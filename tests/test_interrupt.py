@@ -106,7 +106,7 @@ def timed_out(path: str, request_id: str, pid: int | str = r"\d+") -> str:
     """The driver's line for a request it asks its worker to end."""
     return (
         rf"request timed out: GET {route(path)} \(request {re.escape(request_id)}, worker pid {pid}, {THREAD}\), "
-        r"running for [\d.]+ s; asking it to end the request \(SIGURG\)"
+        r"running for [\d.]+ s; asking it to end the request \(SIGRTMIN\+\d\)"
     )
 
 
@@ -274,7 +274,7 @@ def test_warn_after_logs_a_slow_requests_stack_and_lets_it_finish(gthread: Serve
     request = rf"GET /sleep \(request slow, worker pid {pid}, {THREAD}\)"
     gthread.wait_for(
         rf"request is slow: {request}, running for 0\.[5-9]\d* s, 0\.[0-5]\d* s before its timeout; asking it for "
-        r"the request's stack \(SIGURG\)$"
+        r"the request's stack \(SIGRTMIN\+\d\)$"
     )
     gthread.wait_for(
         rf"shmwheel: the stack of slow request {request}, running for [\d.]+ s, [\d.]+ s before its timeout \(most "

@@ -177,7 +177,7 @@ def timed_out_line(path: str) -> str:
 
 
 DRIVER_TIMED_OUT = r"request timed out"  # the driver's line (the worker's header is "the stack of timed-out ...")
-ASKED = r"; asking it for the request's stack \(SIGURG\)"
+ASKED = r"; asking it for the request's stack \(SIGRTMIN\+\d\)"
 
 
 def own_stack(path: str, function: str, file: str = "app.py") -> str:

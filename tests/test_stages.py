@@ -232,7 +232,7 @@ def test_an_interrupted_request_ends_and_its_worker_is_left_alone(make_wheel, st
     lines = messages(caplog)
     assert re.fullmatch(
         rf"request timed out: GET /slow \(request r1, worker pid {proc.pid}, thread 0x[0-9a-f]{{16}}\), running for "
-        r"0\.\d+ s; asking it to end the request \(SIGURG\), then SIGTERM if it has not ended 0\.5 s later, and "
+        r"0\.\d+ s; asking it to end the request \(SIGRTMIN\+\d\), then SIGTERM if it has not ended 0\.5 s later, and "
         r"SIGKILL 5 s after that",
         lines[0],
     ), lines
@@ -288,7 +288,7 @@ def test_warn_after_logs_the_stack_then_the_timeout_stage_follows(make_wheel, st
     lines = messages(caplog)
     assert re.fullmatch(
         r"request is slow: GET /slow \(request r1, .*\), running for 0\.[2-7]\d\d s, 0\.[2-7]\d\d s before its "
-        r"timeout; asking it for the request's stack \(SIGURG\)",
+        r"timeout; asking it for the request's stack \(SIGRTMIN\+\d\)",
         lines[0],
     ), lines
     assert lines[1].startswith("request timed out: GET /slow (request r1, "), lines
@@ -587,12 +587,16 @@ def test_gunicorn_says_at_boot_that_eventlet_requests_cannot_be_interrupted() ->
 
 
 ASKED_FIRST = """
-import logging, sys, time
+import logging, signal, sys, time
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 import shmwheel
 from shmwheel.contrib import _stacks
+from shmwheel.contrib._record import DUMP_SIGNALS, signal_name
 from shmwheel.contrib.timeouts import PAYLOAD_SIZE, RequestTimer, decode_request
-name = sys.argv[1]
+name, queued = sys.argv[1], sys.argv[2] == "queued"
+if not queued:  # every real-time signal the driver could ask on is the application's
+    for signum in DUMP_SIGNALS:
+        signal.signal(signum, lambda *args: None)
 wheel = shmwheel.create(name, capacity=100, payload_size=PAYLOAD_SIZE)
 try:
     timer = RequestTimer(name, 0.05)
@@ -603,11 +607,13 @@ try:
     active = timer.active()
     deadline = {h: active[h].deadline_ns for h in (a, b)}
     started = {h: decode_request(active[h].payload).started_ns for h in (a, b)}
-    asked_a = {_stacks.asked_value(started[a], True)}
+    print("asked on", signal_name(decode_request(active[a].payload).stack_signal), flush=True)
     # /a asked about; /b 10 ms late, not asked yet (the driver has its fire still to handle)
-    _stacks.report_overdue(now_ns=deadline[b] + 10_000_000, asked=asked_a)
+    _stacks.report_overdue(now_ns=deadline[b] + 10_000_000, asked={_stacks.asked_value(started[a], True)})
     print("--- /b 60 ms late, still not asked", flush=True)
     _stacks.report_overdue(now_ns=deadline[b] + 60_000_000, asked=set())
+    print("--- /b asked", flush=True)
+    _stacks.report_overdue(now_ns=deadline[b] + 70_000_000, asked={_stacks.asked_value(started[b], True)})
     timer.finish(a)
     timer.finish(b)
 finally:
@@ -616,17 +622,75 @@ finally:
 """
 
 
-def test_a_late_request_is_acted_on_only_once_its_driver_has_said_so(name: str) -> None:
+@pytest.mark.parametrize("queued", ["queued", "merged"])
+def test_a_late_request_is_acted_on_only_once_its_driver_has_said_so(name: str, queued: str) -> None:
     """Two late requests; the driver's signal names the first one (a value
     queued with it).  The worker writes that one's stack and leaves the
     other, whose own fire the driver may not have handled yet, for its own
-    ask - for at most ASK_WAIT (50 ms), since a standard signal that came
-    while another was pending merged with it and lost its value, though the
-    driver had written its line.  (Before, a signal made the worker act on
-    every late request at once.)"""
-    done = subprocess.run([sys.executable, "-c", ASKED_FIRST, name], capture_output=True, text=True, timeout=60)
+    ask.  The driver asks on a real-time signal, where asks queue, so the
+    other waits for its own, however late ("queued"; before, it was acted
+    on 50 ms late, with or without the driver's line).  Where the
+    application has every real-time signal, the driver asks on SIGURG,
+    where a signal that comes while another is pending merges with it and
+    loses its value: there it waits ASK_WAIT (50 ms) at most ("merged")."""
+    args = [sys.executable, "-c", ASKED_FIRST, name, queued]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
-    first, then = out.split("--- /b 60 ms late, still not asked\n")
+    first, late, then = re.split("--- /b 60 ms late, still not asked\n|--- /b asked\n", out)
+    on = re.search(r"^asked on (\S+)$", first, re.M)
     assert "the stack of timed-out request GET /a" in first and "GET /b" not in first, out
-    assert "the stack of timed-out request GET /b" in then and "GET /a" not in then, out
+    if queued == "queued":
+        assert on is not None and on.group(1) == "SIGRTMIN+1", out
+        assert late == "" and "the stack of timed-out request GET /b" in then, out
+    else:
+        assert on is not None and on.group(1) == "SIGURG", out
+        assert "the stack of timed-out request GET /b" in late and then == "", out
+
+
+BOTH_ASKED = """
+import os, signal, sys, time
+import shmwheel
+from shmwheel._binding import lib
+from shmwheel.contrib import _stacks
+from shmwheel.contrib.timeouts import PAYLOAD_SIZE, RequestTimer, decode_request
+name = sys.argv[1]
+heard = []
+report = _stacks.report_overdue
+_stacks.report_overdue = lambda now_ns=None, asked=None: heard.append(asked) or report(now_ns, asked)
+wheel = shmwheel.create(name, capacity=100, payload_size=PAYLOAD_SIZE)
+try:
+    timer = RequestTimer(name, 0.05, traceback_signal=signal.SIGURG)
+    assert timer.prepare()
+    handles = [timer.start("GET", path, path) for path in ("/a", "/b")]
+    records = [decode_request(timer.active()[h].payload) for h in handles]
+    values = {_stacks.asked_value(record.started_ns, True) for record in records}
+    time.sleep(0.1)
+    ask = records[0].stack_signal
+    # As when the driver asks twice before the worker runs a handler: the
+    # second ask comes while the first is pending.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {ask})
+    fd = os.pidfd_open(os.getpid())
+    for value in values:
+        assert lib.shmw_pidfd_sigqueue(fd, ask, value) == 0
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {ask})
+    give_up = time.monotonic() + 10
+    while set().union(*(h or () for h in heard)) != values and time.monotonic() < give_up:
+        time.sleep(0.01)
+    print("heard both" if set().union(*(h or () for h in heard)) == values else f"heard {heard}")
+    for handle in handles:
+        timer.finish(handle)
+finally:
+    wheel.close()
+    shmwheel.unlink(name)
+"""
+
+
+def test_two_asks_that_come_together_both_reach_the_worker_with_their_values(name: str) -> None:
+    """The driver's second ask comes while its first is still pending (the
+    signal blocked meanwhile): on the real-time signal the worker's records
+    name, both queue, and the reporter hears both values through the C
+    handler.  (Before, on SIGURG, the second merged with the first and its
+    value was lost.)"""
+    done = subprocess.run([sys.executable, "-c", BOTH_ASKED, name], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "heard both\n", done.stdout + done.stderr

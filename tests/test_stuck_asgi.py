@@ -84,7 +84,7 @@ def stuck_requests_write_their_own_stacks(server: Server, errors: Server, prefix
             "^" + prefix.format(pid=r"\d+") + rf"shmwheel: request timed out: GET {route} \(request {request_id}, "
             r"worker pid (\d+), "
             r"thread (0x[0-9a-f]{16}), task (0x[0-9a-f]+)\), running for [\d.]+ s; asking it for the request's "
-            r"stack \(SIGURG\)$"
+            r"stack \(SIGRTMIN\+\d\)$"
         )
         found = re.findall(driver_line, errors.log(), re.MULTILINE)
         assert len(found) == 1, f"{path}: {found}\n{errors.log()[-6000:]}"

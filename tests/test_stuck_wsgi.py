@@ -175,7 +175,7 @@ def test_gunicorn_gevent_worker_stuck_in_a_request_is_killed_and_replaced(tmp_pa
         assert get_as(server.port, "/sleep?s=60", "gevent-kill")[0] in (0, 500)
         pid, thread = the_one_driver_line(server, "/sleep", "gevent-kill")
         server.wait_for(
-            driver_line("/sleep", "gevent-kill") + r"; asking it for the request's stack \(SIGURG\), then SIGABRT"
+            driver_line("/sleep", "gevent-kill") + r"; asking it for the request's stack \(SIGRTMIN\+\d\), then SIGABRT"
         )
         own_stack(server, "/sleep", "gevent-kill", pid, thread, "stuck_in_sleep")
         server.wait_for(rf"Worker \(pid:{pid}\) (?:exited with code|was sent SIGKILL)")

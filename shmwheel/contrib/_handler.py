@@ -150,12 +150,14 @@ def signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None,
     try:
         if not alive(pid, start) or (may is not None and not may()):
             return False
-        if value:
-            rc = lib.shmw_pidfd_sigqueue(fd, signum, value)
-            if rc < 0:
-                raise OSError(-rc, os.strerror(-rc))
-        else:
+        rc = lib.shmw_pidfd_sigqueue(fd, signum, value) if value else -errno.EAGAIN
+        if rc == -errno.EAGAIN:
+            # No value, or no room for it: the worker's user has as many
+            # real-time signals queued as RLIMIT_SIGPENDING allows.  A plain
+            # one still gets there, and is read as "every late request".
             signal.pidfd_send_signal(fd, signum)
+        elif rc < 0:
+            raise OSError(-rc, os.strerror(-rc))
         return True
     except ProcessLookupError:
         return False
@@ -549,12 +551,16 @@ class TimeoutHandler:
                 self._finished(record)
             return
         if not late.answered and not late.asked_again and self._catches(record, record.stack_signal):
-            # Once more, plainly (every late request of the worker), before it
-            # is taken for one in which no Python runs: a standard signal
-            # that came while another was pending merged with it, and the
-            # value that named this request was lost with it.
+            # Once more before it is taken for one in which no Python runs.
+            # On a standard signal plainly (every late request of the
+            # worker): one that came while another was pending merged with
+            # it, and the value that named this request was lost with it.
+            # A real-time one queues: the same value again.
             late.asked_again = True
-            if self._signal(fire, record, record.stack_signal):
+            value = 0
+            if record.stack_signal >= signal.SIGRTMIN:
+                value = asked_value(record.started_ns, late.stage != WARNED)
+            if self._signal(fire, record, record.stack_signal, value):
                 self._late[key] = late
                 self._later(DUMP_TIME / 2, KIND_CHECK, fire.payload)
                 return

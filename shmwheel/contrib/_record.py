@@ -22,7 +22,11 @@ the path (little-endian)::
                   (the request id is empty when its client sent none: the
                   worker's pid and the request's start stand in)
         40     1  stack signal: the worker writes the request's own stack
-                  on it (0: it cannot be asked)
+                  on it (0: it cannot be asked).  A real-time one of
+                  DUMP_SIGNALS where one is free, on which the driver's
+                  asks queue, each with its value; else the traceback
+                  signal (SIGURG by default), on which one that comes while
+                  another is pending is merged with it
         41     1  dump signal: faulthandler writes every thread's stack on
                   it, when no Python can run in the worker (0: none)
         42     2  MAGIC, so that a payload of another kind is never read

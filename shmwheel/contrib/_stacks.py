@@ -133,6 +133,7 @@ _reporter_ident = 0  # its thread, which no report shows
 _listening: set[int] = set()
 _told: set[int] = set()  # the signals taken back from the application, which the log has said
 _dump_signum = 0  # faulthandler's in this process, registered by listen(); 0: none yet
+_ask_signum = 0  # the real-time signal the driver asks on, set up by ask_signal(); 0: none yet
 _timers: Callable[[], Iterable[RequestTimer]] = list
 
 
@@ -216,6 +217,33 @@ def _dump_signal() -> int:
             then,
         )
     return _dump_signum
+
+
+def ask_signal() -> int:
+    """The signal the driver asks this process on, from any thread after
+    :func:`listen`: the first free real-time signal of DUMP_SIGNALS, with
+    the same handler as the traceback signal.  Real-time signals queue,
+    each with the value the driver sent (the request and the stage it has
+    logged), where a standard one that comes while another is pending is
+    merged with it and its value lost: so the worker acts on no request
+    before the driver's line about it.  The traceback signal stays for
+    asks without a value (an operator's ``kill``).  0 if none is free."""
+    global _ask_signum
+    with _lock:
+        if _ask_signum and _ask_signum in _listening:
+            return _ask_signum
+        _ask_signum = 0
+        for signum in DUMP_SIGNALS:
+            if lib.shmw_signal_owner(signum) == 0 and lib.shmw_signal_to_fd(signum, _pipe[1], 0) == 0:
+                _listening.add(signum)
+                _ask_signum = signum
+                break
+    return _ask_signum
+
+
+def listening(signum: int) -> bool:
+    """Whether ``signum`` is one of shmwheel's stack signals in this process."""
+    return signum in _listening and _pid == os.getpid()
 
 
 def keep_listening() -> set[int]:
@@ -362,6 +390,7 @@ ASK_WAIT_NS = 50_000_000
 _look_again: int | None = None  # time.monotonic_ns() when such a request is looked at again
 _RECORD_STARTED = struct.Struct("<q")
 _STARTED_AT = 16  # the request's start in its record (see _record.HEAD)
+_STACK_SIGNAL_AT = 40  # the signal the driver asks on, in the record
 
 
 def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> int:
@@ -387,20 +416,24 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> 
             if active.deadline_ns > now:
                 continue
             timed_out = active.timeout_ns <= now
-            if asked is not None and now - active.deadline_ns < ASK_WAIT_NS:
+            queued = active.payload[_STACK_SIGNAL_AT] >= signal.SIGRTMIN
+            if asked is not None and (queued or now - active.deadline_ns < ASK_WAIT_NS):
                 # Only at the stage the driver has asked about, which it said
-                # in its log first: a request whose deadline has just passed
-                # but whose own fire the driver has not handled yet waits
-                # for it - at most ASK_WAIT, since a signal that came while
-                # another was pending merged with it, and lost the value
-                # that named its request, though the driver had said its line.
+                # in its log first: a request whose deadline has passed but
+                # whose own fire the driver has not handled yet waits for
+                # it.  Asks on a real-time signal queue, so it always comes;
+                # on a standard one (no real-time signal was free) it waits
+                # at most ASK_WAIT, since a signal that came while another
+                # was pending merged with it, and lost the value that named
+                # its request, though the driver had said its line.
                 started = _RECORD_STARTED.unpack_from(active.payload, _STARTED_AT)[0]
                 if timed_out and asked_value(started, True) not in asked:
                     timed_out = False
                 if not timed_out and asked_value(started, False) not in asked:
                     still.update(m for m in ((active.payload, False), (active.payload, True)) if m in _reported)
-                    again = active.deadline_ns + ASK_WAIT_NS
-                    look_again = again if look_again is None else min(look_again, again)
+                    if not queued:
+                        again = active.deadline_ns + ASK_WAIT_NS
+                        look_again = again if look_again is None else min(look_again, again)
                     continue
             mark = (active.payload, timed_out)
             still.add(mark)

@@ -53,7 +53,7 @@ from ._record import (
     with_kind,
 )
 from ._routes import Routes, compile_routes
-from ._stacks import SLACK_NS, Active, keep_listening, listen, real, server_log, server_logger
+from ._stacks import SLACK_NS, Active, ask_signal, keep_listening, listen, listening, real, server_log, server_logger
 from ._supervisor import AutoDriver
 
 if TYPE_CHECKING:
@@ -303,7 +303,9 @@ class RequestTimer:
         except OSError as exc:
             self._warn(f"a timed-out request's stack cannot be asked for: {one_line(exc)}")
             return
-        self._stack_signal, self._dump_signal = self.traceback_signal, dump
+        # The driver asks on a real-time signal, whose asks queue with their
+        # values; on the traceback signal itself where none is free.
+        self._stack_signal, self._dump_signal = ask_signal() or self.traceback_signal, dump
         if self.interrupt:
             listen_for_wake()  # in the main thread (a sync worker's): its C calls can be ended too
 
@@ -454,8 +456,9 @@ class RequestTimer:
         if self._pid != _pid:
             return  # not attached in this process yet
         if self._stack_signal and self._stack_signal in keep_listening():
-            with self._lock:  # its records must not name it: the driver goes on to the dump or the kill
-                self._stack_signal = 0
+            with self._lock:  # its records must not name it: the traceback signal, if still ours; else none
+                traceback_signal = self.traceback_signal or 0
+                self._stack_signal = traceback_signal if listening(traceback_signal) else 0
                 if self._fast is not None and self._wheel is not None:
                     self._drop_fast()
                     self._fast = self._make_fast(self._wheel)
