@@ -41,8 +41,10 @@ from pathlib import Path
 import pytest
 from test_servers import (
     BIN,
+    HOSTILE_PATH,
     WAIT,
     Server,
+    assert_client_text_is_data,
     assert_nothing_left,
     assert_nothing_left_of_asgi,
     auto_driver_of,
@@ -637,6 +639,14 @@ def test_uvicorn_sync_endpoint_in_the_thread_pool_is_ended_and_its_thread_stops(
     assert get(uvicorn.port, "/spun") == turns  # no thread spins on
 
 
+def test_uvicorn_hostile_path_is_data_in_the_log(uvicorn: Server) -> None:
+    """Uvicorn decodes the path into the scope: shmwheel's lines about the
+    request show its newline, ESC and override escaped.  (Before, a forged
+    CRITICAL line and a raw escape sequence went into the log.)"""
+    assert get(uvicorn.port, HOSTILE_PATH + "?s=30", WAIT, "hostile-uvicorn") == GATEWAY_TIMEOUT
+    assert_client_text_is_data(uvicorn, "hostile-uvicorn")
+
+
 def test_uvicorn_extend_keeps_a_streaming_response_alive_past_its_timeout(uvicorn: Server) -> None:
     """Starlette's StreamingResponse of an async generator that calls
     extend(1 s) per chunk, for 2.4 s; with extend(0.2 s) it is cut off."""
@@ -708,6 +718,15 @@ def test_hypercorn_trio_cpu_loop_and_time_sleep_in_an_async_endpoint_are_answere
             hypercorn_trio, name, stuck=stuck, sibling="/anyio-sleep?s=0.2", delay=0.3, how=how, access=HYPERCORN_ACCESS
         )
     assert "TrioInternalError" not in hypercorn_trio.log()
+
+
+def test_hypercorn_trio_hostile_path_is_data_in_the_log(hypercorn_trio: Server) -> None:
+    """The same under Hypercorn, whose logger is the driver's and the
+    worker's too.  (Hypercorn's own access log writes the decoded path as
+    it is, newline and escape sequence included: that line is its own.)"""
+    assert get(hypercorn_trio.port, HOSTILE_PATH + "?s=30", WAIT, "hostile-trio") == GATEWAY_TIMEOUT
+    its_access_line = r'\[INFO\] 127\.0\.0\.1:\d+ - - \[[^]]*\] "GET /spin/x\n.*? 1\.1" 504 '
+    assert_client_text_is_data(hypercorn_trio, "hostile-trio", its_access_line)
 
 
 def test_hypercorn_trio_sync_endpoint_in_a_worker_thread_is_ended_and_its_thread_stops(hypercorn_trio: Server) -> None:

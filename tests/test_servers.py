@@ -62,6 +62,35 @@ def get(
         conn.close()
 
 
+#: A path a hostile client sends, percent-encoded as HTTP has it: decoded,
+#: a newline that would start a forged CRITICAL line in the server's log, an
+#: escape sequence that would clear an operator's terminal, and a
+#: right-to-left override.  For an endpoint that starts with /spin.
+HOSTILE_PATH = (
+    "/spin/x%0A%5B2026-01-01%2000:00:00%20+0000%5D%20%5B1%5D%20%5BCRITICAL%5D%20shmwheel:%20FORGED%1B%5B2J%E2%80%AE"
+)
+HOSTILE_SHOWN = r"/spin/x\n[2026-01-01 00:00:00 +0000] [1] [CRITICAL] shmwheel: FORGED\x1b[2J\u202e"
+
+
+def assert_client_text_is_data(server: Server, request_id: str, its_own: str | None = None) -> None:
+    """Once a request to HOSTILE_PATH has timed out, been asked for its
+    stack and been interrupted: shmwheel's lines about it show the path as
+    data, escaped (or still percent-encoded, where the server gives it so),
+    and the log has no control byte and no line that begins with the
+    client's text - but in the server's own line ``its_own`` (a pattern),
+    if it writes one with the decoded path as it is."""
+    # Decoded and escaped; or as it came, percent-encoded (Gunicorn's path).
+    seen = rf"GET (?:{re.escape(HOSTILE_SHOWN)}|{re.escape(HOSTILE_PATH)}) \(request {request_id},"
+    server.wait_for(rf"request timed out: {seen}")
+    server.wait_for(rf"the stack of timed-out request {seen}")
+    server.wait_for(rf"interrupting {seen}")
+    log = server.log()
+    if its_own is not None:  # the server's own line about the request, which is not shmwheel's to write
+        log = re.sub(its_own, "", log, flags=re.S)
+    assert "\x1b" not in log and "\u202e" not in log, log[-3000:]
+    assert not re.search(r"^\[2026-01-01 00:00:00 \+0000\] \[1\] \[CRITICAL\]", log, re.M), log[-3000:]
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen[bytes]

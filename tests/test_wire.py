@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
-from test_servers import BIN, WAIT, Server, free_port, serve, uwsgi_ini
+from test_servers import BIN, HOSTILE_PATH, WAIT, Server, assert_client_text_is_data, free_port, serve, uwsgi_ini
 from test_stuck_wsgi import gunicorn as stuck_gunicorn
 
 from shmwheel.contrib._interrupt import RESPONSE_BODY
@@ -99,17 +99,18 @@ def read_response(stream: BinaryIO) -> Response:
     return response
 
 
-def request_line(path: str) -> bytes:
-    return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+def request_line(path: str, request_id: str | None = None) -> bytes:
+    request_id_header = "" if request_id is None else f"X-Request-Id: {request_id}\r\n"
+    return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{request_id_header}\r\n".encode()
 
 
-def exchange(port: int, path: str) -> tuple[Response, Response | None]:
+def exchange(port: int, path: str, request_id: str | None = None) -> tuple[Response, Response | None]:
     """``path`` on a new connection, then ``/`` on the same one: both
     responses, as the bytes framed them; None for the second if the server
     closed the connection after the first (uWSGI's http-socket does, with
     no keep-alive) with not a byte more."""
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock, sock.makefile("rb") as stream:
-        sock.sendall(request_line(path))
+        sock.sendall(request_line(path, request_id))
         first = read_response(stream)
         try:
             sock.sendall(request_line("/"))
@@ -139,6 +140,17 @@ def test_a_timeout_after_an_early_start_response_goes_out_as_one_whole_504(serve
 def test_a_plain_application_stuck_in_its_call_gets_a_whole_504(server: Server) -> None:
     assert_whole_504(*exchange(server.port, "/spin?s=30"))
     assert "SystemError" not in server.log()
+
+
+def test_a_hostile_path_is_data_in_the_servers_log(server: Server) -> None:
+    """A client's path with a newline, ESC and a bidirectional override
+    (percent-encoded): its 504 is whole, and the driver's line, the
+    worker's stack header and its interrupt line show the path escaped.
+    (Before, uWSGI's decoded path wrote a forged CRITICAL line and a raw
+    escape sequence into the log.)"""
+    first, _ = exchange(server.port, HOSTILE_PATH + "?s=30", "hostile")
+    assert_whole_504(first, None)
+    assert_client_text_is_data(server, "hostile")
 
 
 def test_a_response_that_ends_in_time_is_sent_whole(server: Server) -> None:

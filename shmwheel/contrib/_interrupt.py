@@ -51,7 +51,7 @@ from types import FrameType
 from typing import Any
 
 from .._binding import lib
-from ._record import DUMP_SIGNALS, signal_name
+from ._record import DUMP_SIGNALS, SHOWN_MAX, shown, signal_name
 from ._safepoint import arm, armed, can_arm, check_from_signal, unsafe_at
 from ._stacks import real
 
@@ -250,13 +250,13 @@ def _cancel(task: asyncio.Task[Any], thread: int, still: Callable[[], bool], min
             loop.call_soon(_cancel_in_loop, task, still)
 
         if _raise_in(thread, still, running, elsewhere):
-            return _armed(f"task {task.get_name()}, which blocks the event loop,") + _wake_up(thread)
+            return _armed(f"task {shown(task.get_name(), SHOWN_MAX)}, which blocks the event loop,") + _wake_up(thread)
         return _not_armed(still)
     try:
         loop.call_soon_threadsafe(_cancel_in_loop, task, still)
     except RuntimeError:  # the loop is closed
         return "not interrupted: its event loop is closed"
-    how = f"task {task.get_name()} cancelled"
+    how = f"task {shown(task.get_name(), SHOWN_MAX)} cancelled"
     if mine is not None and _arm_pool(thread, mine):
         how += ", and the thread that runs its synchronous code, if one does, armed to raise at its next safe point"
     return how
@@ -332,13 +332,13 @@ def _cancel_trio(task: Any, thread: int, still: Callable[[], bool], mine: Callab
             return bool(task.coro.cr_running)
 
         if _raise_in(thread, still, running, cancel_soon):
-            return _armed(f"trio task {task.name}, which blocks trio's loop,") + _wake_up(thread)
+            return _armed(f"trio task {shown(task.name, SHOWN_MAX)}, which blocks trio's loop,") + _wake_up(thread)
         return _not_armed(still)
     try:
         token.run_sync_soon(cancel)
     except trio.RunFinishedError:
         return "not interrupted: its trio run has finished"
-    how = f"trio task {task.name} cancelled"
+    how = f"trio task {shown(task.name, SHOWN_MAX)} cancelled"
     if mine is not None and _arm_pool(thread, mine):
         how += ", and the thread that runs its synchronous code, if one does, armed to raise at its next safe point"
     return how

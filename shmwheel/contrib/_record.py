@@ -69,6 +69,7 @@ __all__ = [
     "PAYLOAD_SIZE",
     "REQUEST_ID",
     "STACK_SIGNALS",
+    "shown",
     "RequestRecord",
     "check_traceback_signal",
     "decode_request",
@@ -135,6 +136,36 @@ def check_traceback_signal(value: object, what: str = "traceback_signal") -> int
     return signum
 
 
+#: How long a name that is not the record's (a task's) may be in a log line.
+SHOWN_MAX = 200
+_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def shown(text: str, limit: int | None = None) -> str:
+    """``text``, which a client (or the application) chose, as a log line
+    may show it: data, never log structure.  Control characters (newlines,
+    ESC, C1 codes), format characters (bidirectional overrides), line and
+    paragraph separators and other unprintable characters are written
+    visibly (``\\n``, ``\\x1b``, ``\\u202e``), and a backslash as ``\\\\``,
+    so that no client starts a line of the server's log or moves its
+    terminal's cursor, and what is shown reads back one way.  Longer than
+    ``limit`` characters, it is cut, with ``...`` after it."""
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + "..."
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else _escaped(c) for c in text)
+
+
+def _escaped(c: str) -> str:
+    code = ord(c)
+    if c in _ESCAPES:
+        return _ESCAPES[c]
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 def signal_name(signum: int) -> str:
     """``SIGTERM``, ``SIGRTMIN+2``: a signal's name for log lines."""
     try:
@@ -181,17 +212,19 @@ class RequestRecord(NamedTuple):
         return ((time.monotonic_ns() if now_ns is None else now_ns) - self.started_ns) / 1e9
 
     def describe(self) -> str:
-        """``GET /path (request ID, worker pid N, thread 0x...)``, for log lines.
+        """``GET /path (request ID, worker pid N, thread 0x...)``, for log lines:
+        what the client chose (the method, the path, the request id) as
+        :func:`shown` writes it.  (:meth:`as_dict` keeps it as it is.)
 
         The thread is written as :mod:`faulthandler` writes it, so that the
         request's thread can be found in a dump of every thread."""
-        path = self.path + ("..." if self.truncated else "")
+        path = shown(self.path) + ("..." if self.truncated else "")
         where = f"worker pid {self.pid}"
         if self.thread:
             where += f", thread 0x{self.thread:016x}"
         if self.task:
             where += f", {self.task_kind} 0x{self.task:x}"
-        return f"{self.method} {path} (request {self.request_id}, {where})"
+        return f"{shown(self.method)} {path} (request {shown(self.request_id)}, {where})"
 
     def as_dict(self) -> dict[str, Any]:
         """The record as JSON-ready fields (``--jsonl``, a fire handler's log)."""

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._binding import lib
 from .._wheel import _fast_ext
-from ._record import DUMP_SIGNALS, STACK_SIGNALS, RequestRecord, decode_request, signal_name
+from ._record import DUMP_SIGNALS, SHOWN_MAX, STACK_SIGNALS, RequestRecord, decode_request, shown, signal_name
 
 if TYPE_CHECKING:
     from ._worker import RequestTimer
@@ -504,24 +504,24 @@ def _format(frames: Iterable[tuple[FrameType, int | None]]) -> list[str]:
 
 def _task_stack(task: asyncio.Task[Any], thread: int, frames: dict[int, FrameType]) -> list[str]:
     if task.done():
-        return [f"  (its task {task.get_name()} has ended)"]
+        return [f"  (its task {shown(task.get_name(), SHOWN_MAX)} has ended)"]
     loop = task.get_loop()
     running = asyncio.current_task(loop)  # the task in a step now, if any (from any thread)
     if running is task:  # it blocks the loop: its stack is the loop thread's
-        return [f"  task {task.get_name()}, which blocks the event loop:"] + _frames(
+        return [f"  task {shown(task.get_name(), SHOWN_MAX)}, which blocks the event loop:"] + _frames(
             frames.get(thread), "  (the loop thread has no Python frame)"
         )
     chain = _await_chain(task.get_coro(), task)
-    lines = [f"  task {task.get_name()}, awaiting:"] + chain + _pool_threads(chain, thread, frames)
+    lines = [f"  task {shown(task.get_name(), SHOWN_MAX)}, awaiting:"] + chain + _pool_threads(chain, thread, frames)
     if running is not None:
-        name = running.get_name() if isinstance(running, asyncio.Task) else repr(running)
+        name = shown(running.get_name() if isinstance(running, asyncio.Task) else repr(running), SHOWN_MAX)
         lines.append(f"  meanwhile the event loop is blocked by task {name}, in thread 0x{thread:016x}:")
         lines += _frames(frames.get(thread), "  (the loop thread has no Python frame)")
     return lines
 
 
 def _trio_stack(task: Any, thread: int, frames: dict[int, FrameType]) -> list[str]:
-    coro, name = task.coro, getattr(task, "name", "?")
+    coro, name = task.coro, shown(str(getattr(task, "name", "?")), SHOWN_MAX)
     if coro.cr_frame is None:
         return [f"  (its task {name} has ended)"]
     if coro.cr_running:  # in a step now: it blocks trio's loop, whose thread's stack is the request's
@@ -624,7 +624,7 @@ def _await_chain(coro: Any, task: Any = None) -> list[str]:
         # waits for (a Future's own iterator stands in the chain).
         waiter = getattr(task, "_fut_waiter", None)
         if isinstance(waiter, asyncio.Task):
-            lines += _format(chain) + [f"  awaiting task {waiter.get_name()}:"]
+            lines += _format(chain) + [f"  awaiting task {shown(waiter.get_name(), SHOWN_MAX)}:"]
             chain, task, coro = [], waiter, waiter.get_coro()
             continue
         if waiter is not None:

@@ -6,7 +6,8 @@
                            one chunk: a timeout between the two must go out
                            as one whole 504, not the application's headers
                            and the 504's together
-    GET /spin?s=N          spins N s in the call, then answers
+    GET /spin?s=N          spins N s in the call, then answers (and so does
+                           any path that starts with /spin)
     GET /list              answers at once with a list body of two chunks
 
 Gunicorn's ``install()`` wraps it; plain_stuck_uwsgi.py has it for uWSGI.
@@ -38,7 +39,7 @@ def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable
     if path == "/early":
         start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "6")])
         return _late_chunk(seconds)
-    if path == "/spin":
+    if path.startswith("/spin"):
         _spin(seconds)
     if path == "/list":
         start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "12")])
