@@ -28,7 +28,7 @@ from shmwheel._process import signal_disposition, start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
 from shmwheel.contrib._handler import DUMP_TIME, signal_if
-from shmwheel.contrib._record import HEAD
+from shmwheel.contrib._record import HEAD, shown
 from shmwheel.contrib._supervisor import reserve_for
 from shmwheel.contrib.timeouts import (
     KIND_ANSWER,
@@ -62,6 +62,23 @@ def test_request_record_round_trips() -> None:
         KIND_REQUEST, 1234, 987654321, 42, "GET", "abc.7", "/a/b?c=d é", False, 0, 0, "", 0, 0, 0, False, False, 0
     )  # fmt: skip
     assert record.describe() == "GET /a/b?c=d é (request abc.7, worker pid 1234)"
+
+
+def test_what_a_client_chose_is_shown_as_data_in_log_lines_and_kept_as_it_is_in_json() -> None:
+    """A path with a newline, ESC, a C1 code, a right-to-left override, a
+    line separator, a tab and a backslash: written visibly, so that no line
+    of the log begins with the client's text and no terminal obeys it; the
+    JSON fields keep the path as it came.  Plain text, é included, is left
+    as it is."""
+    path = "/a\n[x] [CRITICAL] forged\x1b[2J\x85\u202e\u2028\t\\ é"
+    payload = encode_request(KIND_REQUEST, 1, 2, 3, "GET", "r", path)
+    record = decode_request(payload)
+    assert record is not None
+    line = record.describe()
+    assert line == r"GET /a\n[x] [CRITICAL] forged\x1b[2J\x85\u202e\u2028\t\\ é (request r, worker pid 1)"
+    assert line.isprintable()
+    assert record.as_dict()["path"] == path
+    assert shown("x" * 300, 200) == "x" * 200 + "..."
 
 
 @pytest.mark.parametrize("kind", ["task", "greenlet"])
@@ -545,6 +562,42 @@ def test_handler_signals_no_process_but_a_worker_of_the_wheel_that_added_the_tim
     else:
         assert f"pid {stranger.pid} is not a process attached to wheel {wheel.name!r}" in line
     assert line.endswith("; nothing was signalled")
+
+
+def test_a_flood_of_forged_timers_is_said_in_a_few_lines_and_a_real_timeout_still_logged(
+    make_wheel, worker, caplog
+) -> None:
+    """20,000 timers due at once, each naming a live process that is
+    attached to no wheel, and one real request of a worker of the wheel:
+    the refusals are counted, and said in one line at once and one line a
+    second after (before, one WARNING each: 20,000 lines); the real one is
+    logged as ever."""
+    wheel = make_wheel(capacity=32768, payload_size=PAYLOAD_SIZE)
+    stranger = worker()
+    forged = record_for(stranger, "/forged")
+    worker("polite", wheel.name, 1.0)
+    deadline = time.monotonic() + WAIT
+    while len(wheel) == 0:  # its request has started: its timeout comes amid the flood
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for _ in range(20_000):
+        wheel.add(0.3, forged)
+    handler = TimeoutHandler(wheel.name, TimeoutActions())
+    real = "request timed out: GET /slow (request r1"
+    summary = "19999 more timers were not acted on in the last 1 s, and nothing signalled; the last: timer "
+    deadline = time.monotonic() + WAIT
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        while not all(any(line in r.getMessage() for r in caplog.records) for line in (real, summary)):
+            assert time.monotonic() < deadline, (handler.refused, [r.getMessage() for r in caplog.records][:5])
+            fire_all(wheel, handler, time.monotonic() + 0.2)
+    lines = [r.getMessage() for r in caplog.records]
+    refused = [line for line in lines if "not acted on" in line]
+    assert handler.refused == 20_000
+    assert len(refused) == 2, lines[:5]
+    assert refused[0].startswith("timer ") and refused[0].endswith("nothing was signalled")
+    assert refused[1].startswith(summary), refused[1]
+    assert sum(real in line for line in lines) == 1, lines
+    assert stranger.poll() is None
 
 
 def test_handler_reports_a_timer_that_is_not_a_request(make_wheel, caplog) -> None:

@@ -165,6 +165,58 @@ def signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None,
         os.close(fd)
 
 
+class Refusals:
+    """Timers not acted on, said at most once a REFUSALS_EVERY: the first of
+    a burst at once, in full; the rest counted, and said in one line with
+    the last of them at the end of the interval.  Whoever can write the
+    wheel can add timers by the hundred thousand: the log says so in a few
+    lines, and no time goes to writing the rest, which the real timeouts
+    due meanwhile would wait for."""
+
+    def __init__(self) -> None:
+        self.count = 0  # since it was made
+        self._lock = threading.Lock()
+        self._said = -math.inf  # time.monotonic() of the last line
+        self._unsaid = 0  # refused since then
+        self._last = ""
+        self._flusher: threading.Timer | None = None
+
+    def add(self, what: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            if now - self._said >= REFUSALS_EVERY and not self._unsaid:
+                self._said = now
+                say = True
+            else:
+                self._unsaid += 1
+                self._last = what
+                say = False
+                if self._flusher is None:
+                    self._flusher = threading.Timer(max(self._said + REFUSALS_EVERY - now, 0.0), self._flush)
+                    self._flusher.daemon = True
+                    self._flusher.start()
+        if say:
+            _log.warning("%s; nothing was signalled", what)
+
+    def _flush(self) -> None:
+        with self._lock:
+            unsaid, last, self._unsaid, self._flusher = self._unsaid, self._last, 0, None
+            self._said = time.monotonic()
+        if unsaid:
+            _log.warning(
+                "%d more timer%s not acted on in the last %.0f s, and nothing signalled; the last: %s",
+                unsaid,
+                "s were" if unsaid > 1 else " was",
+                REFUSALS_EVERY,
+                last,
+            )
+
+
+#: How often refused timers are said, at most.
+REFUSALS_EVERY = 1.0
+
+
 def uid_refusal(pid: int) -> str | None:
     """Why this process may not signal ``pid`` by the uid rule, or None if it may.
 
@@ -286,6 +338,9 @@ class TimeoutHandler:
     #: Seconds a reading of the producer table is used for other fires; a
     #: process not found in it is looked for in a fresh reading.
     PRODUCERS_TTL = 1.0
+    #: Seconds a reading is fresh enough for a process not found in it: a
+    #: worker attaches before it adds a timer, which fires its delay later.
+    PRODUCERS_FRESH = 0.05
 
     def __init__(self, name: str, actions: TimeoutActions | None = None) -> None:
         segment_name(name)
@@ -306,6 +361,7 @@ class TimeoutHandler:
         self._held_pid = os.getpid()
         self._held_count = 0  # kept since the last line that said so
         self._held_said = -math.inf
+        self._refusals = Refusals()
         self._predecessor = 0  # the driver this one took the wheel over from, which died: its follow-ups count
         self._carried: dict[bytes, float] = {}  # requests whose stages it began that this one carries on: since
 
@@ -808,14 +864,22 @@ class TimeoutHandler:
     def _is_producer(self, pid: int, start: int) -> bool:
         """Whether (pid, start) is a live producer of the wheel: from the
         last reading of the table if it is recent and has it, else from a
-        fresh one, so that a miss is never the answer of stale data."""
-        if time.monotonic() - self._producers_read < self.PRODUCERS_TTL and self._producers.get(pid) == start:
+        fresh one, so that a miss is never the answer of data older than
+        PRODUCERS_FRESH."""
+        age = time.monotonic() - self._producers_read
+        if age < self.PRODUCERS_TTL and self._producers.get(pid) == start:
             return True
+        if age < self.PRODUCERS_FRESH:
+            return False  # read just now: a flood of forged records costs one reading per interval
         self._producers_read = time.monotonic()
         self._producers = {p: s for p, s, live in self._open().producers() if live}
         return self._producers.get(pid) == start
 
     def _refuse(self, fire: Fire, record: RequestRecord, why: str) -> None:
-        _log.warning(
-            "timer %d names %s but is not acted on: %s; nothing was signalled", fire.handle, record.describe(), why
-        )
+        self._refusals.add(f"timer {fire.handle} names {record.describe()} but is not acted on: {why}")
+
+    @property
+    def refused(self) -> int:
+        """How many timers this handler has refused to act on (their records
+        named a process it may not signal), since it was made."""
+        return self._refusals.count
