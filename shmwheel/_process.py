@@ -14,7 +14,7 @@ import os
 
 import psutil
 
-__all__ = ["alive", "describe_lock_holder", "pid_namespace", "signal_disposition", "start_time", "uids"]
+__all__ = ["alive", "describe_lock_holder", "pid_namespace", "signal_disposition", "start_time", "uids", "uses_file"]
 
 
 def start_time(pid: int) -> int | None:
@@ -38,6 +38,38 @@ def start_time(pid: int) -> int | None:
 def alive(pid: int, start: int) -> bool:
     """Whether ``pid`` is still the process that started at ``start``."""
     return start_time(pid) == start
+
+
+def uses_file(pid: int, dev: int, ino: int) -> bool | None:
+    """Whether process ``pid`` uses the file ``(dev, ino)``, as the kernel
+    says, never a segment anyone may write: it maps the file
+    (/proc/PID/maps), or, where that cannot be read (a process that
+    dropped its privileges is not dumpable, and its maps are root's to
+    read), it holds a POSIX lock on the file (/proc/locks, which anyone
+    may read, and where a process can only ever appear for locks it holds
+    itself: see ``Wheel.show_use()``).  None if neither can be read."""
+    file = f"{os.major(dev):02x}:{os.minor(dev):02x}"
+    mapped = f" {file} {ino} ".encode()
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return any(mapped in line for line in f)
+    except PermissionError:
+        pass
+    except OSError:  # gone
+        return False
+    held = f"{file}:{ino}".encode()
+    mine = str(pid).encode()
+    try:
+        with open("/proc/locks", "rb") as f:
+            # "1: POSIX  ADVISORY  READ 1234 00:1a:5678 0 0"; a blocked
+            # waiter's line starts with "1: ->" and holds nothing yet.
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == b"POSIX" and fields[4] == mine and fields[5] == held:
+                    return True
+    except OSError:
+        return None
+    return False
 
 
 def pid_namespace() -> int:

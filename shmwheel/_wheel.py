@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import fcntl
 import logging
 import math
 import mmap
@@ -247,6 +248,28 @@ class Wheel:
         """The (uid, gid) the segment's file belongs to."""
         st = os.fstat(self._fd.fd)
         return st.st_uid, st.st_gid
+
+    def file_id(self) -> tuple[int, int]:
+        """The (device, inode) of the segment's file: how the kernel names it
+        in /proc/PID/maps and /proc/locks."""
+        st = os.fstat(self._fd.fd)
+        return st.st_dev, st.st_ino
+
+    def show_use(self) -> bool:
+        """Have the kernel vouch that this process uses the wheel: a POSIX
+        read lock on the first byte of the segment's file, which /proc/locks
+        shows with this pid to anyone, and which no other process can take
+        in this one's name.  A driver that cannot read this process's
+        /proc/PID/maps (it dropped its privileges, so it is not dumpable)
+        looks there before it signals it.  The lock goes when the process
+        exits, or when it closes any descriptor of the file, another
+        Wheel's included: take it again now and then.  Whether it is held
+        (False: another process holds a write lock there)."""
+        try:
+            fcntl.lockf(self._fd.fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, 0)
+        except OSError:
+            return False
+        return True
 
     def is_current(self) -> bool:
         """Whether the wheel's name still names this segment: False once it

@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import entry, wait_for
 
 import shmwheel
+from shmwheel._binding import lib
 from shmwheel._process import start_time
 from shmwheel.contrib.timeouts import (
     KIND_GRACEFUL,
@@ -173,6 +174,68 @@ def test_a_record_forged_by_another_user_signals_nothing(
         assert f"follow-up was added by pid {attacker.pid}, and only this driver's (pid {os.getpid()}) count" in line
     assert line.endswith("nothing was signalled")
     assert "request timed out" not in caplog.text
+
+
+#: A root process that has nothing to do with any wheel, and catches the
+#: stack and dump signals: it says which it got, and lives on.
+CATCHER = """
+import signal, sys, time
+for signum in (signal.SIGURG, signal.SIGRTMIN):
+    signal.signal(signum, lambda signum, frame: print("got", signum, flush=True))
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@as_root
+@pytest.mark.parametrize("kind", [KIND_REQUEST, KIND_GRACEFUL, KIND_KILL], ids=["request", "graceful", "kill"])
+def test_a_forgery_written_into_the_segment_by_hand_signals_nothing(
+    kind: int, make_wheel, children, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 37's attack: nobody, who may write the wheel, writes the bytes
+    themselves: the timer's owner pid (the victim's for a request, the
+    driver's for a follow-up) and a producer-table entry naming the victim,
+    a root process that has nothing to do with the wheel.  The driver asks
+    the kernel whether the victim maps the wheel or holds its lock: it
+    does neither, so the stack signal, the dump signal, the graceful
+    signal and the SIGKILL are all refused.  (Before, the victim got the
+    stack and dump signals and was killed.)"""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE, mode=0o666)
+    victim = subprocess.Popen([sys.executable, "-c", CATCHER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout is not None and victim.stdout.readline() == "ready\n"
+        start = start_time(victim.pid)
+        assert start is not None
+        forged = encode_request(kind, victim.pid, start, time.monotonic_ns(), "GET", "forged", "/",
+                                stack_signal=signal.SIGURG, dump_signal=signal.SIGRTMIN)  # fmt: skip
+        owner = victim.pid if kind == KIND_REQUEST else os.getpid()  # this process runs the driver
+
+        def forge() -> str:
+            with shmwheel.attach(wheel.name) as w:
+                handle = w.add(0.05, forged)
+                entry(w, handle & ((1 << lib.shmw_index_bits(w.capacity)) - 1)).owner_pid = owner
+                slot = lib.shmw_producer_attach(w.core, victim.pid, start, 0)
+                return f"{handle} {slot}"
+
+        attacker = children(forge)
+        assert attacker.result.startswith("ok ") and int(attacker.result.split()[2]) >= 0, attacker.result
+        with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+            driver = RunningDriver(wheel.name, TimeoutActions(kill=True, kill_after=0.2))
+            try:
+                wait_for(lambda: bool(refusals(caplog)) or victim.poll() is not None)
+                time.sleep(1.5)  # past the stack check, the dump and the kill, had any been sent
+                wait_for(lambda: settled(wheel))
+            finally:
+                driver.stop()
+        assert victim.poll() is None, "the driver signalled the victim"
+        victim.terminate()
+        heard = victim.communicate(timeout=WAIT)[0]
+        assert heard == "", heard
+        assert any(f"pid {victim.pid} neither maps wheel {wheel.name!r}" in line for line in refusals(caplog))
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
 
 
 @as_root

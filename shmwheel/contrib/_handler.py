@@ -71,7 +71,7 @@ from typing import Any
 from .._binding import lib
 from .._checks import check_flag, check_seconds, check_signal
 from .._errors import ShmwheelError, WheelFullError, one_line
-from .._process import alive, signal_disposition, uids
+from .._process import alive, signal_disposition, uids, uses_file
 from .._records import Fire
 from .._segment import segment_name
 from .._wheel import Wheel, attach
@@ -833,12 +833,31 @@ class TimeoutHandler:
         about, so that the worker acts on no other before its line."""
 
         def may() -> bool:
-            why = uid_refusal(record.pid)
+            why = uid_refusal(record.pid) or self._not_using(record.pid)
             if why is not None:
                 self._refuse(fire, record, why)
             return why is None
 
         return signal_if(record.pid, record.start, signum, may, value)
+
+    def _not_using(self, pid: int) -> str | None:
+        """Why ``pid`` is not a process that uses this wheel by the kernel's
+        word, or None if it is.  The producer table and a fire's owner pid
+        are the segment's, which anyone who can write the wheel can write;
+        the kernel's maps and locks no one can.  (Called with the target's
+        pidfd open, right before the signal through it: a pid reused since
+        finds the signal going nowhere.)"""
+        dev, ino = self._open().file_id()
+        uses = uses_file(pid, dev, ino)
+        if uses:
+            return None
+        if uses is None:
+            return f"whether pid {pid} uses wheel {self.name!r} cannot be read from /proc"
+        return (
+            f"pid {pid} neither maps wheel {self.name!r} (/proc/{pid}/maps) nor holds its lock (/proc/locks): "
+            f"its producer table or the timer's owner says otherwise, which only a process that writes the "
+            f"segment by hand makes it say"
+        )
 
     def _refusal(self, fire: Fire, record: RequestRecord) -> str | None:
         """Why the live process a record names is not one this driver may

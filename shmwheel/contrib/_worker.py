@@ -261,6 +261,7 @@ class RequestTimer:
                 self._size = wheel.payload_size
                 self._wheel = wheel
                 self._fast = self._make_fast(wheel)
+                wheel.show_use()  # what the driver checks before it signals this process
             return self._wheel
 
     def _drop_fast(self) -> None:
@@ -463,6 +464,8 @@ class RequestTimer:
                     self._drop_fast()
                     self._fast = self._make_fast(self._wheel)
         current = self._wheel  # once: another thread may drop it meanwhile
+        if current is not None:
+            current.show_use()  # again: closing any descriptor of the file lets it go
         if current is not None and not current.is_current():  # removed by hand (rm, an old unlink)
             self._replaced(current)
         elif current is not None and self.auto_driver is not None:  # its driver may have died
