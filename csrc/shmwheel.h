@@ -125,6 +125,7 @@ struct shmw_stats {
     uint64_t quarantined;
     uint64_t removed;           /* 1: removed from its name or replaced */
     uint64_t reserve;           /* free entries only an add with SHMW_RESERVED may take */
+    uint64_t refused;           /* fires the driver's handler refused to act on */
 };
 
 /* What create is asked for. */
@@ -208,7 +209,7 @@ int     shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state);
 int     shmw_driver_clock(shmw_t *w, const volatile int *stop, uint32_t batch);
 int     shmw_driver_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t cap);
 int     shmw_driver_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap);
-int     shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors);
+int     shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors, uint32_t refused);
 void    shmw_wake(shmw_t *w);
 
 /* The producer table.  attach takes (or finds) this process's producer id;

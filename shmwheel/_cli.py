@@ -357,7 +357,10 @@ def _stat_table(r: dict[str, Any]) -> list[str]:
             f"{r['fired_per_s']:.1f} fired/s (over {r['interval']:.2f} s)",
         ),
         ("totals", f"{r['added']} added, {r['cancelled']} cancelled, {r['fired']} fired, {r['resets']} resets"),
-        ("handlers", f"{r['acked']} acked, {r['redelivered']} redelivered, {r['handler_errors']} failed"),
+        (
+            "handlers",
+            f"{r['acked']} acked, {r['redelivered']} redelivered, {r['handler_errors']} failed, {r['refused']} refused",
+        ),
         ("driver", driver),
         ("producers", f"{r['producers_alive']} attached, {r['producers_gone']} gone (not reaped yet)"),
         ("lag", _duration(r["lag"])),

@@ -136,6 +136,7 @@ class Driver:
         self._wheel: Wheel | None = None
         self.handler_errors = 0
         self.fired = 0
+        self._refused = 0  # the handler's count of refused fires, as last put in the segment
 
     def stop(self) -> None:
         """Ask ``run()`` to finish: safe from a signal handler or another thread."""
@@ -369,13 +370,19 @@ class Driver:
 
     def _ack(self, wheel: Wheel, handles: list[int], errors: int) -> None:
         """Acknowledge a batch, repairing what the acknowledgement meets.  A
-        retry is safe: what was freed already no longer matches its handle."""
+        retry is safe: what was freed already no longer matches its handle.
+        A handler that refuses fires (their records name a process it may
+        not signal) counts them in an int attribute ``refused``, which goes
+        into the segment's count (``stats().refused``) with the batch."""
         arr = ffi.new("int64_t[]", handles) if handles else ffi.NULL
-        count = [errors]  # counted by the first call only
+        refused = getattr(self._handler, "refused", 0)
+        new = refused - self._refused if isinstance(refused, int) and refused > self._refused else 0
+        self._refused += new
+        count = [errors, min(new, 2**32 - 1)]  # counted by the first call only
 
         def ack() -> int:
-            rc: int = lib.shmw_ack_many(wheel.core, arr, len(handles), count[0])
-            count[0] = 0
+            rc: int = lib.shmw_ack_many(wheel.core, arr, len(handles), count[0], count[1])
+            count[0] = count[1] = 0
             return rc
 
         rc = self._repairing(wheel, "an acknowledgement", ack)
@@ -521,7 +528,7 @@ def _ack(wheel: Wheel, handles: list[int], errors: int) -> None:
     if not handles and not errors:
         return
     arr = ffi.new("int64_t[]", handles) if handles else ffi.NULL
-    rc = lib.shmw_ack_many(wheel.core, arr, len(handles), errors)
+    rc = lib.shmw_ack_many(wheel.core, arr, len(handles), errors, 0)
     if rc < 0:
         raise wheel.error(rc)
 

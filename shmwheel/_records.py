@@ -113,6 +113,7 @@ class WheelStats:
     acked: int
     redelivered: int
     handler_errors: int
+    refused: int  #: fires the driver's handler refused to act on (see TimeoutHandler.refused)
     recoveries: int  #: times a lock holder died and the next locker repaired the segment
     repairs: int  #: times a driver found the segment corrupt and repaired it
     quarantined: int  #: entries a repair found nonsensical (scribbled) and retired for good

@@ -630,6 +630,7 @@ class Wheel:
             acked=st.acked,
             redelivered=st.redelivered,
             handler_errors=st.handler_errors,
+            refused=st.refused,
             recoveries=st.recoveries,
             repairs=st.repairs,
             quarantined=st.quarantined,

@@ -232,6 +232,7 @@ def test_a_forgery_written_into_the_segment_by_hand_signals_nothing(
         heard = victim.communicate(timeout=WAIT)[0]
         assert heard == "", heard
         assert any(f"pid {victim.pid} neither maps wheel {wheel.name!r}" in line for line in refusals(caplog))
+        assert wheel.stats().refused >= 1  # counted in the segment, for `shmwheel stats`
     finally:
         if victim.poll() is None:
             victim.kill()

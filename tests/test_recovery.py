@@ -230,7 +230,7 @@ def test_ack_killed_at_every_store() -> None:
     def op(case: Case) -> None:
         handles = case.extra["in_flight"]
         arr = ffi.new("int64_t[]", handles)
-        assert lib.shmw_ack_many(case.wheel.core, arr, len(handles), 0) == len(handles)
+        assert lib.shmw_ack_many(case.wheel.core, arr, len(handles), 0, 0) == len(handles)
 
     def verify(case: Case, crashed: bool) -> None:
         w, me = case.wheel, os.getpid()

@@ -94,7 +94,10 @@ struct shmw_header {
     uint32_t entry_size;        /*   sizeof(struct shmw_entry) */
     uint32_t bucket_size;       /*   sizeof(struct shmw_bucket) */
     uint32_t mutex_size;        /*   sizeof(pthread_mutex_t) */
-    uint32_t _pad0;
+    uint32_t refused;           /* fires the driver's handler refused to act on (their
+                                 * records named a process it may not signal),
+                                 * saturating; under the mutex.  (0 in a segment made
+                                 * before it was counted: the same layout) */
 
     /* Parameters: fixed at create, copied to private memory at open. */
     uint64_t segment_size;      /* bytes, as computed by shmw_segment_size */

@@ -380,7 +380,7 @@ int shmw_driver_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, u
     return n;
 }
 
-int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors)
+int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors, uint32_t refused)
 {
     uint32_t k, done = 0;
     int rc;
@@ -391,6 +391,7 @@ int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors
     if ((rc = shmw__enter(w)))
         return rc;
     STORE(w->hdr->handler_errors, w->hdr->handler_errors + errors);
+    STORE(w->hdr->refused, w->hdr->refused > UINT32_MAX - refused ? UINT32_MAX : w->hdr->refused + refused);
     for (k = 0; k < n; k++) {
         uint32_t i = shmw__lookup(w, handles[k], SHMW_INFLIGHT);
         if (i == SHMW_NIL)

@@ -75,6 +75,7 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
     out->acked = h->acked;
     out->redelivered = h->redelivered;
     out->handler_errors = h->handler_errors;
+    out->refused = h->refused;
     out->advanced_ns = h->advanced_ns;
     out->clock_ns = ticks_to_ns(w, h->elapsed);
     out->recoveries = h->recoveries;
