@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import foreign_segment, script_processes
+from conftest import entry, foreign_segment, script_processes
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -528,17 +528,57 @@ def test_a_dead_drivers_warn_stage_check_is_carried_on_as_the_warn_stage(make_wh
 
 
 def test_handler_leaves_a_worker_that_has_exited_alone(make_wheel, worker, caplog) -> None:
+    """A worker killed while its request runs: its timer still fires (no
+    driver reaped it), and the driver says the worker has exited."""
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("polite", wheel.name, 0.3)
+    deadline = time.monotonic() + WAIT
+    while len(wheel) == 0:  # its request has started
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        fire_all(wheel, TimeoutHandler(wheel.name, TimeoutActions(kill=True)), time.monotonic() + 0.6)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"request timed out: GET /slow (request r1, worker pid {proc.pid}, thread 0x")
+    assert line.endswith("; the worker has exited")
+    assert len(wheel) == 0  # no kill timer was scheduled
+
+
+@pytest.mark.parametrize("how", ["through the API", "by hand"])
+def test_a_forgers_thousand_timers_for_a_process_that_has_exited_are_said_in_two_lines(
+    how: str, make_wheel, worker, caplog
+) -> None:
+    """Records naming a process that has exited, added by somebody else by
+    the thousand: refused on who added them, whether or not the process is
+    there; written by hand to look as if it had added them itself, taken
+    for the timers of a worker that has exited.  Either way said in two
+    lines.  (Before, one WARNING each.)"""
+    wheel = make_wheel(capacity=4096, payload_size=PAYLOAD_SIZE)
     proc = worker()
     payload = record_for(proc)
     proc.kill()
     proc.wait()
-    wheel.add(0.01, payload)
+    mask = (1 << lib.shmw_index_bits(wheel.capacity)) - 1
+    for _ in range(3000):
+        handle = wheel.add(0.01, payload)
+        if how == "by hand":
+            entry(wheel, handle & mask).owner_pid = proc.pid
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True))
     with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
-        fire_all(wheel, TimeoutHandler(wheel.name, TimeoutActions(kill=True)), time.monotonic() + 0.3)
-    [line] = [r.getMessage() for r in caplog.records]
-    assert line.endswith("; the worker has exited")
-    assert len(wheel) == 0  # no kill timer was scheduled
+        deadline = time.monotonic() + WAIT
+        while len(wheel) or len(caplog.records) < 2:
+            assert time.monotonic() < deadline, (handler.refused, len(caplog.records))
+            fire_all(wheel, handler, time.monotonic() + 0.2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    if how == "by hand":
+        assert lines[0].endswith("; the worker has exited"), lines
+        assert lines[1].startswith("2999 more timed-out requests of workers that have exited in the last 1 s"), lines
+    else:
+        assert "not by the worker it names" in lines[0], lines
+        assert lines[1].startswith("2999 more timers were not acted on in the last 1 s"), lines
 
 
 @pytest.mark.parametrize("kind", [KIND_REQUEST, KIND_GRACEFUL, KIND_KILL], ids=["request", "graceful", "kill"])

@@ -165,15 +165,16 @@ def signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None,
         os.close(fd)
 
 
-class Refusals:
-    """Timers not acted on, said at most once a REFUSALS_EVERY: the first of
-    a burst at once, in full; the rest counted, and said in one line with
-    the last of them at the end of the interval.  Whoever can write the
-    wheel can add timers by the hundred thousand: the log says so in a few
-    lines, and no time goes to writing the rest, which the real timeouts
-    due meanwhile would wait for."""
+class Burst:
+    """Lines of one kind, said at most once a BURST_EVERY: the first of a
+    burst at once, in full; the rest counted, and said in one line with
+    the last of them at the end of the interval (``summary(count, last)``).
+    Whoever can write the wheel can add timers by the hundred thousand: the
+    log says so in a few lines, and no time goes to writing the rest, which
+    the real timeouts due meanwhile would wait for."""
 
-    def __init__(self) -> None:
+    def __init__(self, summary: Callable[[int, str], str]) -> None:
+        self._summary = summary
         self.count = 0  # since it was made
         self._lock = threading.Lock()
         self._said = -math.inf  # time.monotonic() of the last line
@@ -185,7 +186,7 @@ class Refusals:
         now = time.monotonic()
         with self._lock:
             self.count += 1
-            if now - self._said >= REFUSALS_EVERY and not self._unsaid:
+            if now - self._said >= BURST_EVERY and not self._unsaid:
                 self._said = now
                 say = True
             else:
@@ -193,28 +194,35 @@ class Refusals:
                 self._last = what
                 say = False
                 if self._flusher is None:
-                    self._flusher = threading.Timer(max(self._said + REFUSALS_EVERY - now, 0.0), self._flush)
+                    self._flusher = threading.Timer(max(self._said + BURST_EVERY - now, 0.0), self._flush)
                     self._flusher.daemon = True
                     self._flusher.start()
         if say:
-            _log.warning("%s; nothing was signalled", what)
+            _log.warning("%s", what)
 
     def _flush(self) -> None:
         with self._lock:
             unsaid, last, self._unsaid, self._flusher = self._unsaid, self._last, 0, None
             self._said = time.monotonic()
         if unsaid:
-            _log.warning(
-                "%d more timer%s not acted on in the last %.0f s, and nothing signalled; the last: %s",
-                unsaid,
-                "s were" if unsaid > 1 else " was",
-                REFUSALS_EVERY,
-                last,
-            )
+            _log.warning("%s", self._summary(unsaid, last))
 
 
-#: How often refused timers are said, at most.
-REFUSALS_EVERY = 1.0
+#: How often the lines of a Burst are said, at most.
+BURST_EVERY = 1.0
+
+
+def _refusals(count: int, last: str) -> str:
+    were = "timers were" if count > 1 else "timer was"
+    return f"{count} more {were} not acted on in the last {BURST_EVERY:.0f} s, and nothing signalled; the last: {last}"
+
+
+def _gone(count: int, last: str) -> str:
+    requests = "requests" if count > 1 else "request"
+    return (
+        f"{count} more timed-out {requests} of workers that have exited in the last {BURST_EVERY:.0f} s; "
+        f"the last: {last}"
+    )
 
 
 def uid_refusal(pid: int) -> str | None:
@@ -361,7 +369,8 @@ class TimeoutHandler:
         self._held_pid = os.getpid()
         self._held_count = 0  # kept since the last line that said so
         self._held_said = -math.inf
-        self._refusals = Refusals()
+        self._refusals = Burst(_refusals)
+        self._gone = Burst(_gone)  # timers of workers that have exited: one, or a forger's hundred thousand
         self._predecessor = 0  # the driver this one took the wheel over from, which died: its follow-ups count
         self._carried: dict[bytes, float] = {}  # requests whose stages it began that this one carries on: since
 
@@ -387,12 +396,15 @@ class TimeoutHandler:
             # They only spare a worker the dump or the kill: believed on their word.
             self._heard(self._late.get(key), record)
             return
-        there = alive(record.pid, record.start)
+        # Who added it, first: a timer that names a worker and was added by
+        # anyone else is refused whether or not that worker is there still.
+        why = self._owner_refusal(fire, record)
+        there = why is None and alive(record.pid, record.start)
         if there:
-            why = self._refusal(fire, record)
-            if why is not None:
-                self._refuse(fire, record, why)
-                return
+            why = self._refusal(record)
+        if why is not None:
+            self._refuse(fire, record, why)
+            return
         if record.kind in (KIND_CHECK, KIND_GRACE, KIND_GRACEFUL) and fire.owner_pid != os.getpid():
             self._carry_on(fire, record, there)
         elif record.kind == KIND_KILL:
@@ -487,13 +499,14 @@ class TimeoutHandler:
                 then = f"; asking it for the request's stack ({signal_name(stack)})"
             else:
                 then = ""
-            _log.warning(
-                "request is slow: %s, running for %s, %.3f s before its timeout%s",
-                record.describe(),
-                _running(record),
-                (timeout_at - time.monotonic_ns()) / 1e9,
-                then,
+            line = (
+                f"request is slow: {record.describe()}, running for {_running(record)}, "
+                f"{(timeout_at - time.monotonic_ns()) / 1e9:.3f} s before its timeout{then}"
             )
+            if there:
+                _log.warning("%s", line)
+            else:
+                self._gone.add(line)
         if not there:
             return
         key = fire.payload[1:]
@@ -532,13 +545,14 @@ class TimeoutHandler:
                         steps.append(f"then {name}")
                     steps[-1] += f", and SIGKILL {actions.kill_after:g} s after that"
                 then = "; " + ", ".join(steps) if steps else ""
-            _log.warning(
-                "request timed out: %s, running for %s%s%s",
-                record.describe(),
-                _running(record),
-                " (redelivered after a driver restart)" if fire.redelivered else "",
-                then,
+            line = (
+                f"request timed out: {record.describe()}, running for {_running(record)}"
+                f"{' (redelivered after a driver restart)' if fire.redelivered else ''}{then}"
             )
+            if there:
+                _log.warning("%s", line)
+            else:
+                self._gone.add(line)
         if not there:
             return
         key = fire.payload[1:]
@@ -859,9 +873,16 @@ class TimeoutHandler:
             f"segment by hand makes it say"
         )
 
-    def _refusal(self, fire: Fire, record: RequestRecord) -> str | None:
-        """Why the live process a record names is not one this driver may
-        signal for it, or None if it is."""
+    def _refusal(self, record: RequestRecord) -> str | None:
+        """Why the live process a record names, which added the timer, is not
+        one this driver may signal for it, or None if it is."""
+        if not self._is_producer(record.pid, record.start):
+            return f"pid {record.pid} is not a process attached to wheel {self.name!r}"
+        return uid_refusal(record.pid)
+
+    def _owner_refusal(self, fire: Fire, record: RequestRecord) -> str | None:
+        """Why the timer is not one the process it names, or a driver whose
+        follow-ups count, added; None if it is."""
         if record.kind in FOLLOW_UPS:
             # Only a driver adds follow-ups, so only this one's count, and
             # those of the driver it took the wheel over from, which died;
@@ -876,9 +897,7 @@ class TimeoutHandler:
                 return f"its {what} follow-up was added by pid {fire.owner_pid}, and only {whose} count"
         elif fire.owner_pid != record.pid:
             return f"the timer was added by pid {fire.owner_pid}, not by the worker it names"
-        if not self._is_producer(record.pid, record.start):
-            return f"pid {record.pid} is not a process attached to wheel {self.name!r}"
-        return uid_refusal(record.pid)
+        return None
 
     def _is_producer(self, pid: int, start: int) -> bool:
         """Whether (pid, start) is a live producer of the wheel: from the
@@ -895,7 +914,9 @@ class TimeoutHandler:
         return self._producers.get(pid) == start
 
     def _refuse(self, fire: Fire, record: RequestRecord, why: str) -> None:
-        self._refusals.add(f"timer {fire.handle} names {record.describe()} but is not acted on: {why}")
+        self._refusals.add(
+            f"timer {fire.handle} names {record.describe()} but is not acted on: {why}; nothing was signalled"
+        )
 
     @property
     def refused(self) -> int:
