@@ -490,6 +490,31 @@ def test_full_wheel_raises_keeps_timers_and_recovers(make_wheel) -> None:
     w.check()
 
 
+def test_a_producer_that_floods_a_tick_holds_up_another_producers_timer_by_one_turn_of_the_lanes(make_wheel) -> None:
+    """5,000 timers of this process and then one of another, all due at the
+    same moment: the clock takes a due bucket's lanes in turn, so the other
+    producer's timer comes out among the first few, not after the flood
+    (before: 5,001st).  What keeps a forger's flood from delaying the
+    real request timeouts due with it (bench/flood.py)."""
+    w = make_wheel(capacity=8192)
+    at = time.monotonic() + 0.3
+    for _ in range(5000):
+        w.add_at(at, b"flood")
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the other producer
+        try:
+            with shmwheel.attach(w.name) as other:
+                other.add_at(at, b"other")
+        finally:
+            os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    time.sleep(max(0.0, at - time.monotonic()) + 0.01)
+    fires: list[bytes] = []
+    while len(fires) < 5001:
+        fires += [fire.payload for fire in w.poll()]
+    assert fires.index(b"other") < 2 * lib.SHMW_LANES, fires.index(b"other")
+
+
 def test_a_reserve_is_left_to_reserved_adds(make_wheel) -> None:
     """The last free slots go only to adds that ask for them: not to other
     adds, not to a batch; a reserved add takes them and then finds the

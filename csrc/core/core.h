@@ -233,6 +233,8 @@ struct shmw {
     int64_t              lock_timeout_ns;
     uint32_t             producer;      /* this process's producer id, or SHMW_NO_PRODUCER */
     pid_t                producer_pid;  /* the pid that id was taken for (fork changes it) */
+    uint32_t             fire_lane;     /* the clock's: the lane a due bucket's next entry is
+                                         * looked for from, each lane in turn (see advance) */
 };
 
 #define ALIGN_UP(x, a) (((x) + (uint64_t)(a) - 1) & ~((uint64_t)(a) - 1))

@@ -456,6 +456,13 @@ void shmw__set_elapsed(shmw_t *w, uint64_t t, int64_t now_ns)
         STORE(h->level_clock[l], shmw_bucket_expiry(t, l, w->wheel_bits));
 }
 
+/* The first lane in use (a bit of `lanes`) at or after lane `from`, cyclically. */
+static uint32_t next_lane(uint32_t lanes, uint32_t from)
+{
+    uint32_t later = lanes & (~0U << (from % SHMW_LANES));
+    return (uint32_t)__builtin_ctz(later ? later : lanes);
+}
+
 int shmw__advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, char *records,
                   uint32_t *fired, int *more)
 {
@@ -481,7 +488,7 @@ int shmw__advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, ch
     for (;;) {
         struct shmw_bucket *bk;
         struct shmw_entry *e;
-        uint32_t b, i, lanes, nb = 0;
+        uint32_t b, i, lanes, lane, nb = 0;
         uint64_t at, t, expires = 0;
 
         if (h->heap_len > w->nbuckets || (h->heap_len > 0 && w->heap[0] >= w->nbuckets)) {
@@ -505,7 +512,12 @@ int shmw__advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, ch
             rc = SHMW_ECORRUPT;
             break;
         }
-        i = list_of(w, (uint32_t)__builtin_ctz(lanes), b)->head;
+        /* The lanes in turn, one entry each: a producer that floods a
+         * bucket (thousands of timers due in one tick, a forger's) holds
+         * up the others' timers by one entry a turn, not by all of its own. */
+        lane = next_lane(lanes, w->fire_lane);
+        w->fire_lane = (lane + 1) % SHMW_LANES;
+        i = list_of(w, lane, b)->head;
         if (at < h->elapsed || i >= w->capacity) {
             rc = SHMW_ECORRUPT;
             break;
