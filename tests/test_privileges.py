@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -342,6 +344,57 @@ def test_the_driver_command_runs_as_the_user_it_is_told(name: str) -> None:
     assert proc.returncode == 0, err
     assert f"running as uid {NOBODY}, gid {NOBODY}" in err
     assert not Path("/dev/shm", name).exists()
+
+
+@as_root
+@pytest.mark.parametrize("rotated_to", ["the workers' file", "root's file", "a symbolic link"])
+def test_the_driver_writes_on_after_logrotate_as_the_workers_user(name: str, rotated_to: str) -> None:
+    """The driver opens the server's log as root, then runs as nobody; the
+    log is rotated (moved, and a new one made, as logrotate's create does).
+    A new file nobody may write is opened again, and the next line goes
+    there.  One it may not, or a symbolic link put where the file was,
+    is not: the driver writes on to the rotated file and says so once on
+    stderr.  (Before, the reopen closed the old file first and every line
+    after was a '--- Logging error ---' traceback, the line lost.)"""
+    # Root's, mode 0755, as /var/log/APP is (pytest's tmp_path is in a
+    # directory only root may enter).
+    logs = Path(tempfile.mkdtemp(prefix="shmwheel-test-logs-"))
+    logs.chmod(0o755)
+    log, rotated = logs / "error.log", logs / "error.log.1"
+    log.touch(mode=0o644)  # the server's file, as its root master made it
+    cmd = driver_command(name, "--create", "--user", "nobody", "--group", "nogroup", f"--log-to={log}")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: f"running as uid {NOBODY}" in log.read_text())
+        os.rename(log, rotated)
+        if rotated_to == "a symbolic link":
+            elsewhere = logs / "elsewhere"
+            elsewhere.touch(mode=0o640)
+            os.chown(elsewhere, NOBODY, NOBODY)
+            log.symlink_to(elsewhere)
+        else:
+            log.touch(mode=0o640 if rotated_to == "the workers' file" else 0o600)
+            if rotated_to == "the workers' file":
+                os.chown(log, NOBODY, NOBODY)
+        with shmwheel.attach(name) as w:
+            w.add(0.01, b"not a request")
+            w.add(0.2, b"nor this")
+        written = log if rotated_to == "the workers' file" else rotated
+        wait_for(lambda: written.read_text().count("carries no request record") == 2)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=WAIT)
+        texts = {path.name: path.read_text() for path in (log, rotated) if path.exists()}
+        shutil.rmtree(logs)
+    assert proc.returncode == 0, err
+    assert "Logging error" not in err, err
+    said = f"cannot open {log} again after it was rotated, as uid {NOBODY}"
+    if rotated_to == "the workers' file":
+        assert "carries no request record" not in texts[rotated.name]
+        assert said not in err, err
+    else:
+        assert err.count(said) == 1, err
+        assert texts.get(log.name, "") == ""
 
 
 @as_root

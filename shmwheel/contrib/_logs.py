@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import logging
 import logging.handlers
+import os
 import sys
+import time
 from dataclasses import dataclass
 
 __all__ = ["LogTarget"]
@@ -102,7 +105,7 @@ class LogTarget:
         if self.path is None:
             handler = logging.StreamHandler(sys.stderr)
         else:
-            handler = logging.handlers.WatchedFileHandler(self.path)
+            handler = ServerLogFile(self.path)
         handler.setFormatter(self._formatter())
         handler.addFilter(_prefix)
         return handler
@@ -125,6 +128,73 @@ class LogTarget:
             except Exception:  # noqa: BLE001 - the server's own formatter, or the plain one with its format
                 pass
         return logging.Formatter(self.fmt, self.datefmt)
+
+
+class ServerLogFile(logging.handlers.WatchedFileHandler):
+    """The server's log file, as the driver writes to it: opened for append
+    where the server opened it, and opened again once logrotate has moved
+    it, as the server does on its own signal.
+
+    The first open is the server's own, by the same user, moments after it
+    (a root master's, before the driver drops to the workers' user): it
+    follows a symbolic link as the server did.  A reopen never does: it
+    comes after a rotation, when whoever may write the log's directory
+    could have put a link where the file was, and it may run as root.  A
+    file the reopen creates (logrotate's ``nocreate``) gets mode 0640 less
+    the umask.  A reopen that fails (after the drop, a new file the
+    workers' user may not write; a link) leaves the driver writing to the
+    file it has, rotated, and says so once on stderr, which the server
+    keeps; it is tried again a minute later."""
+
+    #: How long after a failed reopen the next is tried.
+    RETRY = 60.0
+
+    def __init__(self, path: str) -> None:
+        self._reopening = False
+        self._retry_at = 0.0
+        self._said = False
+        super().__init__(path, encoding="utf-8")
+
+    def _open(self) -> io.TextIOWrapper:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        if self._reopening:
+            flags |= os.O_NOFOLLOW
+        fd = os.open(self.baseFilename, flags, 0o640)
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)  # noqa: SIM115 - the handler's stream
+
+    def reopenIfNeeded(self) -> None:  # noqa: N802 - logging's name
+        """Before each line: if the path names another file than the one
+        open (moved, removed, replaced), open the path, and only then let go
+        of the old one."""
+        if time.monotonic() < self._retry_at:
+            return
+        try:
+            now = os.stat(self.baseFilename)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (self.dev, self.ino):
+            return
+        self._reopening = True
+        try:
+            stream = self._open()
+        except OSError as exc:
+            self._retry_at = time.monotonic() + self.RETRY
+            if not self._said:
+                self._said = True
+                print(
+                    f"shmwheel: driver {os.getpid()}: cannot open {self.baseFilename} again after it was rotated, "
+                    f"as uid {os.geteuid()}: {exc.strerror or exc}; writing on to the rotated file.  Have it "
+                    f"created for this user (logrotate's create MODE USER GROUP), or rotate with copytruncate",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
+        old, self.stream = self.stream, stream
+        if old is not None:
+            old.flush()
+            old.close()
+        self._statstream()
+        self._said = False
 
 
 def _prefix(record: logging.LogRecord) -> bool:

@@ -307,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             _log.warning(
                 "driver %d: running as root on wheel %r, which %s can write (--allow-root): it signals only "
-                "processes attached to the wheel, but whoever writes it can forge that too",
+                "processes the kernel shows using the wheel, but whoever writes it can have it signal any of those",
                 os.getpid(),
                 args.name,
                 writers,
