@@ -194,15 +194,15 @@ time.sleep(600)
 def test_a_forgery_written_into_the_segment_by_hand_signals_nothing(
     kind: int, make_wheel, children, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 37's attack: nobody, who may write the wheel, writes the bytes
-    themselves: the timer's owner pid (the victim's for a request, the
+    """Issue 37's attack: nobody, whose group may write root's wheel, writes
+    the bytes themselves: the timer's owner pid (the victim's for a request, the
     driver's for a follow-up) and a producer-table entry naming the victim,
     a root process that has nothing to do with the wheel.  The driver asks
     the kernel whether the victim maps the wheel or holds its lock: it
     does neither, so the stack signal, the dump signal, the graceful
     signal and the SIGKILL are all refused.  (Before, the victim got the
     stack and dump signals and was killed.)"""
-    wheel = make_wheel(payload_size=PAYLOAD_SIZE, mode=0o666)
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE, owner=(0, NOBODY), mode=0o660)
     victim = subprocess.Popen([sys.executable, "-c", CATCHER], stdout=subprocess.PIPE, text=True)
     try:
         assert victim.stdout is not None and victim.stdout.readline() == "ready\n"
