@@ -485,6 +485,28 @@ def test_an_event_loops_own_code_is_never_a_safe_point() -> None:
         assert verdicts[name] is not None and "the event loop's own code" in verdicts[name], (name, verdicts)
 
 
+def test_a_request_awaited_by_the_loops_own_coroutine_is_still_interruptible() -> None:
+    """asyncio.wait_for awaits the request's coroutine from a coroutine of
+    asyncio's (on 3.12, in the request's own task): a frame of the loop's
+    code in the middle of the request's stack, which only passes on what
+    it awaits.  The request's code above it is safe, as without it.
+    (Before, on 3.12, a request that blocked the loop inside wait_for was
+    never interrupted.)"""
+    import asyncio
+
+    async def endpoint() -> str | None:
+        return unsafe_at(sys._getframe())
+
+    async def plain() -> str | None:
+        return await endpoint()
+
+    async def in_wait_for() -> str | None:
+        return await asyncio.wait_for(endpoint(), 30)
+
+    assert asyncio.run(plain()) is None
+    assert asyncio.run(in_wait_for()) is None
+
+
 def test_a_signal_handler_may_raise_only_in_a_call_not_on_an_acquiring_line() -> None:
     """The main thread's wake signal raises from a handler, mid-line: only
     at a call (the C function the signal ended), and never on the line

@@ -63,6 +63,7 @@ import functools
 import gc
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 import signal
@@ -284,7 +285,7 @@ def unsafe_at(frame: FrameType | None) -> str | None:
             return f"in {_where(frame)}, a signal handler, which runs between two bytecodes of the code below it"
         if innermost and name.startswith(_OURS):
             return f"in shmwheel's own {_where(frame)}"
-        if _in_loop(frame):
+        if _in_loop(frame) and (innermost or not _delegating(frame)):
             if innermost or below_loop:
                 return f"in {_where(frame)}, the event loop's own code"
             in_loop = True
@@ -303,6 +304,25 @@ def unsafe_at(frame: FrameType | None) -> str | None:
         innermost = False
         frame = frame.f_back
     return None
+
+
+_SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_GENERATOR
+
+
+def _delegating(frame: FrameType) -> bool:
+    """Whether ``frame``, a coroutine's or a generator's, is awaiting the
+    frame above it (``await``, ``yield from``: at a SEND), as a loop's
+    coroutine that wraps the request's (``asyncio.wait_for`` on 3.12) does:
+    an exception raised above comes to it as the awaited one's, which it is
+    written to take."""
+    return bool(frame.f_code.co_flags & _SUSPENDABLE) and frame.f_lasti in _sends(frame.f_code)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sends(code: CodeType) -> frozenset[int]:
+    # 3.12 leaves a delegating frame's f_lasti at the SEND's inline cache.
+    sends = [ins.offset for ins in dis.get_instructions(code) if ins.opname in ("SEND", "YIELD_FROM")]
+    return frozenset(sends + [offset + 2 for offset in sends])
 
 
 def _in_loop(frame: FrameType) -> bool:
