@@ -14,7 +14,16 @@ import os
 
 import psutil
 
-__all__ = ["alive", "describe_lock_holder", "pid_namespace", "signal_disposition", "start_time", "uids", "uses_file"]
+__all__ = [
+    "USE_LOCK_AT",
+    "alive",
+    "describe_lock_holder",
+    "pid_namespace",
+    "signal_disposition",
+    "start_time",
+    "uids",
+    "uses_file",
+]
 
 
 def start_time(pid: int) -> int | None:
@@ -40,32 +49,53 @@ def alive(pid: int, start: int) -> bool:
     return start_time(pid) == start
 
 
-def uses_file(pid: int, dev: int, ino: int) -> bool | None:
-    """Whether process ``pid`` uses the file ``(dev, ino)``, as the kernel
-    says, never a segment anyone may write: it maps the file
-    (/proc/PID/maps), or, where that cannot be read (a process that
-    dropped its privileges is not dumpable, and its maps are root's to
-    read), it holds a POSIX lock on the file (/proc/locks, which anyone
-    may read, and where a process can only ever appear for locks it holds
-    itself: see ``Wheel.show_use()``).  None if neither can be read."""
-    file = f"{os.major(dev):02x}:{os.minor(dev):02x}"
-    mapped = f" {file} {ino} ".encode()
+#: Where in a wheel's file a process that uses it holds its lock: this
+#: plus its start time, far beyond any segment (see ``Wheel.show_use()``).
+USE_LOCK_AT = 1 << 40
+
+
+def uses_file(pid: int, start: int, dev: int, ino: int) -> bool | None:
+    """Whether process ``pid``, which started at ``start``, uses the file
+    ``(dev, ino)``, as the kernel says, never a segment anyone may write:
+    it maps the file (/proc/PID/maps), or, where that cannot be read (a
+    process that dropped its privileges is not dumpable, and its maps are
+    root's to read), /proc/locks shows a POSIX lock on the file's byte
+    USE_LOCK_AT + ``start``, taken by ``pid`` (``Wheel.show_use()``).
+
+    The lock is the weaker word: /proc/locks names the process that took
+    a lock, and one taken by a process that shared its descriptor table
+    with another outlives it.  Its byte, the start time of the process,
+    makes a lock that is to pass for a later process's have to be taken
+    before that process starts, at the moment it will.  None if neither
+    can be read."""
+    major, minor = f"{os.major(dev):02x}".encode(), f"{os.minor(dev):02x}".encode()
+    inode = str(ino).encode()
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
-            return any(mapped in line for line in f)
+            # "7f0c..-7f0c.. rw-s 00000000 00:1a 5678   /dev/shm/NAME"
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) >= 5 and fields[3] == major + b":" + minor and fields[4] == inode:
+                    return True
+        return False
     except PermissionError:
         pass
     except OSError:  # gone
         return False
-    held = f"{file}:{ino}".encode()
+    held = major + b":" + minor + b":" + inode
     mine = str(pid).encode()
+    at = str(USE_LOCK_AT + start).encode()
     try:
         with open("/proc/locks", "rb") as f:
             # "1: POSIX  ADVISORY  READ 1234 00:1a:5678 0 0"; a blocked
             # waiter's line starts with "1: ->" and holds nothing yet.
             for line in f:
                 fields = line.split()
-                if len(fields) >= 6 and fields[1] == b"POSIX" and fields[4] == mine and fields[5] == held:
+                if (
+                    len(fields) >= 8
+                    and fields[1] == b"POSIX"
+                    and (fields[4], fields[5], fields[6], fields[7]) == (mine, held, at, at)
+                ):
                     return True
     except OSError:
         return None

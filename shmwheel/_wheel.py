@@ -53,7 +53,7 @@ from ._errors import (
     ShmwheelError,
     WheelFullError,
 )
-from ._process import alive, describe_lock_holder, pid_namespace, start_time
+from ._process import USE_LOCK_AT, alive, describe_lock_holder, pid_namespace, start_time
 from ._records import Fire, Payload, Producer, WheelStats, decode_records, record_struct
 from ._segment import SHM, SegmentFile, open_segment, segment_name, wheel_stat
 
@@ -255,18 +255,19 @@ class Wheel:
         st = os.fstat(self._fd.fd)
         return st.st_dev, st.st_ino
 
-    def show_use(self) -> bool:
-        """Have the kernel vouch that this process uses the wheel: a POSIX
-        read lock on the first byte of the segment's file, which /proc/locks
-        shows with this pid to anyone, and which no other process can take
-        in this one's name.  A driver that cannot read this process's
+    def show_use(self, start: int) -> bool:
+        """Have the kernel vouch that this process, which started at
+        ``start`` (its start time, as a producer's), uses the wheel: a POSIX
+        read lock on byte USE_LOCK_AT + ``start`` of the segment's file,
+        which /proc/locks shows with this pid to anyone (see
+        :func:`shmwheel._process.uses_file`).  A driver that cannot read this process's
         /proc/PID/maps (it dropped its privileges, so it is not dumpable)
         looks there before it signals it.  The lock goes when the process
         exits, or when it closes any descriptor of the file, another
         Wheel's included: take it again now and then.  Whether it is held
         (False: another process holds a write lock there)."""
         try:
-            fcntl.lockf(self._fd.fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, 0)
+            fcntl.lockf(self._fd.fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, USE_LOCK_AT + start)
         except OSError:
             return False
         return True

@@ -347,13 +347,14 @@ def test_the_driver_command_runs_as_the_user_it_is_told(name: str) -> None:
 
 
 @as_root
-@pytest.mark.parametrize("rotated_to", ["the workers' file", "root's file", "a symbolic link"])
+@pytest.mark.parametrize("rotated_to", ["the workers' file", "root's file", "a symbolic link", "a FIFO"])
 def test_the_driver_writes_on_after_logrotate_as_the_workers_user(name: str, rotated_to: str) -> None:
     """The driver opens the server's log as root, then runs as nobody; the
     log is rotated (moved, and a new one made, as logrotate's create does).
     A new file nobody may write is opened again, and the next line goes
-    there.  One it may not, or a symbolic link put where the file was,
-    is not: the driver writes on to the rotated file and says so once on
+    there.  One it may not, a symbolic link or a FIFO put where the file
+    was (whose open would wait for a reader, who would get every line), is
+    not: the driver writes on to the rotated file and says so once on
     stderr.  (Before, the reopen closed the old file first and every line
     after was a '--- Logging error ---' traceback, the line lost.)"""
     # Root's, mode 0755, as /var/log/APP is (pytest's tmp_path is in a
@@ -367,7 +368,9 @@ def test_the_driver_writes_on_after_logrotate_as_the_workers_user(name: str, rot
     try:
         wait_for(lambda: f"running as uid {NOBODY}" in log.read_text())
         os.rename(log, rotated)
-        if rotated_to == "a symbolic link":
+        if rotated_to == "a FIFO":
+            os.mkfifo(log, 0o666)
+        elif rotated_to == "a symbolic link":
             elsewhere = logs / "elsewhere"
             elsewhere.touch(mode=0o640)
             os.chown(elsewhere, NOBODY, NOBODY)
@@ -384,7 +387,7 @@ def test_the_driver_writes_on_after_logrotate_as_the_workers_user(name: str, rot
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=WAIT)
-        texts = {path.name: path.read_text() for path in (log, rotated) if path.exists()}
+        texts = {path.name: path.read_text() for path in (log, rotated) if path.is_file()}
         shutil.rmtree(logs)
     assert proc.returncode == 0, err
     assert "Logging error" not in err, err

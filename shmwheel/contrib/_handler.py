@@ -55,6 +55,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import heapq
 import itertools
@@ -64,6 +65,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,6 +183,7 @@ class Burst:
         self._unsaid = 0  # refused since then
         self._last = ""
         self._flusher: threading.Timer | None = None
+        _bursts.add(self)  # what the last interval counted is said as the driver exits
 
     def add(self, what: str) -> None:
         now = time.monotonic()
@@ -210,6 +213,13 @@ class Burst:
 
 #: How often the lines of a Burst are said, at most.
 BURST_EVERY = 1.0
+_bursts: weakref.WeakSet[Burst] = weakref.WeakSet()
+
+
+@atexit.register
+def _say_the_rest() -> None:
+    for burst in list(_bursts):
+        burst._flush()
 
 
 def _refusals(count: int, last: str) -> str:
@@ -349,6 +359,8 @@ class TimeoutHandler:
     #: Seconds a reading is fresh enough for a process not found in it: a
     #: worker attaches before it adds a timer, which fires its delay later.
     PRODUCERS_FRESH = 0.05
+    #: Seconds the kernel's word on whether a process uses the wheel is kept.
+    USE_TTL = 1.0
 
     def __init__(self, name: str, actions: TimeoutActions | None = None) -> None:
         segment_name(name)
@@ -369,10 +381,18 @@ class TimeoutHandler:
         self._held_pid = os.getpid()
         self._held_count = 0  # kept since the last line that said so
         self._held_said = -math.inf
+        self._using: dict[tuple[int, int], tuple[float, str | None]] = {}  # (pid, start): (when, why not)
+        self._spared: set[int] = set()
+        self._refused_lately: dict[tuple[int, int], tuple[float, str]] = {}  # (pid, start): (when, why)
         self._refusals = Burst(_refusals)
         self._gone = Burst(_gone)  # timers of workers that have exited: one, or a forger's hundred thousand
         self._predecessor = 0  # the driver this one took the wheel over from, which died: its follow-ups count
         self._carried: dict[bytes, float] = {}  # requests whose stages it began that this one carries on: since
+
+    def spare(self, pid: int) -> None:
+        """Never signal ``pid`` (the server's master, which maps the wheel
+        but serves no request), whatever a record says."""
+        self._spared.add(pid)
 
     def took_over(self, pid: int, start: int) -> None:
         """The driver took the wheel over from driver ``pid``, which died:
@@ -399,9 +419,17 @@ class TimeoutHandler:
         # Who added it, first: a timer that names a worker and was added by
         # anyone else is refused whether or not that worker is there still.
         why = self._owner_refusal(fire, record)
+        if why is None:  # a process refused a moment ago is refused again on that word, with no /proc read
+            refused = self._refused_lately.get((record.pid, record.start))
+            if refused is not None and time.monotonic() - refused[0] < self.USE_TTL:
+                why = refused[1]
         there = why is None and alive(record.pid, record.start)
         if there:
             why = self._refusal(record)
+            if why is not None:
+                if len(self._refused_lately) > 1024:
+                    self._refused_lately.clear()
+                self._refused_lately[(record.pid, record.start)] = (time.monotonic(), why)
         if why is not None:
             self._refuse(fire, record, why)
             return
@@ -847,38 +875,58 @@ class TimeoutHandler:
         about, so that the worker acts on no other before its line."""
 
         def may() -> bool:
-            why = uid_refusal(record.pid) or self._not_using(record.pid)
+            why = uid_refusal(record.pid) or self._not_using(record.pid, record.start, fresh=True)
             if why is not None:
                 self._refuse(fire, record, why)
             return why is None
 
         return signal_if(record.pid, record.start, signum, may, value)
 
-    def _not_using(self, pid: int) -> str | None:
-        """Why ``pid`` is not a process that uses this wheel by the kernel's
-        word, or None if it is.  The producer table and a fire's owner pid
-        are the segment's, which anyone who can write the wheel can write;
-        the kernel's maps and locks no one can.  (Called with the target's
-        pidfd open, right before the signal through it: a pid reused since
-        finds the signal going nowhere.)"""
+    def _not_using(self, pid: int, start: int, fresh: bool = False) -> str | None:
+        """Why ``pid`` (started at ``start``) is not a process that uses this
+        wheel by the kernel's word, or None if it is.  The producer table and
+        a fire's owner pid are the segment's, which anyone who can write the
+        wheel can write; the kernel's maps and locks no one can.  Nor is the
+        driver itself, or a process it was told to spare (:meth:`spare`: the
+        server's master, which maps the wheel too), ever one to signal.
+
+        A verdict is kept for USE_TTL, so that a forger's thousand records
+        naming one process cost one reading; ``fresh``, right before a
+        signal (the target's pidfd open, so that a pid reused since finds
+        the signal going nowhere), a kept "no" is not enough to refuse a
+        process the last look missed, and is looked at again."""
+        if pid == os.getpid() or pid in self._spared:
+            return f"pid {pid} is this driver, or the server's process that it watches, which it never signals"
+        now = time.monotonic()
+        kept = self._using.get((pid, start))
+        if kept is not None and now - kept[0] < self.USE_TTL and (kept[1] is None or not fresh):
+            return kept[1]
         dev, ino = self._open().file_id()
-        uses = uses_file(pid, dev, ino)
+        uses = uses_file(pid, start, dev, ino)
         if uses:
-            return None
-        if uses is None:
-            return f"whether pid {pid} uses wheel {self.name!r} cannot be read from /proc"
-        return (
-            f"pid {pid} neither maps wheel {self.name!r} (/proc/{pid}/maps) nor holds its lock (/proc/locks): "
-            f"its producer table or the timer's owner says otherwise, which only a process that writes the "
-            f"segment by hand makes it say"
-        )
+            why = None
+        elif uses is None:
+            why = f"whether pid {pid} uses wheel {self.name!r} cannot be read from /proc"
+        else:
+            why = (
+                f"pid {pid} neither maps wheel {self.name!r} (/proc/{pid}/maps) nor holds its lock (/proc/locks): "
+                f"its producer table or the timer's owner says otherwise, which only a process that writes the "
+                f"segment by hand makes it say"
+            )
+        if len(self._using) > 1024:
+            self._using = {k: v for k, v in self._using.items() if now - v[0] < self.USE_TTL}
+        self._using[(pid, start)] = (now, why)
+        return why
 
     def _refusal(self, record: RequestRecord) -> str | None:
         """Why the live process a record names, which added the timer, is not
         one this driver may signal for it, or None if it is."""
         if not self._is_producer(record.pid, record.start):
             return f"pid {record.pid} is not a process attached to wheel {self.name!r}"
-        return uid_refusal(record.pid)
+        # The kernel's word too, before any line is written about the
+        # request: a forgery is refused in a line a second, not logged as
+        # a timeout first.
+        return uid_refusal(record.pid) or self._not_using(record.pid, record.start)
 
     def _owner_refusal(self, fire: Fire, record: RequestRecord) -> str | None:
         """Why the timer is not one the process it names, or a driver whose

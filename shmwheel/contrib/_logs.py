@@ -12,11 +12,13 @@ command line, and turned back into a handler there.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import io
 import logging
 import logging.handlers
 import os
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -139,7 +141,9 @@ class ServerLogFile(logging.handlers.WatchedFileHandler):
     (a root master's, before the driver drops to the workers' user): it
     follows a symbolic link as the server did.  A reopen never does: it
     comes after a rotation, when whoever may write the log's directory
-    could have put a link where the file was, and it may run as root.  A
+    could have put a link where the file was, and it may run as root (nor
+    does it open anything but a regular file: a FIFO put there would hold
+    the driver until someone read it).  A
     file the reopen creates (logrotate's ``nocreate``) gets mode 0640 less
     the umask.  A reopen that fails (after the drop, a new file the
     workers' user may not write; a link) leaves the driver writing to the
@@ -158,9 +162,19 @@ class ServerLogFile(logging.handlers.WatchedFileHandler):
     def _open(self) -> io.TextIOWrapper:
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
         if self._reopening:
-            flags |= os.O_NOFOLLOW
+            # Not through a link, and not into a FIFO (whose open would wait
+            # for a reader, the handler's lock held, and hand it every line).
+            flags |= os.O_NOFOLLOW | os.O_NONBLOCK
         fd = os.open(self.baseFilename, flags, 0o640)
-        return open(fd, "a", encoding=self.encoding, errors=self.errors)  # noqa: SIM115 - the handler's stream
+        try:
+            if self._reopening:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file")
+                os.set_blocking(fd, True)
+            return open(fd, "a", encoding=self.encoding, errors=self.errors)  # noqa: SIM115 - the handler's stream
+        except BaseException:
+            os.close(fd)
+            raise
 
     def reopenIfNeeded(self) -> None:  # noqa: N802 - logging's name
         """Before each line: if the path names another file than the one

@@ -628,6 +628,6 @@ def _await_chain(coro: Any, task: Any = None) -> list[str]:
             chain, task, coro = [], waiter, waiter.get_coro()
             continue
         if waiter is not None:
-            return lines + _format(chain) + [f"  awaiting {waiter!r}"[:300]]
+            return lines + _format(chain) + [f"  awaiting {shown(repr(waiter), SHOWN_MAX)}"]
         break
     return lines + _format(chain)

@@ -261,7 +261,7 @@ class RequestTimer:
                 self._size = wheel.payload_size
                 self._wheel = wheel
                 self._fast = self._make_fast(wheel)
-                wheel.show_use()  # what the driver checks before it signals this process
+                wheel.show_use(self._start)  # what the driver checks before it signals this process
             return self._wheel
 
     def _drop_fast(self) -> None:
@@ -464,12 +464,14 @@ class RequestTimer:
                     self._drop_fast()
                     self._fast = self._make_fast(self._wheel)
         current = self._wheel  # once: another thread may drop it meanwhile
-        if current is not None:
-            current.show_use()  # again: closing any descriptor of the file lets it go
         if current is not None and not current.is_current():  # removed by hand (rm, an old unlink)
             self._replaced(current)
         elif current is not None and self.auto_driver is not None:  # its driver may have died
             self._drive(self.auto_driver)
+        if current is not None:
+            # Again, and after _drive, which opens and closes the wheel's
+            # file: closing any descriptor of it lets this process's go.
+            current.show_use(self._start)
 
     def _add_again(self, wheel: Wheel, delay: float, payload: bytes) -> int | None:
         """The add of a request whose wheel was removed or replaced: on the name's wheel now, if any."""

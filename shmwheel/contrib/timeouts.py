@@ -255,7 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.lock_fd is not None:
         os.set_inheritable(args.lock_fd, False)  # held by this process alone, for its whole life
     try:
-        driver = Driver(args.name, TimeoutHandler(args.name, actions))
+        on_fire = TimeoutHandler(args.name, actions)
+        if args.parent is not None:
+            on_fire.spare(args.parent)  # the server's master
+        driver = Driver(args.name, on_fire)
         if args.while_used:
             said: list[int] = []
 
