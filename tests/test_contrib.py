@@ -640,6 +640,25 @@ def test_a_flood_of_forged_timers_is_said_in_a_few_lines_and_a_real_timeout_stil
     assert stranger.poll() is None
 
 
+def test_a_record_naming_the_driver_itself_is_refused(make_wheel, caplog) -> None:
+    """The driver maps the wheel, so the kernel's word holds for it too: a
+    record naming the driver's own process (here this one, which adds the
+    timer and runs the handler) is refused all the same, before any line
+    about a timeout.  (Before, a forger could have the driver SIGTERM
+    itself after every restart.)"""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    start = start_time(os.getpid())
+    assert start is not None
+    wheel.add(0.01, encode_request(KIND_REQUEST, os.getpid(), start, time.monotonic_ns(), "GET", "self", "/",
+                                   stack_signal=signal.SIGURG))  # fmt: skip
+    handler = TimeoutHandler(wheel.name, TimeoutActions())
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        fire_all(wheel, handler, time.monotonic() + 0.3)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert f"but is not acted on: pid {os.getpid()} is this driver" in line, line
+    assert handler.refused == 1
+
+
 def test_handler_reports_a_timer_that_is_not_a_request(make_wheel, caplog) -> None:
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
     wheel.add(0.01, b"something else")
