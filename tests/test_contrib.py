@@ -28,7 +28,7 @@ from shmwheel._process import signal_disposition, start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
 from shmwheel.contrib._handler import DUMP_TIME, signal_if
-from shmwheel.contrib._record import HEAD, shown
+from shmwheel.contrib._record import HEAD, KINDS, shown
 from shmwheel.contrib._supervisor import reserve_for
 from shmwheel.contrib.timeouts import (
     KIND_ANSWER,
@@ -138,7 +138,7 @@ _GOOD = encode_request(KIND_REQUEST, 1, 2, 3, "GET", "id", "/")
     [
         b"",
         _GOOD[: HEAD.size - 1],  # shorter than the head
-        b"\x0a" + _GOOD[1:],  # no such kind
+        bytes([max(KINDS) + 1]) + _GOOD[1:],  # no such kind
         _GOOD[:1] + b"\xff\xff" + _GOOD[3:],  # sizes past the end
         _GOOD[:42] + b"\x00\x00" + _GOOD[44:],  # no magic number: another program's payload
         _GOOD[: HEAD.size] + b"G T" + _GOOD[HEAD.size + 3 :],  # a method that is no HTTP token

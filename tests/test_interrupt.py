@@ -411,7 +411,7 @@ def test_a_forged_x_request_start_never_gets_a_worker_killed(tmp_path: Path) -> 
         server.wait_for(rf"Booting worker with pid: (?!{before}\b)\d+")
 
 
-@pytest.mark.parametrize("when", ["in the grace", "before the SIGKILL"])
+@pytest.mark.parametrize("when", ["in the grace", "before the SIGKILL", "in the grace, twice"])
 def test_a_driver_killed_mid_stages_is_replaced_and_the_stuck_worker_still_ended(when: str, tmp_path: Path) -> None:
     """A gthread request in time.sleep (a C call no thread but the main one
     can be woken from) is interrupted, to no effect.  The driver is
@@ -419,26 +419,40 @@ def test_a_driver_killed_mid_stages_is_replaced_and_the_stuck_worker_still_ended
     the SIGKILL due kill_after later.  The supervisor starts another within
     a second, which carries on the stages the dead one began: the worker is
     still ended, and Gunicorn replaces it.  (Before, the new driver refused
-    the dead one's follow-ups, and the worker was never signalled.)"""
+    the dead one's follow-ups, and the worker was never signalled.)
+
+    Twice: the driver that replaced it is SIGKILLed too, before the first
+    one's follow-ups come due, which the third then refuses (they are two
+    deaths back).  The worker tells the new driver that its request runs
+    past its timeout, and the stages begin again.  (Before, nothing ended
+    the worker.)"""
     port = free_port()
-    install = "timeout=1.0, interrupt=True, interrupt_grace=1.0, kill=True, kill_after=1.0"
+    grace = 3.0 if when == "in the grace, twice" else 1.0  # the first driver's follow-up comes after the third starts
+    install = f"timeout=1.0, interrupt=True, interrupt_grace={grace}, kill=True, kill_after=1.0"
     cmd = gunicorn(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         before = pid_of(get(port, "/"))
         first = int(server.wait_for(r"driver running, pid (\d+)").group(1))
         with ThreadPoolExecutor(1) as pool:
             stuck = Answer(pool, port, f"/sleep?s={STUCK}", "stuck")
-            if when == "in the grace":
+            if when.startswith("in the grace"):
                 server.wait_for(interrupting("/sleep", "stuck", before, ".*"))
             else:
                 server.wait_for(r"GET /sleep \(request stuck, .*\) has not ended 1 s after it was interrupted: .*; "
                                 r"sending SIGABRT$")  # fmt: skip
             os.kill(first, signal.SIGKILL)
-            server.wait_for(rf"driver running, pid (?!{first}\b)\d+")
+            second = int(server.wait_for(rf"driver running, pid (?!{first}\b)(\d+)").group(1))
+            if when == "in the grace, twice":
+                os.kill(second, signal.SIGKILL)
+                server.wait_for(rf"driver running, pid (?!(?:{first}|{second})\b)\d+")
             assert stuck.result()[0] in (0, 500)  # its worker ended under it
         server.wait_for(rf"Booting worker with pid: (?!{before}\b)\d+")
         assert pid_of(get(port, "/")) != before
         log = server.log()
+        if when == "in the grace, twice":
+            told = r"GET /sleep \(request stuck, .*\): still running past its timeout, its worker says to this driver"
+            assert re.search(told, log), log[-4000:]
+            return
         assert "but is not acted on" not in log, log[-4000:]
         if when == "in the grace":
             carried = r"GET /sleep \(request stuck, .*\): carrying on its (?:stack|interrupt) check, which driver "

@@ -85,6 +85,7 @@ from ._record import (
     KIND_GRACE,
     KIND_GRACEFUL,
     KIND_KILL,
+    KIND_LATE,
     KIND_RELEASED,
     KIND_TIMEOUT,
     STACK_SIGNALS,
@@ -433,7 +434,9 @@ class TimeoutHandler:
         if why is not None:
             self._refuse(fire, record, why)
             return
-        if record.kind in (KIND_CHECK, KIND_GRACE, KIND_GRACEFUL) and fire.owner_pid != os.getpid():
+        if record.kind == KIND_LATE:
+            self._told_late(fire, record, there)
+        elif record.kind in (KIND_CHECK, KIND_GRACE, KIND_GRACEFUL) and fire.owner_pid != os.getpid():
             self._carry_on(fire, record, there)
         elif record.kind == KIND_KILL:
             self._sigkill(fire, record, there)
@@ -447,6 +450,8 @@ class TimeoutHandler:
             self._check(fire, record, there)
         elif record.kind == KIND_GRACE:
             self._grace_over(fire, record, there)
+        elif fire.redelivered and key in self._late:
+            pass  # its stage is under way here already: its worker said it was late (KIND_LATE)
         elif record.kind == KIND_TIMEOUT:
             late = self._late.get(key)
             if late is not None and late.ended:
@@ -486,6 +491,27 @@ class TimeoutHandler:
             self._warned(fire, record, there)  # the request is not past its timeout yet: its warn stage it is
         else:
             self._timed_out(fire, record, there)
+
+    def _told_late(self, fire: Fire, record: RequestRecord, there: bool) -> None:
+        """A worker says that a request runs past its timeout, which a driver
+        before this one asked about, to this driver, the first time it sees
+        it.  Unless its stage is under way here already (carried on, or its
+        fire handed out again), the stage begins again, from the timeout:
+        what the dead driver knew, and its follow-ups, may have died with it
+        (a driver two deaths back; follow-ups a full wheel left in memory)."""
+        key = fire.payload[1:]
+        now = time.monotonic()
+        self._carried = {k: t for k, t in self._carried.items() if now - t < FORGET_AFTER}
+        if key in self._late or key in self._carried or not there:
+            return
+        self._carried[key] = now
+        if self.actions.log:
+            _log.info(
+                "%s: still running past its timeout, its worker says to this driver, which a driver before it had "
+                "asked about: its stages begin again",
+                record.describe(),
+            )
+        self._timed_out(fire, record, there)
 
     def _heard(self, late: _Late | None, record: RequestRecord) -> None:
         """The worker's word about a request whose follow-ups are due."""

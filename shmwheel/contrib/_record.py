@@ -62,6 +62,7 @@ __all__ = [
     "KIND_FINISHED",
     "KIND_GRACE",
     "KIND_GRACEFUL",
+    "KIND_LATE",
     "KIND_KILL",
     "KIND_RELEASED",
     "KIND_REQUEST",
@@ -89,7 +90,10 @@ KIND_FINISHED = 6  #: the worker's: the request this names has finished, after i
 KIND_TIMEOUT = 7  #: the driver's follow-up: the timeout stage of a request warned first
 KIND_GRACE = 8  #: the driver's follow-up: has the request it interrupted ended?
 KIND_RELEASED = 9  #: the worker's: the request this names was given a new timer, or none, after this one fired
-KINDS = frozenset(range(KIND_REQUEST, KIND_RELEASED + 1))
+#: The worker's, to a driver it has not told before: the request this names
+#: still runs past its timeout, which a driver that died had asked about.
+KIND_LATE = 10
+KINDS = frozenset(range(KIND_REQUEST, KIND_LATE + 1))
 
 TRUNCATED = 1  # flags: the path was cut to fit
 TASK = 2  # flags: the task field is an asyncio task's id

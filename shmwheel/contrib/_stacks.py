@@ -387,6 +387,9 @@ def _report_forever(fd: int, pid: int) -> None:
 _reported: set[tuple[bytes, bool]] = set()  # (record, timed out) whose stack has been written
 #: How long a late request the driver has not asked about waits for its ask.
 ASK_WAIT_NS = 50_000_000
+#: How often, while one of its requests is past its timeout, a worker looks
+#: whether its wheel has a new driver, to tell it.
+LATE_LOOK_NS = 1_000_000_000
 _look_again: int | None = None  # time.monotonic_ns() when such a request is looked at again
 _RECORD_STARTED = struct.Struct("<q")
 _STARTED_AT = 16  # the request's start in its record (see _record.HEAD)
@@ -407,7 +410,7 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> 
     still: set[tuple[bytes, bool]] = set()
     look_again: int | None = None
     for timer in list(_timers()):
-        timer.tell_ended_again()
+        timer.tell_again(_reported)
         for handle, active in timer.active().items():
             # Due exactly when its timer is: the driver fires no timer before
             # its deadline, and its follow-ups at the record's timeout, which
@@ -449,6 +452,12 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> 
             timer.answer(active.payload)
     _reported.intersection_update(still)
     _reported.update(still)
+    if any(timed_out for _, timed_out in still):
+        # A request past its timeout: its driver is looked at once a second,
+        # and a new one told about it (RequestTimer.tell_again), though no
+        # signal comes: the follow-ups that would send one may have died.
+        again = now + LATE_LOOK_NS
+        look_again = again if look_again is None else min(look_again, again)
     _look_again = look_again
     return written
 

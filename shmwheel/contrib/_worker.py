@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
 from .._checks import check_flag, check_seconds
@@ -36,6 +36,7 @@ from ._record import (
     INTERRUPT,
     KIND_ANSWER,
     KIND_FINISHED,
+    KIND_LATE,
     KIND_RELEASED,
     KIND_REQUEST,
     MAGIC,
@@ -596,12 +597,16 @@ class RequestTimer:
                 if len(ended) > ENDED_KEPT:
                     del ended[next(iter(ended))]
 
-    def tell_ended_again(self) -> None:
-        """Say again which requests ended after their timer fired, in the
-        last ENDED_FOR seconds, to a driver other than the one last seen (in
-        the reporter thread, at each stack signal): the one that died may
-        have taken the first word with it, and its successor, carrying on
-        the stages it began, asks again."""
+    def tell_again(self, asked: Container[tuple[bytes, bool]]) -> None:
+        """To a driver other than the one last seen (in the reporter thread,
+        at each stack signal and once a second while a request is late):
+        which requests ended after their timer fired, in the last ENDED_FOR
+        seconds, and which still run past their timeout, which a driver
+        asked about (``(record, True)`` in ``asked``).  The one that died may
+        have taken the first word with it, and the follow-ups of its stages:
+        its successor carries on the stages it knows of, and begins again,
+        from the timeout, those only the worker knows of now (a driver two
+        deaths back, or follow-ups a full wheel left in its memory)."""
         wheel = self._wheel
         if wheel is None:
             return
@@ -616,10 +621,15 @@ class RequestTimer:
                 del ended[payload]
             if driver == self._driver_seen:
                 return
-            self._driver_seen = driver
+            first, self._driver_seen = not self._driver_seen, driver
             again = list(ended)
         for payload in again:
             self._tell(payload, KIND_FINISHED)
+        if first or not driver:
+            return  # the driver that asked is the one seen now; or none runs to tell
+        for active in self.active().values():
+            if (active.payload, True) in asked:
+                self._tell(active.payload, KIND_LATE)
 
     def _cancel(self, handle: int) -> bool | None:
         """Cancel timer ``handle`` in whichever of this process's wheels has
