@@ -127,10 +127,14 @@ class RequestTimer:
     :meth:`finish` when its response is done.
 
     ``traceback_signal`` is the signal on which this process writes the
-    stack of a request of its that timed out (None: it cannot be asked);
-    faulthandler dumps every thread on a real-time signal, :data:`DUMP_SIGNAL`
-    or the next free one, when no Python can run to answer the first.  Each request's record names both, so a
-    driver asks the way the worker listens.
+    stacks of its requests that timed out (None: it cannot be asked).  The
+    driver asks on the next free real-time signal after the dump signal,
+    where its asks queue with their values, and on ``traceback_signal``
+    only where none is free; ``traceback_signal`` stays for an operator's
+    ``kill``.  faulthandler dumps every thread on a real-time signal,
+    :data:`DUMP_SIGNAL` or the next free one, when no Python can run to
+    answer.  Each request's record names both signals it is asked on, so
+    a driver asks the way the worker listens.
 
     Safe to share between the threads of a worker and across fork (each
     process attaches on first use and is recorded as a producer of its
