@@ -28,7 +28,7 @@ from shmwheel._process import signal_disposition, start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
 from shmwheel.contrib._handler import DUMP_TIME, signal_if
-from shmwheel.contrib._record import HEAD, KINDS, shown
+from shmwheel.contrib._record import HEAD, KIND_LATE, KINDS, shown
 from shmwheel.contrib._supervisor import reserve_for
 from shmwheel.contrib.timeouts import (
     KIND_ANSWER,
@@ -657,6 +657,35 @@ def test_a_record_naming_the_driver_itself_is_refused(make_wheel, caplog) -> Non
     [line] = [r.getMessage() for r in caplog.records]
     assert f"but is not acted on: pid {os.getpid()} is this driver" in line, line
     assert handler.refused == 1
+
+
+def test_a_worker_tells_its_late_requests_to_each_new_driver_even_after_a_gap_with_none() -> None:
+    """The worker's word to a new driver (RequestTimer.tell_again), with the
+    wheel's driver read as: the one that asked, none for a while (it
+    stopped cleanly), another, the same again, a third with the second's
+    pid.  Each new one hears of the late request once; the one that asked
+    and the gap hear nothing.  (Before, a gap with no driver made the next
+    one a first sighting, and it was never told.)"""
+    from types import SimpleNamespace
+
+    timer = RequestTimer("shmwheel-test-tell-again", 1.0)
+    payload = encode_request(KIND_REQUEST, os.getpid(), 1, 2, "GET", "late", "/")
+    drivers = iter([(100, 1), (0, 0), (200, 2), (200, 2), (200, 3)])
+    told: list[tuple[int, int]] = []
+    seen: list[tuple[int, int]] = []
+
+    class Wheel:
+        def raw_stats(self) -> SimpleNamespace:
+            pid, start = next(drivers)
+            seen.append((pid, start))
+            return SimpleNamespace(driver_pid=pid, driver_start=start)
+
+    timer._wheel = Wheel()  # type: ignore[assignment]
+    timer.active = lambda: {7: SimpleNamespace(payload=payload)}  # type: ignore[method-assign]
+    timer._tell = lambda p, kind: told.append((kind, seen[-1][0]))  # type: ignore[method-assign]
+    for _ in range(5):
+        timer.tell_again({(payload, True)})
+    assert told == [(KIND_LATE, 200), (KIND_LATE, 200)]  # the second: pid 200 again, but another driver
 
 
 def test_handler_reports_a_timer_that_is_not_a_request(make_wheel, caplog) -> None:

@@ -657,7 +657,7 @@ from shmwheel.contrib.timeouts import PAYLOAD_SIZE, RequestTimer, decode_request
 name = sys.argv[1]
 heard = []
 report = _stacks.report_overdue
-_stacks.report_overdue = lambda now_ns=None, asked=None: heard.append(asked) or report(now_ns, asked)
+_stacks.report_overdue = lambda now_ns=None, asked=None, **more: heard.append(asked) or report(now_ns, asked, **more)
 wheel = shmwheel.create(name, capacity=100, payload_size=PAYLOAD_SIZE)
 try:
     timer = RequestTimer(name, 0.05, traceback_signal=signal.SIGURG)

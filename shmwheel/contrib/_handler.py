@@ -388,6 +388,7 @@ class TimeoutHandler:
         self._refusals = Burst(_refusals)
         self._gone = Burst(_gone)  # timers of workers that have exited: one, or a forger's hundred thousand
         self._predecessor = 0  # the driver this one took the wheel over from, which died: its follow-ups count
+        self._took_over_at = -math.inf
         self._carried: dict[bytes, float] = {}  # requests whose stages it began that this one carries on: since
 
     def spare(self, pid: int) -> None:
@@ -399,6 +400,7 @@ class TimeoutHandler:
         """The driver took the wheel over from driver ``pid``, which died:
         the stages it began are carried on (:meth:`_carry_on`)."""
         self._predecessor = pid
+        self._took_over_at = time.monotonic()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TimeoutHandler, (self.name, self.actions))
@@ -420,14 +422,15 @@ class TimeoutHandler:
         # Who added it, first: a timer that names a worker and was added by
         # anyone else is refused whether or not that worker is there still.
         why = self._owner_refusal(fire, record)
-        if why is None:  # a process refused a moment ago is refused again on that word, with no /proc read
+        ours = record.kind in FOLLOW_UPS  # this driver's stage, which a refusal would lose for good
+        if why is None and not ours:  # a process refused a moment ago is refused again on that word
             refused = self._refused_lately.get((record.pid, record.start))
             if refused is not None and time.monotonic() - refused[0] < self.USE_TTL:
                 why = refused[1]
         there = why is None and alive(record.pid, record.start)
         if there:
-            why = self._refusal(record)
-            if why is not None:
+            why = self._refusal(record, fresh=ours)
+            if why is not None and not ours:
                 if len(self._refused_lately) > 1024:
                     self._refused_lately.clear()
                 self._refused_lately[(record.pid, record.start)] = (time.monotonic(), why)
@@ -439,6 +442,8 @@ class TimeoutHandler:
         elif record.kind in (KIND_CHECK, KIND_GRACE, KIND_GRACEFUL) and fire.owner_pid != os.getpid():
             self._carry_on(fire, record, there)
         elif record.kind == KIND_KILL:
+            if fire.owner_pid != os.getpid():  # the dead driver's: its stage is under way here now
+                self._carried[key] = time.monotonic()
             self._sigkill(fire, record, there)
         elif record.kind == KIND_GRACEFUL:
             late = self._late.pop(key, None)
@@ -450,7 +455,7 @@ class TimeoutHandler:
             self._check(fire, record, there)
         elif record.kind == KIND_GRACE:
             self._grace_over(fire, record, there)
-        elif fire.redelivered and key in self._late:
+        elif (fire.redelivered or key in self._carried) and key in self._late:
             pass  # its stage is under way here already: its worker said it was late (KIND_LATE)
         elif record.kind == KIND_TIMEOUT:
             late = self._late.get(key)
@@ -504,6 +509,14 @@ class TimeoutHandler:
         self._carried = {k: t for k, t in self._carried.items() if now - t < FORGET_AFTER}
         if key in self._late or key in self._carried or not there:
             return
+        # Shortly after a takeover the dead driver's own follow-ups may still
+        # be on their way (its SIGKILL kill_after after its kill signal):
+        # carried on, they say its stage is under way.  Until they are all
+        # due, the worker's word waits, as a follow-up of this driver's.
+        wait = self._took_over_at + self._follow_ups_within() - now
+        if wait > 0 and fire.owner_pid != os.getpid():
+            self._later(wait, KIND_LATE, fire.payload)
+            return
         self._carried[key] = now
         if self.actions.log:
             _log.info(
@@ -512,6 +525,13 @@ class TimeoutHandler:
                 record.describe(),
             )
         self._timed_out(fire, record, there)
+
+    def _follow_ups_within(self) -> float:
+        """Seconds within which a follow-up added at a request's timeout is
+        due: the stack check, the interrupt's grace, the kill signal and the
+        SIGKILL after it."""
+        actions = self.actions
+        return DUMP_TIME + actions.interrupt_grace + DUMP_TIME + actions.kill_after + 1.0
 
     def _heard(self, late: _Late | None, record: RequestRecord) -> None:
         """The worker's word about a request whose follow-ups are due."""
@@ -944,7 +964,7 @@ class TimeoutHandler:
         self._using[(pid, start)] = (now, why)
         return why
 
-    def _refusal(self, record: RequestRecord) -> str | None:
+    def _refusal(self, record: RequestRecord, fresh: bool = False) -> str | None:
         """Why the live process a record names, which added the timer, is not
         one this driver may signal for it, or None if it is."""
         if not self._is_producer(record.pid, record.start):
@@ -952,7 +972,7 @@ class TimeoutHandler:
         # The kernel's word too, before any line is written about the
         # request: a forgery is refused in a line a second, not logged as
         # a timeout first.
-        return uid_refusal(record.pid) or self._not_using(record.pid, record.start)
+        return uid_refusal(record.pid) or self._not_using(record.pid, record.start, fresh)
 
     def _owner_refusal(self, fire: Fire, record: RequestRecord) -> str | None:
         """Why the timer is not one the process it names, or a driver whose
@@ -969,7 +989,7 @@ class TimeoutHandler:
                 if self._predecessor:
                     whose += f" and the one it took over from (pid {self._predecessor})"
                 return f"its {what} follow-up was added by pid {fire.owner_pid}, and only {whose} count"
-        elif fire.owner_pid != record.pid:
+        elif fire.owner_pid != record.pid and not (record.kind == KIND_LATE and fire.owner_pid == os.getpid()):
             return f"the timer was added by pid {fire.owner_pid}, not by the worker it names"
         return None
 

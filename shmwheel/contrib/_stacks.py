@@ -378,7 +378,7 @@ def _report_forever(fd: int, pid: int) -> None:
         overflowed = lib.shmw_signal_overflowed()  # read (and cleared) whatever the values say
         everyone = overflowed or 0 in values
         try:
-            report_overdue(asked=None if everyone else values)
+            report_overdue(asked=None if everyone else values, signalled=bool(whole) or overflowed)
         except Exception:  # noqa: BLE001 - one failed report must not end the reporter
             with contextlib.suppress(Exception):
                 _log.exception("shmwheel: writing a timed-out request's stack failed")
@@ -396,13 +396,14 @@ _STARTED_AT = 16  # the request's start in its record (see _record.HEAD)
 _STACK_SIGNAL_AT = 40  # the signal the driver asks on, in the record
 
 
-def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> int:
+def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, signalled: bool = True) -> int:
     """For each request of this process past its warn_after stage or its
     timeout that the driver has asked about (``asked``: the values its
     signals carried, see :func:`asked_value`; None: every one): its stack
     written (once a stage), and at its timeout the worker's on_timeout
-    hook and its interrupt; then the driver answered.  Returns how many
-    stacks were written."""
+    hook and its interrupt; then the driver answered (once a request when
+    the reporter woke with no signal, to look again: not ``signalled``).
+    Returns how many stacks were written."""
     global _look_again
     now = time.monotonic_ns() if now_ns is None else now_ns
     frames = sys._current_frames()
@@ -440,7 +441,8 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> 
                     continue
             mark = (active.payload, timed_out)
             still.add(mark)
-            if mark not in _reported:
+            new = mark not in _reported
+            if new:
                 record = decode_request(active.payload)
                 if record is not None:
                     stack = report(record, active, frames, now, timed_out)
@@ -449,7 +451,8 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None) -> 
                         written += 1
                     if timed_out:
                         timer.timed_out(handle, active, record, stack)
-            timer.answer(active.payload)
+            if new or signalled:  # not again at each look of a reporter that woke with no signal
+                timer.answer(active.payload)
     _reported.intersection_update(still)
     _reported.update(still)
     if any(timed_out for _, timed_out in still):

@@ -185,7 +185,7 @@ class RequestTimer:
         self._interrupted: set[int] = set()  # handles of the requests interrupted
         # Requests that ended after their timer fired: record: when (tell_ended_again).
         self._ended_late: dict[bytes, float] = {}
-        self._driver_seen = 0  # the wheel's driver at the last stack signal
+        self._driver_seen: tuple[int, int] | None = None  # the wheel's driver (pid, start) as last seen
         self._ended_lock = threading.Lock()
         # The server's wsgi.file_wrapper last seen, and what stands for it (see _timing_file_wrapper).
         self._file_wrapper: tuple[object, Any] = (None, None)
@@ -245,7 +245,7 @@ class RequestTimer:
                 self._active = _new_table()
                 self._interrupted = set()
                 self._ended_late = {}
-                self._driver_seen = 0
+                self._driver_seen = None
                 self._ended_lock = threading.Lock()
                 self.in_app = set()
                 self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
@@ -615,9 +615,12 @@ class RequestTimer:
         if wheel is None:
             return
         try:
-            driver = wheel.raw_stats().driver_pid
+            stats = wheel.raw_stats()
         except ShmwheelError:
             return
+        if not stats.driver_pid:
+            return  # none runs now: the next one is told, whoever saw the last
+        driver = (stats.driver_pid, stats.driver_start)  # a new driver with a dead one's pid is new all the same
         now = time.monotonic()
         with self._ended_lock:
             ended = self._ended_late
@@ -625,12 +628,12 @@ class RequestTimer:
                 del ended[payload]
             if driver == self._driver_seen:
                 return
-            first, self._driver_seen = not self._driver_seen, driver
+            first, self._driver_seen = self._driver_seen is None, driver
             again = list(ended)
         for payload in again:
             self._tell(payload, KIND_FINISHED)
-        if first or not driver:
-            return  # the driver that asked is the one seen now; or none runs to tell
+        if first:
+            return  # the driver that asked is the one seen now
         for active in self.active().values():
             if (active.payload, True) in asked:
                 self._tell(active.payload, KIND_LATE)
