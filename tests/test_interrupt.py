@@ -411,7 +411,7 @@ def test_a_forged_x_request_start_never_gets_a_worker_killed(tmp_path: Path) -> 
         server.wait_for(rf"Booting worker with pid: (?!{before}\b)\d+")
 
 
-@pytest.mark.parametrize("when", ["in the grace", "before the SIGKILL", "in the grace, twice"])
+@pytest.mark.parametrize("when", ["in the grace", "before the SIGKILL", "in the grace, twice", "before a late SIGKILL"])
 def test_a_driver_killed_mid_stages_is_replaced_and_the_stuck_worker_still_ended(when: str, tmp_path: Path) -> None:
     """A gthread request in time.sleep (a C call no thread but the main one
     can be woken from) is interrupted, to no effect.  The driver is
@@ -425,10 +425,17 @@ def test_a_driver_killed_mid_stages_is_replaced_and_the_stuck_worker_still_ended
     one's follow-ups come due, which the third then refuses (they are two
     deaths back).  The worker tells the new driver that its request runs
     past its timeout, and the stages begin again.  (Before, nothing ended
-    the worker.)"""
+    the worker.)
+
+    Before a late SIGKILL (kill_after 5 s): the new driver carries the
+    SIGKILL on, and the worker's word that its request is late waits until
+    the dead driver's follow-ups are all due, so no second SIGABRT goes out
+    before the SIGKILL.  (Before, the worker's word began the stage again,
+    and a second SIGABRT came 1 s after the new driver started.)"""
     port = free_port()
     grace = 3.0 if when == "in the grace, twice" else 1.0  # the first driver's follow-up comes after the third starts
-    install = f"timeout=1.0, interrupt=True, interrupt_grace={grace}, kill=True, kill_after=1.0"
+    kill_after = 5.0 if when == "before a late SIGKILL" else 1.0
+    install = f"timeout=1.0, interrupt=True, interrupt_grace={grace}, kill=True, kill_after={kill_after}"
     cmd = gunicorn(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         before = pid_of(get(port, "/"))
@@ -459,7 +466,10 @@ def test_a_driver_killed_mid_stages_is_replaced_and_the_stuck_worker_still_ended
             assert len(re.findall(carried + rf"{first} added before it died", log)) == 1, log[-4000:]
             assert len(re.findall(r"request timed out: GET /sleep \(request stuck,", log)) == 2  # its own, then again
         else:
-            assert re.search(rf"killed worker pid {before} with SIGKILL: it was still there 1 s after SIGABRT", log)
+            after = f"{kill_after:g} s after SIGABRT"
+            assert re.search(rf"killed worker pid {before} with SIGKILL: it was still there {after}", log), log[-4000:]
+            sent = r"GET /sleep \(request stuck, .*\) has not ended 1 s after it was interrupted: .*; sending SIGABRT$"
+            assert len(re.findall(sent, log, re.M)) == 1, log[-4000:]
 
 
 # -- Gunicorn gevent: one worker, greenlets ----------------------------------------
