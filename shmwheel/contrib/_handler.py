@@ -577,10 +577,7 @@ class TimeoutHandler:
                 f"request is slow: {record.describe()}, running for {_running(record)}, "
                 f"{(timeout_at - time.monotonic_ns()) / 1e9:.3f} s before its timeout{then}"
             )
-            if there:
-                _log.warning("%s", line)
-            else:
-                self._gone.add(line)
+            self._say(line, there)
         if not there:
             return
         key = fire.payload[1:]
@@ -589,6 +586,14 @@ class TimeoutHandler:
         if stack and self._signal(fire, record, stack, asked_value(record.started_ns, False)):
             late.asked_at = time.monotonic()
             self._later(DUMP_TIME / 2, KIND_CHECK, fire.payload)
+
+    def _say(self, line: str, there: bool) -> None:
+        """A stage's line: as it is, or, for a worker that has exited (one,
+        or a forger's hundred thousand), through the once-a-second summary."""
+        if there:
+            _log.warning("%s", line)
+        else:
+            self._gone.add(line)
 
     def _timed_out(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         actions = self.actions
@@ -623,10 +628,7 @@ class TimeoutHandler:
                 f"request timed out: {record.describe()}, running for {_running(record)}"
                 f"{' (redelivered after a driver restart)' if fire.redelivered else ''}{then}"
             )
-            if there:
-                _log.warning("%s", line)
-            else:
-                self._gone.add(line)
+            self._say(line, there)
         if not there:
             return
         key = fire.payload[1:]
