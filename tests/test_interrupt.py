@@ -217,10 +217,11 @@ def test_sync_worker_cpu_loop_is_answered_504_and_the_worker_serves_on(tmp_path:
         assert booted(server) == 1
 
 
-@pytest.mark.parametrize("stuck", ["/sleep", "/recv"])
+@pytest.mark.parametrize("stuck", ["/sleep", "/recv", "/upstream"])
 def test_sync_worker_in_a_c_call_is_ended_at_its_deadline_and_serves_on(stuck: str, tmp_path: Path) -> None:
-    """The sync worker's request waits in time.sleep or a blocking recv: C
-    calls, which no line start reaches.  The main thread is where CPython
+    """The sync worker's request waits in time.sleep or a blocking recv
+    (whose data the code keeps, in /upstream): C calls, which no line start
+    reaches.  The main thread is where CPython
     runs signal handlers, so the worker wakes it with a real-time signal
     of its own: the wait ends, the handler raises at the call, a 504 goes
     out at the deadline, and the same worker serves on.  (Before, the

@@ -11,18 +11,26 @@ whole, a transaction rolled back, a log line written whole.
 
 from __future__ import annotations
 
+import builtins
+import dis
 import gc
 import inspect
 import io
 import logging
+import os
+import queue
 import random
 import re
+import select
+import socket
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -591,6 +599,44 @@ case("finally", sleeps_in_finally)
 case("lock", waits_for_a_lock)
 print("lock left held:", lock.locked())
 
+# Calls whose value the code keeps: ended where the function returns plain
+# data (a socket's recv, select, os.read), even called through an object's
+# attribute; not where it hands over something (a queue's item): that is
+# taken, and the request ended on the next line.
+import os, queue, select, socket
+
+class Client:
+    def __init__(self):
+        self._sock, self.peer = socket.socketpair()
+
+def receives():
+    client = Client()
+    threading.Timer(2, client.peer.send, (b"x",)).start()
+    soon(0.2)
+    data = client._sock.recv(1)
+
+def selects():
+    r, w = os.pipe()
+    soon(0.2)
+    ready, _, _ = select.select([r], [], [], 2)
+
+def reads():
+    r, w = os.pipe()
+    threading.Timer(2, os.write, (w, b"x")).start()
+    soon(0.2)
+    data = os.read(r, 1)
+
+items = queue.SimpleQueue()
+
+def takes():
+    threading.Timer(0.6, items.put, ("item",)).start()
+    soon(0.2)
+    item = items.get()
+    time.sleep(5)
+
+for name, body in (("recv", receives), ("select", selects), ("read", reads), ("get", takes)):
+    case(name, body)
+
 # The wake as the acquire returns (the lock released by another thread
 # just before it): at the end of the call, where CPython also runs signal
 # handlers, the value is in hand and must not be dropped.
@@ -670,12 +716,70 @@ for name, body in (("if-not", if_not_acquired), ("lines", acquired_over_lines), 
 """
 
 
+class _Client:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+
+class _Slotted:
+    __slots__ = ("_sock",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+
+class _Tricky:
+    @property
+    def _sock(self) -> socket.socket:
+        raise AssertionError("a property was run")
+
+
+@pytest.mark.parametrize(
+    ("statement", "plain"),
+    [
+        ("data = x.recv(1)", True),
+        ("data = client._sock.recv(n - len(b'ab'), socket.MSG_PEEK)", True),
+        ("n = slotted._sock.recv_into(bytearray(4), flags=0)", True),
+        ("ready, _, _ = select.select([x], [], [], 1.0)", True),
+        ("return os.read(3, 4096)", True),
+        ("data = f'{x.recv(1)!r:>5}'", True),
+        ("ok = lock.acquire()", False),
+        ("item = items.get(timeout=1)", False),
+        ("fd, addr = x._accept()", False),
+        ("data = (x if n else client._sock).recv(1)", False),  # a jump: more than one way to the call
+        ("data = tricky._sock.recv(1)", False),  # a property, not run
+        ("data = (yield x).recv(1)", False),  # not an instruction read here
+    ],
+)
+def test_the_function_a_call_calls_is_read_off_the_bytecode_without_running_code(statement: str, plain: bool) -> None:
+    """What a frame paused at its last call is calling, as the wake
+    signal's handler reads it: the statement run on a stack of names, then
+    looked up statically.  Only functions that return plain data count."""
+    from shmwheel.contrib import _calls
+
+    sock, peer = socket.socketpair()
+    with sock, peer:
+        space = {
+            "x": sock, "n": 3, "client": _Client(sock), "slotted": _Slotted(sock), "tricky": _Tricky(),
+            "lock": threading.Lock(), "items": queue.SimpleQueue(), "os": os, "select": select, "socket": socket,
+        }  # fmt: skip
+        namespace: dict[str, Any] = {}
+        exec(f"def f(x):\n    {statement}\n", space, namespace)  # x is a local, the rest globals
+        code = namespace["f"].__code__
+        last = [ins for ins in dis.get_instructions(code) if ins.opname in ("CALL", "CALL_KW")][-1]
+        frame = SimpleNamespace(f_code=code, f_lasti=last.offset, f_locals={"x": sock}, f_globals=space,
+                                f_builtins=vars(builtins))  # fmt: skip
+        assert _calls.plain_call(frame) is plain  # type: ignore[arg-type]
+
+
 def test_the_main_thread_is_woken_from_a_c_call_only_where_it_may_be() -> None:
     """In the main thread, in a fresh interpreter: a time.sleep is ended
     at once; one in a finally runs whole, and the request is ended after
     it; a lock.acquire() that waits is not ended (its line acquires what
     the try after it releases), and the request is ended in the try, which
-    releases the lock.  Nor is an acquire whose value is tested, or that
+    releases the lock.  A recv, select or os.read whose value the code
+    keeps is ended at once; a queue's get is not, and the request is ended
+    on the line after it, with its item.  Nor is an acquire whose value is tested, or that
     spans lines, when the wake comes as it returns; nor the request's code
     below another signal handler, which ran right after an acquire."""
     done = subprocess.run([sys.executable, "-c", MAIN_THREAD], capture_output=True, text=True, timeout=60)
@@ -685,7 +789,10 @@ def test_the_main_thread_is_woken_from_a_c_call_only_where_it_may_be() -> None:
     assert "finally interrupted in 1.0" in out, out
     assert "lock interrupted in 0.6" in out, out
     assert "lock left held: False" in out, out
-    assert done.stderr.count("or in the C call it waits in (SIGRTMIN") == 4, done.stderr
+    assert done.stderr.count("or in the C call it waits in (SIGRTMIN") == 8, done.stderr
+    for name in ("recv", "select", "read"):
+        assert f"{name} interrupted in 0.2" in out, out
+    assert "get interrupted in 0.6" in out, out
     assert re.search(r"^swallowed interrupted in 0\.\d$", out, re.M), out  # not the whole 3 s
     for name in ("if-not", "lines", "handler"):
         assert f"{name} lock left held: False" in out, out

@@ -73,6 +73,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
+from ._calls import JUMPS, STATEMENT_ENDS, plain_call
 from ._stacks import real
 
 try:
@@ -88,7 +89,6 @@ __all__ = ["arm", "armed", "can_arm", "check_from_signal", "unsafe_at", "unsafe_
 Check = Callable[[FrameType], bool]  # what it raises is raised in the thread; it stays armed
 
 _OP = dis.opmap
-_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs) | frozenset(getattr(dis, "hasjump", ()))
 #: Instructions after which control does not fall through to the next.
 _ENDS = frozenset(
     _OP[name]
@@ -156,7 +156,7 @@ def _read_lines(code: CodeType) -> tuple[frozenset[int], frozenset[int], frozens
             if ins.offset in seen:
                 continue
             seen.add(ins.offset)
-            if ins.opcode in _JUMPS and isinstance(ins.argval, int):
+            if ins.opcode in JUMPS and isinstance(ins.argval, int):
                 todo.append(ins.argval)
             if ins.opcode not in _ENDS and i + 1 < len(instructions):
                 todo.append(instructions[i + 1].offset)
@@ -195,42 +195,26 @@ def _read_lines(code: CodeType) -> tuple[frozenset[int], frozenset[int], frozens
             line = _line_of(instructions[i])
             if line is not None and line not in unsafe:
                 acquiring.add(line)
-            if i == 0 or instructions[i - 1].opname.startswith(_STATEMENT_ENDS):
+            if i == 0 or instructions[i - 1].opname.startswith(STATEMENT_ENDS):
                 break
             i -= 1
-    # The calls whose value a raise right after their return would drop
-    # harmlessly (see unsafe_in_call): the offsets a frame in one has as
+    # The calls that throw their value away, which a raise right after
+    # their return drops harmlessly (see unsafe_in_call): the offsets a frame in one has as
     # f_lasti, the call's own or (3.11, 3.12) its inline caches'.
     ends = [ins.offset for ins in instructions[1:]] + [len(code.co_code)]
     calls = frozenset(
         at
         for i, (ins, end) in enumerate(zip(instructions, ends, strict=True))
-        if ins.opcode in _CALLS and _dropped_at(instructions, i + 1, code.co_filename)
+        if ins.opcode in _CALLS and _dropped_at(instructions, i + 1)
         for at in range(ins.offset, end, 2)
     )
     return frozenset(unsafe), frozenset(acquiring), calls
 
 
-#: Where one statement's instructions end and the next one's begin.
-_STATEMENT_ENDS = ("POP_TOP", "STORE_", "RETURN_", "JUMP", "POP_JUMP", "NOP", "RESUME", "END_FOR", "RAISE", "RERAISE")
-#: Standard library code whose calls return plain values (bytes, counts,
-#: ready lists), never something a caller must release: a raise after such
-#: a call returned drops nothing that matters.
-_PLAIN_VALUE_FILES = tuple(
-    os.path.join(os.path.dirname(os.__file__), name) for name in ("socket.py", "ssl.py", "selectors.py")
-)
-
-
-def _dropped_at(instructions: list[dis.Instruction], after: int, filename: str) -> bool:
+def _dropped_at(instructions: list[dis.Instruction], after: int) -> bool:
     """Whether the value of the call whose next instruction is ``after`` is
-    thrown away (a call made for its effect: ``time.sleep(1)``), or, in the
-    standard library's socket code, only stored or returned."""
-    if after >= len(instructions):
-        return False
-    name = instructions[after].opname
-    if name == "POP_TOP":
-        return True
-    return filename in _PLAIN_VALUE_FILES and name in ("STORE_FAST", "RETURN_VALUE")
+    thrown away: a call made for its effect, ``time.sleep(1)``."""
+    return after < len(instructions) and instructions[after].opname == "POP_TOP"
 
 
 def _line_of(ins: dis.Instruction) -> int | None:
@@ -358,12 +342,12 @@ def unsafe_in_call(frame: FrameType) -> str | None:
     called, whose wait the signal ended - or right after that function
     returned, at the check CPython makes at the end of a call, which looks
     the same from here.  So: None only if the frame is at a call whose
-    value is thrown away (``time.sleep(1)``; in the standard library's
-    socket code, a count or bytes), so that a raise after its return drops
-    nothing that must be released, and not in the statement before a
-    ``try`` or ``with`` (``lock.acquire()``)."""
+    value a raise after its return may drop - one that throws it away
+    (``time.sleep(1)``), or one of a function that returns plain data
+    (``data = sock.recv(n)``, ``select.select``: :mod:`._calls`) - and not
+    in the statement before a ``try`` or ``with`` (``lock.acquire()``)."""
     _, acquiring, calls = _read(frame.f_code)
-    if frame.f_lasti not in calls:
+    if frame.f_lasti not in calls and not plain_call(frame):
         return f"at {_where(frame)}, not in a call whose value may be dropped"
     if frame.f_lineno in acquiring:
         return f"at {_where(frame)}, which acquires what the try or with after it releases"

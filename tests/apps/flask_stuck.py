@@ -54,6 +54,25 @@ def stuck_in_recv(seconds: float) -> None:
             pass
 
 
+class Upstream:
+    """A client of another service that keeps what it reads, as a cache's
+    or a database's client does."""
+
+    def __init__(self, seconds: float) -> None:
+        self._sock, self._peer = socket.socketpair()
+        self._sock.settimeout(seconds)
+
+    def read_reply(self) -> bytes:
+        try:
+            reply = self._sock.recv(1)
+        except TimeoutError:
+            reply = b""
+        finally:
+            self._sock.close()
+            self._peer.close()
+        return reply
+
+
 def stuck_in_c_sleep(seconds: float) -> None:
     monkey = sys.modules.get("gevent.monkey")
     sleep = time.sleep if monkey is None else monkey.get_original("time", "sleep")
@@ -88,6 +107,12 @@ def sleep() -> Response:
 @app.route("/recv")
 def recv() -> Response:
     stuck_in_recv(_seconds())
+    return _done()
+
+
+@app.route("/upstream")
+def upstream() -> Response:
+    Upstream(_seconds()).read_reply()
     return _done()
 
 
