@@ -62,6 +62,9 @@
 /* Flags of an add, and of a fire record. */
 #define SHMW_REDELIVERED    1   /* fire: sent again after a driver died */
 #define SHMW_CANCEL_ON_EXIT 2   /* add: cancelled when its producer exits */
+#define SHMW_KEPT           8   /* fire: its handler ran and kept it in flight (shmw_keep_many),
+                                 * for work that outlives the handler; a driver that takes over
+                                 * sends it again with this mark still on */
 #define SHMW_TRYLOCK      256   /* add: SHMW_EBUSY after a short spin if another holds the lock,
                                  * rather than wait for it (a caller that keeps Python's GIL
                                  * through the call must not block); never stored */
@@ -89,7 +92,7 @@ struct shmw_fire {
     int64_t  fired_at_ns;       /* when the clock fired it */
     int32_t  owner_pid;
     uint32_t payload_len;
-    uint32_t flags;             /* SHMW_REDELIVERED */
+    uint32_t flags;             /* SHMW_REDELIVERED, SHMW_KEPT */
     uint32_t _pad;
 };
 
@@ -202,7 +205,9 @@ int     shmw_pending(shmw_t *w);
  * once *stop is set and none are left (driver_writer is driver_take and
  * write(2)).  All of them return SHMW_ENOTDRIVER as soon as the
  * registration names another process.  ack_many frees fired timers whose
- * handlers have run and counts handler errors. */
+ * handlers have run and counts handler errors; keep_many marks those a
+ * handler keeps in flight (SHMW_KEPT) until it acknowledges them itself,
+ * and returns how many it marked. */
 int     shmw_driver_register(shmw_t *w, int32_t pid, int64_t start,
                              int32_t expect_pid, int64_t expect_start);
 int     shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state);
@@ -210,6 +215,7 @@ int     shmw_driver_clock(shmw_t *w, const volatile int *stop, uint32_t batch);
 int     shmw_driver_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t cap);
 int     shmw_driver_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap);
 int     shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors, uint32_t refused);
+int     shmw_keep_many(shmw_t *w, const int64_t *handles, uint32_t n);
 void    shmw_wake(shmw_t *w);
 
 /* The producer table.  attach takes (or finds) this process's producer id;

@@ -7,7 +7,7 @@ one driver advances the clock and collects the fires.  See README.md.
 import logging
 
 from ._binding import MAX_DELAY
-from ._driver import Driver, DriverProcess, FireReader, start_driver
+from ._driver import KEEP_IN_FLIGHT, Driver, DriverProcess, FireReader, start_driver
 from ._errors import (
     CorruptSegmentError,
     DriverRunningError,
@@ -26,6 +26,7 @@ from ._wheel import Wheel, attach, create, unlink
 __version__ = "0.1.0"
 
 __all__ = [
+    "KEEP_IN_FLIGHT",
     "MAX_DELAY",
     "CorruptSegmentError",
     "Driver",

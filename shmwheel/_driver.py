@@ -20,6 +20,10 @@ Delivery is exactly once while the driver lives.  If it dies (SIGKILL, a
 crash), whatever was in flight (fired, handler not finished or not yet
 acknowledged) stays in the segment, and the next driver, or poll(), hands
 it out again with ``redelivered`` set: at least once across driver crashes.
+A handler whose work outlives its call (a stage that ends seconds later)
+returns :data:`KEEP_IN_FLIGHT`: the fire stays in flight, marked ``kept``,
+until the handler acknowledges it itself (:meth:`Wheel.acknowledge`), so
+that a driver that takes over is handed it again, knowing it had been.
 
 Any process that maps the segment can scribble on it.  When the clock or the
 dispatcher meets something that makes no sense, and on a periodic audit,
@@ -51,11 +55,34 @@ from ._process import start_time
 from ._records import Fire, decode_records
 from ._wheel import Wheel, attach, observe
 
-__all__ = ["Driver", "DriverProcess", "FireReader", "Handler", "OutputFailed", "dedicated_process", "start_driver"]
+__all__ = [
+    "KEEP_IN_FLIGHT",
+    "Driver",
+    "DriverProcess",
+    "FireReader",
+    "Handler",
+    "OutputFailed",
+    "dedicated_process",
+    "start_driver",
+]
 
 _log = logging.getLogger("shmwheel.driver")
 
 Handler = Callable[[Fire], object]
+
+
+class _KeepInFlight:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "shmwheel.KEEP_IN_FLIGHT"
+
+
+#: What a handler returns to keep its fire in flight: not acknowledged
+#: with its batch, but marked ``kept``; the handler acknowledges it with
+#: :meth:`Wheel.acknowledge` once its work is done.  A driver that takes the
+#: wheel over first is handed it again, with ``redelivered`` and ``kept`` set.
+KEEP_IN_FLIGHT: Any = _KeepInFlight()
 
 _CLOCK_BATCH = 1024  # fires per lock hold
 _SEND_BATCH = 512  # fires taken per lock hold: a dispatcher's batch, or one write(2)
@@ -75,7 +102,7 @@ def _log_fire(fire: Fire) -> None:
         fire.lateness * 1e3,
         fire.payload,
         fire.owner_pid,
-        ", redelivered" if fire.redelivered else "",
+        (", redelivered" if fire.redelivered else "") + (", kept by a driver before" if fire.kept else ""),
     )
 
 
@@ -115,6 +142,7 @@ class Driver:
             raise ValueError(f"audit_interval must be a positive number of seconds or None, not {audit_interval!r}")
         self.name = name
         self._handler = handler or _log_fire
+        self._kept: list[int] = []  # the batch's fires its handler kept in flight
         self._external = fd is not None or fifo is not None
         self._fd = fd
         self._fifo = fifo
@@ -198,7 +226,9 @@ class Driver:
             rc, st = wheel.take_over_driver(me, my_start)
             gone, gone_start = st.driver_pid, st.driver_start
             if rc == 0 and st.inflight:
-                _log.warning("driver %d: redelivering %d fires left in flight", me, st.inflight)
+                _log.warning(
+                    "driver %d: redelivering %d fire%s left in flight", me, st.inflight, "" if st.inflight == 1 else "s"
+                )
             return rc
 
         while True:
@@ -368,6 +398,16 @@ class Driver:
             self._stuck_said = now
             _log.error("driver %d: %s; waiting for it", os.getpid(), exc)
 
+    def _keep(self, wheel: Wheel, handles: list[int]) -> None:
+        """Mark fires a handler kept in flight (KEEP_IN_FLIGHT): left for it
+        to acknowledge, and sent again marked if this driver dies first."""
+        arr = ffi.new("int64_t[]", handles)
+        rc = self._repairing(
+            wheel, "keeping fires in flight", lambda: lib.shmw_keep_many(wheel.core, arr, len(handles))
+        )
+        if rc < 0:
+            raise wheel.error(rc)
+
     def _ack(self, wheel: Wheel, handles: list[int], errors: int) -> None:
         """Acknowledge a batch, repairing what the acknowledgement meets.  A
         retry is safe: what was freed already no longer matches its handle.
@@ -469,7 +509,10 @@ class Driver:
                 raise
             self.fired += len(fires)
             self.handler_errors += errors
-            self._ack(wheel, [f.handle for f in fires], errors)
+            kept, self._kept = self._kept, []
+            if kept:
+                self._keep(wheel, kept)
+            self._ack(wheel, [f.handle for f in fires if f.handle not in kept], errors)
         if n < 0:
             raise wheel.error(n)
 
@@ -484,7 +527,8 @@ class Driver:
         errors = 0
         for fire in fires:
             try:
-                self._handler(fire)
+                if self._handler(fire) is KEEP_IN_FLIGHT:
+                    self._kept.append(fire.handle)
             except Exception:
                 errors += 1
                 _log.exception("handler failed on timer %d", fire.handle)

@@ -31,6 +31,7 @@ class Fire(NamedTuple):
     payload: bytes
     owner_pid: int
     redelivered: bool = False  #: sent again after a driver died with it in flight
+    kept: bool = False  #: a handler had kept it in flight (:data:`~shmwheel.KEEP_IN_FLIGHT`) before it was sent again
 
     @property
     def deadline(self) -> float:
@@ -68,6 +69,7 @@ if struct.calcsize(_RECORD_HEAD) != ffi.sizeof("struct shmw_fire") or [
 ] != [0, 8, 16, 24, 28, 32]:  # pragma: no cover - a build for another ABI
     raise ImportError("struct shmw_fire does not have the layout shmwheel/_records.py decodes")
 _REDELIVERED = lib.SHMW_REDELIVERED
+_KEPT = lib.SHMW_KEPT
 
 
 def record_struct(record_size: int) -> struct.Struct:
@@ -78,7 +80,10 @@ def record_struct(record_size: int) -> struct.Struct:
 def decode_records(rec: struct.Struct, data: bytes | bytearray | memoryview) -> list[Fire]:
     """Fires from whole records; ``len(data)`` must be a multiple of ``rec.size``."""
     return [
-        _new_fire(Fire, (handle, deadline_ns, fired_at_ns, payload[:length], pid, bool(flags & _REDELIVERED)))
+        _new_fire(
+            Fire,
+            (handle, deadline_ns, fired_at_ns, payload[:length], pid, bool(flags & _REDELIVERED), bool(flags & _KEPT)),
+        )
         for handle, deadline_ns, fired_at_ns, pid, length, flags, payload in rec.iter_unpack(data)
     ]
 

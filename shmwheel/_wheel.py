@@ -456,6 +456,21 @@ class Wheel:
             self._raise(rc)
         return rc == 1
 
+    def acknowledge(self, handles: Iterable[int]) -> int:
+        """Free fired timers that a driver's handler kept in flight
+        (:data:`~shmwheel.KEEP_IN_FLIGHT`), once the work they stood for is
+        done.  Returns how many were still in flight: not one that a driver
+        which took the wheel over was handed again and has acknowledged."""
+        handles = list(handles)
+        for handle in handles:
+            check_handle(handle)
+        if not handles:
+            return 0
+        rc: int = lib.shmw_ack_many(self._w, ffi.new("int64_t[]", handles), len(handles), 0, 0)
+        if rc < 0:
+            self._raise(rc)
+        return rc
+
     def reset(self, handle: int, delay: float) -> bool:
         """Re-arm a pending timer to ``delay`` seconds from now; False if not pending."""
         try:

@@ -42,6 +42,7 @@ def record(path: str, fire: shmwheel.Fire) -> None:
         "payload": fire.payload.decode(),
         "owner_pid": fire.owner_pid,
         "redelivered": fire.redelivered,
+        "kept": fire.kept,
         "handled_ns": time.monotonic_ns(),
     }
     with open(path, "a") as f:
@@ -66,6 +67,12 @@ def record_or_wait(path: str, gate: str, fire: shmwheel.Fire) -> None:
     give_up = time.monotonic() + 60
     while fire.payload == b"block" and not os.path.exists(gate) and time.monotonic() < give_up:
         time.sleep(0.01)
+
+
+def record_and_keep(path: str, fire: shmwheel.Fire) -> object:
+    """Records every fire, and keeps in flight those whose payload says so."""
+    record(path, fire)
+    return shmwheel.KEEP_IN_FLIGHT if fire.payload == b"keep" else None
 
 
 def record_or_raise(path: str, fire: shmwheel.Fire) -> None:
@@ -232,6 +239,47 @@ def test_sigkilled_driver_is_taken_over_and_redelivers_only_what_was_in_flight(
     assert not set(early) & {f["handle"] for f in got}, "an acknowledged fire came again"
     st = wheel.stats()
     assert (st.in_flight, st.redelivered, st.driver_pid) == (0, 4, d2.pid)
+
+
+def test_a_kept_fire_stays_in_flight_until_acknowledged_and_a_new_driver_is_handed_it_kept(
+    make_wheel, start, tmp_path: Path
+) -> None:
+    """A handler that returns KEEP_IN_FLIGHT (its work outlives the call)
+    leaves the fire in flight with the batch acknowledged around it.  The
+    driver that takes over from a SIGKILLed one is handed it again, marked
+    redelivered and kept; acknowledged, it is freed once."""
+    wheel = make_wheel(capacity=100)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    d1 = start(wheel.name, functools.partial(record_and_keep, str(first)))
+    kept = wheel.add(0.05, b"keep")
+    done = [wheel.add(0.05, b"done") for _ in range(3)]
+    wait_for(lambda: len(read_records(first)) == 4 and wheel.stats().acked == 3)
+    st = wheel.stats()
+    assert (st.in_flight, st.pending) == (1, 0)
+    assert not any(f["kept"] for f in read_records(first))  # kept by this handler, not before
+
+    os.kill(d1.pid, signal.SIGKILL)
+    wait_for(lambda: not d1.is_alive())
+    d2 = start(wheel.name, functools.partial(record, str(second)))
+    wait_for(lambda: len(read_records(second)) == 1 and wheel.stats().in_flight == 0)
+    (again,) = read_records(second)
+    assert (again["handle"], again["redelivered"], again["kept"]) == (kept, True, True)
+    assert not set(done) & {f["handle"] for f in read_records(second)}
+    assert d2.stop() == 0
+
+    # Acknowledged by the handler's own wheel: freed once, and only if in flight.
+    d3 = start(wheel.name, functools.partial(record_and_keep, str(first)))
+    again_kept = wheel.add(0.01, b"keep")
+    wait_for(lambda: len(read_records(first)) == 5 and wheel.stats().in_flight == 1)
+    acked = wheel.stats().acked
+    assert wheel.acknowledge([again_kept]) == 1
+    assert wheel.acknowledge([again_kept]) == 0
+    assert wheel.acknowledge([]) == 0
+    st = wheel.stats()
+    assert (st.in_flight, st.acked) == (0, acked + 1)
+    with pytest.raises(TypeError):
+        wheel.acknowledge(["1"])  # type: ignore[list-item]
+    assert d3.stop() == 0
 
 
 def test_a_driver_whose_registration_is_taken_hands_out_nothing_more(make_wheel, start, tmp_path: Path) -> None:

@@ -478,6 +478,44 @@ def test_a_driver_killed_mid_stages_is_replaced_and_the_stuck_worker_still_ended
             assert len(re.findall(sent, log, re.M)) == 1, log[-4000:]
 
 
+def test_a_worker_in_which_no_python_runs_is_killed_though_its_driver_dies_twice(tmp_path: Path) -> None:
+    """A gthread request in a regex that holds the GIL: its worker can
+    neither write the stack asked for nor say that its request is late.
+    The driver is SIGKILLed once it has asked for faulthandler's dump, and
+    the one that replaced it is SIGKILLed at once, before the first one's
+    interrupt check comes due, which the third then refuses (two deaths
+    back).  The request's own fire, which each driver keeps in flight
+    while its stages run, is handed to the third, kept: the stages begin
+    again once the dead drivers' follow-ups would all have been due, and
+    the worker is killed.  (Before, nothing ended it: its regex ran on.)"""
+    port = free_port()
+    install = "timeout=1.0, interrupt=True, interrupt_grace=3.0, kill=True, kill_after=1.0"
+    options = ("--workers", "1", "--threads", "4", "--timeout", "300")  # Gunicorn's own heartbeat: not before us
+    cmd = gunicorn(tmp_path, port, "gthread", *options, install=install)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        before = pid_of(get(port, "/"))
+        first = int(server.wait_for(r"driver running, pid (\d+)").group(1))
+        with ThreadPoolExecutor(1) as pool:
+            stuck = Answer(pool, port, "/regex?n=34", "no-python")  # 2**34 steps: minutes
+            server.wait_for(rf"\[{first}\] \[WARNING\] shmwheel: worker pid {before} did not write the stack of "
+                            r"GET /regex \(request no-python, ")  # fmt: skip
+            os.kill(first, signal.SIGKILL)
+            second = int(server.wait_for(rf"driver running, pid (?!{first}\b)(\d+)").group(1))
+            os.kill(second, signal.SIGKILL)
+            third = int(server.wait_for(rf"driver running, pid (?!(?:{first}|{second})\b)(\d+)").group(1))
+            server.wait_for(rf"\[{third}\] \[ERROR\] shmwheel: killed worker pid {before} with SIGKILL", timeout=60)
+            assert stuck.result()[0] in (0, 500)  # its worker ended under it
+        server.wait_for(rf"Booting worker with pid: (?!{before}\b)\d+")
+        assert pid_of(get(port, "/")) != before
+        log = server.log()
+        again = (
+            rf"\[{third}\] \[INFO\] shmwheel: GET /regex \(request no-python, .*\): still running past its timeout, "
+            r"which a driver before this one had begun to act on: its stages begin again"
+        )
+        assert re.search(again, log), log[-4000:]
+        assert "not by the worker it names" not in log, log[-4000:]  # the second's word that waited is the third's
+
+
 # -- Gunicorn gevent: one worker, greenlets ----------------------------------------
 
 

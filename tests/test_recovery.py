@@ -246,6 +246,28 @@ def test_ack_killed_at_every_store() -> None:
     assert sweep(op, verify, case_with_fires_sent) > 10
 
 
+def test_keep_killed_at_every_store() -> None:
+    """A handler's fires kept in flight (KEEP_IN_FLIGHT), the holder killed
+    at each store: each comes again to the next driver, kept or not, and
+    none is lost or freed."""
+
+    def op(case: Case) -> None:
+        handles = case.extra["in_flight"]
+        arr = ffi.new("int64_t[]", handles)
+        assert lib.shmw_keep_many(case.wheel.core, arr, len(handles)) == len(handles)
+
+    def verify(case: Case, crashed: bool) -> None:
+        w, me = case.wheel, os.getpid()
+        assert w.stats().in_flight == len(case.extra["in_flight"])
+        assert lib.shmw_driver_register(w.core, 0, 0, me, start_time(me)) == 0
+        got = everything(w)
+        assert {h for h, f in got.items() if f.redelivered} == set(case.extra["in_flight"])
+        assert crashed or all(got[h].kept for h in case.extra["in_flight"])
+        assert set(got) == set(case.timers)
+
+    assert sweep(op, verify, case_with_fires_sent) > 3  # a store each
+
+
 # -- repair at scale ------------------------------------------------------------------------
 
 

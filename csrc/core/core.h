@@ -63,7 +63,7 @@
 #define SHMW_RETIRED  2   /* generations used up, or quarantined: never handed out again */
 #define SHMW_INFLIGHT 3   /* fired by the driver, not yet acknowledged */
 
-/* Entry flags: SHMW_REDELIVERED and SHMW_CANCEL_ON_EXIT (shmwheel.h), and */
+/* Entry flags: SHMW_REDELIVERED, SHMW_CANCEL_ON_EXIT and SHMW_KEPT (shmwheel.h), and */
 #define SHMW_SENT     4   /* in flight and handed to the driver's dispatcher or writer, so
                            * that a rebuilt in-flight list does not hand it out again */
 
@@ -198,7 +198,7 @@ struct shmw_entry {
     uint32_t prev;              /* bucket or in-flight list */
     uint32_t bucket;            /* bucket index while pending, else NIL */
     uint8_t  state;             /* SHMW_FREE, _PENDING, _RETIRED or _INFLIGHT */
-    uint8_t  flags;             /* SHMW_REDELIVERED, SHMW_CANCEL_ON_EXIT, SHMW_SENT */
+    uint8_t  flags;             /* SHMW_REDELIVERED, SHMW_CANCEL_ON_EXIT, SHMW_SENT, SHMW_KEPT */
     uint16_t producer;          /* the adder's producer id, or SHMW_NO_PRODUCER;
                                  * its lane is the entry's lane */
     int32_t  owner_pid;         /* process that added the timer */

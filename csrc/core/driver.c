@@ -133,7 +133,7 @@ void shmw__write_record(const shmw_t *w, uint32_t i, char *rec)
     f->fired_at_ns = e->fired_at_ns;
     f->owner_pid = e->owner_pid;
     f->payload_len = len;
-    f->flags = e->flags & SHMW_REDELIVERED;
+    f->flags = e->flags & (SHMW_REDELIVERED | SHMW_KEPT);
     f->_pad = 0;
     if (len)
         memcpy(rec + sizeof(*f), (char *)(e + 1), len);
@@ -402,4 +402,27 @@ int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors
     }
     shmw__unlock(w);
     return rc ? rc : (int)done;
+}
+
+int shmw_keep_many(shmw_t *w, const int64_t *handles, uint32_t n)
+{
+    /* Only a mark: the entry stays on the FIFO where it is, sent, until
+     * shmw_ack_many frees it or a new driver sends it again. */
+    uint32_t k, done = 0;
+    int rc;
+
+    for (k = 0; k < n; k++)
+        if (handles[k] < 0)
+            return SHMW_EHANDLE;
+    if ((rc = shmw__enter(w)))
+        return rc;
+    for (k = 0; k < n; k++) {
+        uint32_t i = shmw__lookup(w, handles[k], SHMW_INFLIGHT);
+        if (i == SHMW_NIL)
+            continue;
+        STORE(entry_at(w, i)->flags, (uint8_t)(entry_at(w, i)->flags | SHMW_KEPT));
+        done++;
+    }
+    shmw__unlock(w);
+    return (int)done;
 }

@@ -45,7 +45,7 @@ int shmw__entry_sane(const shmw_t *w, const struct shmw_entry *e)
      * quarantines it. */
     return e->generation != 0 && e->generation <= w->max_generation
         && e->payload_len <= w->payload_size && e->deadline_ns >= 0
-        && !(e->flags & ~(SHMW_REDELIVERED | SHMW_CANCEL_ON_EXIT | SHMW_SENT))
+        && !(e->flags & ~(SHMW_REDELIVERED | SHMW_CANCEL_ON_EXIT | SHMW_SENT | SHMW_KEPT))
         && (e->producer < SHMW_MAX_PRODUCERS || e->producer == SHMW_NO_PRODUCER)
         && (e->state != SHMW_INFLIGHT || e->fired_at_ns >= e->deadline_ns);
 }

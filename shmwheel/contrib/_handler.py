@@ -72,6 +72,7 @@ from typing import Any
 
 from .._binding import lib
 from .._checks import check_flag, check_seconds, check_signal
+from .._driver import KEEP_IN_FLIGHT
 from .._errors import ShmwheelError, WheelFullError, one_line
 from .._process import alive, signal_disposition, uids, uses_file
 from .._records import Fire
@@ -87,6 +88,7 @@ from ._record import (
     KIND_KILL,
     KIND_LATE,
     KIND_RELEASED,
+    KIND_REQUEST,
     KIND_TIMEOUT,
     STACK_SIGNALS,
     RequestRecord,
@@ -390,6 +392,12 @@ class TimeoutHandler:
         self._predecessor = 0  # the driver this one took the wheel over from, which died: its follow-ups count
         self._took_over_at = -math.inf
         self._carried: dict[bytes, float] = {}  # requests whose stages it began that this one carries on: since
+        # A request's own fire stays in flight while its stages run
+        # (KEEP_IN_FLIGHT), so that a driver which takes over is handed it
+        # again, whatever died with this one: its follow-ups kept in memory,
+        # a driver before it, a worker in which no Python runs to say so.
+        self._kept: dict[bytes, list[int]] = {}  # request: the handles of its fires kept in flight
+        self._deferred: dict[bytes, float] = {}  # requests begun again once a dead driver's follow-ups are due: since
 
     def spare(self, pid: int) -> None:
         """Never signal ``pid`` (the server's master, which maps the wheel
@@ -405,20 +413,46 @@ class TimeoutHandler:
     def __reduce__(self) -> tuple[Any, ...]:
         return (TimeoutHandler, (self.name, self.actions))
 
-    def __call__(self, fire: Fire) -> None:
+    def __call__(self, fire: Fire) -> Any:
         with self._lock:
-            self._handle(fire)
+            record = self._handle(fire)
+            key = fire.payload[1:]
+            keep = (
+                record is not None
+                and record.kind == KIND_REQUEST
+                and fire.handle >= 0
+                and (key in self._late or key in self._deferred)
+            )
+            if keep:
+                handles = self._kept.setdefault(key, [])
+                if fire.handle not in handles:
+                    handles.append(fire.handle)
+            self._release()
+            return KEEP_IN_FLIGHT if keep else None
 
-    def _handle(self, fire: Fire) -> None:
+    def _release(self) -> None:
+        """Acknowledge the fires kept in flight of requests whose stages are
+        over: no follow-up of theirs is due any more."""
+        done = [key for key in self._kept if key not in self._late and key not in self._deferred]
+        if not done:
+            return
+        handles = [handle for key in done for handle in self._kept.pop(key)]
+        try:
+            self._open().acknowledge(handles)
+        except ShmwheelError as exc:  # the wheel is gone or replaced: nothing left to free
+            _log.debug("could not acknowledge the fires of requests whose stages are over: %s", one_line(exc))
+
+    def _handle(self, fire: Fire) -> RequestRecord | None:
+        """Act on one fire; the record it carries, if any."""
         record = decode_request(fire.payload)
         if record is None:
             _log.warning("timer %d carries no request record: payload %r", fire.handle, fire.payload[:64])
-            return
+            return None
         key = fire.payload[1:]
         if record.kind in (KIND_ANSWER, KIND_FINISHED, KIND_RELEASED):
             # They only spare a worker the dump or the kill: believed on their word.
             self._heard(self._late.get(key), record)
-            return
+            return record
         # Who added it, first: a timer that names a worker and was added by
         # anyone else is refused whether or not that worker is there still.
         why = self._owner_refusal(fire, record)
@@ -436,8 +470,8 @@ class TimeoutHandler:
                 self._refused_lately[(record.pid, record.start)] = (time.monotonic(), why)
         if why is not None:
             self._refuse(fire, record, why)
-            return
-        if record.kind == KIND_LATE:
+            return record
+        if record.kind == KIND_LATE or (record.kind == KIND_REQUEST and fire.kept):
             self._told_late(fire, record, there)
         elif record.kind in (KIND_CHECK, KIND_GRACE, KIND_GRACEFUL) and fire.owner_pid != os.getpid():
             self._carry_on(fire, record, there)
@@ -463,10 +497,11 @@ class TimeoutHandler:
                 del self._late[key]
             else:
                 self._timed_out(fire, record, there)
-        elif record.warn and time.monotonic_ns() < (record.timeout_at() or 0) - SLACK_NS:
+        elif self._warn_stage(record):
             self._warned(fire, record, there)
         else:  # its timeout; a warn_after stage delivered late (a driver restart) is its timeout too
             self._timed_out(fire, record, there)
+        return record
 
     def _carry_on(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         """A follow-up that the driver this one took over from added before
@@ -490,41 +525,55 @@ class TimeoutHandler:
                 fire.owner_pid,
             )
         self._late.pop(key, None)
-        if not there:
-            return
-        if record.warn and time.monotonic_ns() < (record.timeout_at() or 0) - SLACK_NS:
-            self._warned(fire, record, there)  # the request is not past its timeout yet: its warn stage it is
-        else:
-            self._timed_out(fire, record, there)
+        if there:
+            self._begin_again(fire, record, there)
 
     def _told_late(self, fire: Fire, record: RequestRecord, there: bool) -> None:
-        """A worker says that a request runs past its timeout, which a driver
-        before this one asked about, to this driver, the first time it sees
-        it.  Unless its stage is under way here already (carried on, or its
-        fire handed out again), the stage begins again, from the timeout:
-        what the dead driver knew, and its follow-ups, may have died with it
-        (a driver two deaths back; follow-ups a full wheel left in memory)."""
+        """A request whose stages a driver before this one began: its worker
+        says it runs past its timeout, to this driver, the first time it sees
+        it (KIND_LATE), or its own fire, which that driver kept in flight,
+        is handed to this one.  Unless its stage is under way here already
+        (carried on), it begins again: what the dead driver knew, and its
+        follow-ups, may have died with it (a driver two deaths back;
+        follow-ups a full wheel left in memory)."""
         key = fire.payload[1:]
         now = time.monotonic()
         self._carried = {k: t for k, t in self._carried.items() if now - t < FORGET_AFTER}
+        self._deferred = {k: t for k, t in self._deferred.items() if now - t < FORGET_AFTER}
+        if fire.owner_pid == os.getpid():
+            self._deferred.pop(key, None)  # its wait below is over
         if key in self._late or key in self._carried or not there:
             return
         # Shortly after a takeover the dead driver's own follow-ups may still
         # be on their way (its SIGKILL kill_after after its kill signal):
         # carried on, they say its stage is under way.  Until they are all
-        # due, the worker's word waits, as a follow-up of this driver's.
+        # due, this word waits, as a follow-up of this driver's.
         wait = self._took_over_at + self._follow_ups_within() - now
         if wait > 0 and fire.owner_pid != os.getpid():
+            self._deferred[key] = now
             self._later(wait, KIND_LATE, fire.payload)
             return
         self._carried[key] = now
         if self.actions.log:
             _log.info(
-                "%s: still running past its timeout, its worker says to this driver, which a driver before it had "
-                "asked about: its stages begin again",
+                "%s: still running past its %s, which a driver before this one had begun to act on: its stages "
+                "begin again",
                 record.describe(),
+                "warn_after" if self._warn_stage(record) else "timeout",
             )
-        self._timed_out(fire, record, there)
+        self._begin_again(fire, record, there)
+
+    def _warn_stage(self, record: RequestRecord) -> bool:
+        """Whether a request with a warn_after stage is not past its timeout yet."""
+        return bool(record.warn) and time.monotonic_ns() < (record.timeout_at() or 0) - SLACK_NS
+
+    def _begin_again(self, fire: Fire, record: RequestRecord, there: bool) -> None:
+        """The stage a request is at, begun again by a driver that does not
+        know what the one that began it did."""
+        if self._warn_stage(record):
+            self._warned(fire, record, there)
+        else:
+            self._timed_out(fire, record, there)
 
     def _follow_ups_within(self) -> float:
         """Seconds within which a follow-up added at a request's timeout is
@@ -991,7 +1040,11 @@ class TimeoutHandler:
                 if self._predecessor:
                     whose += f" and the one it took over from (pid {self._predecessor})"
                 return f"its {what} follow-up was added by pid {fire.owner_pid}, and only {whose} count"
-        elif fire.owner_pid != record.pid and not (record.kind == KIND_LATE and fire.owner_pid == os.getpid()):
+        elif fire.owner_pid != record.pid and not (
+            # A request's word that waits for the dead driver's follow-ups
+            # to be due (_told_late): this driver's, or the one's it took over from.
+            record.kind == KIND_LATE and fire.owner_pid in (os.getpid(), self._predecessor or os.getpid())
+        ):
             return f"the timer was added by pid {fire.owner_pid}, not by the worker it names"
         return None
 
