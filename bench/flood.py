@@ -8,20 +8,21 @@ what this measures is what the flood costs the real timeouts due at the
 same moment.
 
 A wheel with a 1 ms tick; a worker process (a RequestTimer on the wheel)
-starts one request whose timeout falls at a fixed moment D; ``--forged``
-timers (100,000) due at D too, half added before the worker's, half after,
-each naming a live process that is attached to no wheel and added by this
-one (a forgery through the API); a Driver with the TimeoutHandler in this
-process.  Reported, from D: when the handler logged the real request's
+starts one request whose timeout falls in the tick of moment D;
+``--forged`` timers (100,000) due at D too, each naming a live process
+that is attached to no wheel and added by another (a forgery through the
+API); a Driver with the TimeoutHandler in this process.  Reported, from D: when the handler logged the real request's
 "request timed out" line, when it had refused the last forged timer, and
 how many lines it logged in all.  The same run with no forged timers
 first, as the baseline: compare the two, not figures from another day.
+With ``--ahead MS`` the forged timers are due MS before the real one, so
+that the clock fires them all first, whatever lane they are in.
 
 Every segment is removed however the run ends.
 
 Usage::
 
-    python bench/flood.py [--forged N] [--repeat N] [--json FILE]
+    python bench/flood.py [--forged N] [--ahead MS] [--repeat N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -53,11 +54,25 @@ from shmwheel.contrib.timeouts import (  # noqa: E402
 WORKER = """
 import sys, time
 from shmwheel.contrib.timeouts import RequestTimer
-name, due_ns = sys.argv[1], int(sys.argv[2])
-timer = RequestTimer(name, (due_ns - time.monotonic_ns()) / 1e9)
+name = sys.argv[1]
+timer = RequestTimer(name, 3.0)
 assert timer.start("GET", "/real", "real") is not None
-print("started", flush=True)
+print("started", time.monotonic_ns() + 3_000_000_000, flush=True)  # its deadline, give or take microseconds
 time.sleep(60)
+"""
+TICK_NS = 1_000_000
+
+FORGER = """
+import sys, time
+import shmwheel
+name, due_ns, record = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+wheel = shmwheel.attach(name)
+for line in sys.stdin:  # a count of timers to add, each time
+    n = int(line)
+    for first in range(0, n, 10_000):  # one call into C a chunk
+        k = min(10_000, n - first)
+        wheel.add_many([(due_ns - time.monotonic_ns()) / 1e9] * k, [record] * k)
+    print("added", flush=True)
 """
 
 
@@ -72,30 +87,37 @@ class Lines(logging.Handler):
         self.lines.append((time.monotonic_ns(), record.getMessage()))
 
 
-def add_forged(wheel: shmwheel.Wheel, due_ns: int, record: bytes, n: int) -> None:
-    """``n`` timers of ``record`` due at ``due_ns``, in chunks of one call into C each."""
-    for first in range(0, n, 10_000):
-        k = min(10_000, n - first)
-        wheel.add_many([(due_ns - time.monotonic_ns()) / 1e9] * k, [record] * k)
+def add_forged(forger: subprocess.Popen[str], n: int) -> None:
+    """The forger adds ``n`` more timers."""
+    assert forger.stdin is not None and forger.stdout is not None
+    forger.stdin.write(f"{n}\n")
+    forger.stdin.flush()
+    assert forger.stdout.readline() == "added\n"
 
 
-def one_run(segs: Segments, forged: int) -> dict[str, Any]:
+def one_run(segs: Segments, forged: int, ahead_ms: float) -> dict[str, Any]:
     stranger = subprocess.Popen(["sleep", "600"])
     worker: subprocess.Popen[str] | None = None
+    forger: subprocess.Popen[str] | None = None
     lines = Lines()
     log = logging.getLogger("shmwheel.timeouts")
     log.addHandler(lines)
     try:
         start = start_time(stranger.pid)
         assert start is not None
-        with segs.wheel(capacity=1 << 18, payload_size=PAYLOAD_SIZE, tick=0.001) as wheel:
-            due = time.monotonic_ns() + 3_000_000_000
+        with segs.wheel(capacity=1 << 18, payload_size=PAYLOAD_SIZE, tick=TICK_NS / 1e9) as wheel:
+            worker = subprocess.Popen([sys.executable, "-c", WORKER, wheel.name], stdout=subprocess.PIPE, text=True)
+            assert worker.stdout is not None
+            said, deadline = worker.stdout.readline().split()
+            assert said == "started"
+            # D: the middle of the tick the worker's timer fires in, and the
+            # forged timers' deadline (--ahead before it).
+            due = -(-int(deadline) // TICK_NS) * TICK_NS - TICK_NS // 2
             record = encode_request(KIND_REQUEST, stranger.pid, start, time.monotonic_ns(), "GET", "forged", "/x")
-            add_forged(wheel, due, record, forged // 2)
-            worker = subprocess.Popen([sys.executable, "-c", WORKER, wheel.name, str(due)],
-                                      stdout=subprocess.PIPE, text=True)  # fmt: skip
-            assert worker.stdout is not None and worker.stdout.readline() == "started\n"
-            add_forged(wheel, due, record, forged - forged // 2)
+            forged_due = due - int(ahead_ms * 1e6)
+            forger = subprocess.Popen([sys.executable, "-c", FORGER, wheel.name, str(forged_due), record.hex()],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+            add_forged(forger, forged)
             handler = TimeoutHandler(wheel.name, TimeoutActions(tracebacks=False))
             driver = shmwheel.Driver(wheel.name, handler)
             thread = threading.Thread(target=driver.run)
@@ -114,6 +136,7 @@ def one_run(segs: Segments, forged: int) -> dict[str, Any]:
         real = [at for at, message in lines.lines if "request timed out: GET /real" in message]
         return {
             "forged": forged,
+            "ahead_ms": ahead_ms,
             "real_logged_ms": (real[0] - due) / 1e6 if real else None,
             "all_refused_ms": (last_refused - due) / 1e6,
             "refused": handler.refused,
@@ -121,7 +144,7 @@ def one_run(segs: Segments, forged: int) -> dict[str, Any]:
         }
     finally:
         log.removeHandler(lines)
-        for proc in (stranger, worker):
+        for proc in (stranger, worker, forger):
             if proc is not None:
                 proc.kill()
                 proc.wait()
@@ -130,6 +153,7 @@ def one_run(segs: Segments, forged: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--forged", type=int, default=100_000, help="forged timers due with the real one")
+    parser.add_argument("--ahead", type=float, default=0.0, metavar="MS", help="forged ones due MS before the real one")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each (default 3)")
     parser.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
     args = parser.parse_args()
@@ -140,12 +164,14 @@ def main() -> int:
         for n in range(args.repeat):
             for forged in (0, args.forged):
                 progress(f"run {n + 1}: {forged} forged timers")
-                results.append(one_run(segs, forged))
-    print("| forged | real timeout logged (ms after due) | last forged refused (ms) | refused | lines |")
-    print("|---|---|---|---|---|")
+                results.append(one_run(segs, forged, args.ahead))
+    print("| forged | due before the real one (ms) | real timeout logged (ms after due) | last forged refused (ms) "
+          "| refused | lines |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for r in results:
         real = "never" if r["real_logged_ms"] is None else f"{r['real_logged_ms']:.1f}"
-        print(f"| {r['forged']} | {real} | {r['all_refused_ms']:.1f} | {r['refused']} | {r['lines']} |")
+        cells = (r["forged"], f"{r['ahead_ms']:g}", real, f"{r['all_refused_ms']:.1f}", r["refused"], r["lines"])
+        print("| " + " | ".join(str(cell) for cell in cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(strict_json(results), f, indent=2)

@@ -640,6 +640,37 @@ def test_a_flood_of_forged_timers_is_said_in_a_few_lines_and_a_real_timeout_stil
     assert stranger.poll() is None
 
 
+def test_the_timers_of_a_process_refused_a_moment_ago_are_refused_unread(make_wheel, worker, caplog) -> None:
+    """A forger's timers, added by a process of its own: the first is read
+    and refused; the rest, for USE_TTL, are refused unread - its owner pid
+    is enough, so not even a payload that is no record is read - and
+    counted and said all the same.  The driver's own fires are read as
+    ever, and past USE_TTL the forger's are read again."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    stranger, forger = worker(), worker()
+    handler = TimeoutHandler(wheel.name, TimeoutActions(tracebacks=False))
+    handler.USE_TTL = 0.5
+    now = time.monotonic_ns()
+
+    def fire(payload: bytes, owner: int) -> shmwheel.Fire:
+        return shmwheel.Fire(1, now, now, payload, owner)
+
+    with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
+        handler(fire(record_for(stranger, "/forged"), forger.pid))
+        for _ in range(1000):
+            handler(fire(b"junk", forger.pid))
+        handler(fire(b"junk", os.getpid()))
+        time.sleep(0.6)
+        handler(fire(b"junk", forger.pid))
+        time.sleep(1.2)  # the summary of the last second
+    lines = [r.getMessage() for r in caplog.records]
+    assert handler.refused == 1001
+    assert sum("carries no request record" in line for line in lines) == 2, lines  # this driver's, and past USE_TTL
+    unread = f"it was added by pid {forger.pid}, whose timers were refused a moment ago; nothing was signalled"
+    assert [line for line in lines if "1000 more timers were not acted on" in line][0].endswith(unread), lines
+    assert stranger.poll() is None
+
+
 def test_a_record_naming_the_driver_itself_is_refused(make_wheel, caplog) -> None:
     """The driver maps the wheel, so the kernel's word holds for it too: a
     record naming the driver's own process (here this one, which adds the

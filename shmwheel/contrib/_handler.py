@@ -184,11 +184,13 @@ class Burst:
         self._lock = threading.Lock()
         self._said = -math.inf  # time.monotonic() of the last line
         self._unsaid = 0  # refused since then
-        self._last = ""
+        self._last: str | Callable[[], str] = ""
         self._flusher: threading.Timer | None = None
         _bursts.add(self)  # what the last interval counted is said as the driver exits
 
-    def add(self, what: str) -> None:
+    def add(self, what: str | Callable[[], str]) -> None:
+        """One more line: ``what``, or a function that makes it, called
+        only if the line is said (the first of a burst, or the last)."""
         now = time.monotonic()
         with self._lock:
             self.count += 1
@@ -204,14 +206,14 @@ class Burst:
                     self._flusher.daemon = True
                     self._flusher.start()
         if say:
-            _log.warning("%s", what)
+            _log.warning("%s", what if isinstance(what, str) else what())
 
     def _flush(self) -> None:
         with self._lock:
             unsaid, last, self._unsaid, self._flusher = self._unsaid, self._last, 0, None
             self._said = time.monotonic()
         if unsaid:
-            _log.warning("%s", self._summary(unsaid, last))
+            _log.warning("%s", self._summary(unsaid, last if isinstance(last, str) else last()))
 
 
 #: How often the lines of a Burst are said, at most.
@@ -387,6 +389,10 @@ class TimeoutHandler:
         self._using: dict[tuple[int, int], tuple[float, str | None]] = {}  # (pid, start): (when, why not)
         self._spared: set[int] = set()
         self._refused_lately: dict[tuple[int, int], tuple[float, str]] = {}  # (pid, start): (when, why)
+        # Processes whose timers were refused a moment ago: their next ones
+        # are refused unread, so a flood costs the real timeouts that come
+        # after it in the same batch well under a microsecond a timer.
+        self._refusing: dict[int, float] = {}  # owner pid: when
         self._refusals = Burst(_refusals)
         self._gone = Burst(_gone)  # timers of workers that have exited: one, or a forger's hundred thousand
         self._predecessor = 0  # the driver this one took the wheel over from, which died: its follow-ups count
@@ -415,6 +421,10 @@ class TimeoutHandler:
 
     def __call__(self, fire: Fire) -> Any:
         with self._lock:
+            refused_at = self._refusing.get(fire.owner_pid)
+            if refused_at is not None and time.monotonic() - refused_at < self.USE_TTL:
+                self._refusals.add(lambda: self._refused_unread(fire))
+                return None
             record = self._handle(fire)
             key = fire.payload[1:]
             keep = (
@@ -1064,7 +1074,18 @@ class TimeoutHandler:
 
     def _refuse(self, fire: Fire, record: RequestRecord, why: str) -> None:
         self._refusals.add(
-            f"timer {fire.handle} names {record.describe()} but is not acted on: {why}; nothing was signalled"
+            lambda: f"timer {fire.handle} names {record.describe()} but is not acted on: {why}; nothing was signalled"
+        )
+        if fire.owner_pid not in (os.getpid(), self._predecessor):  # never this driver's own follow-ups
+            if len(self._refusing) > 1024:
+                self._refusing.clear()
+            self._refusing[fire.owner_pid] = time.monotonic()
+
+    @staticmethod
+    def _refused_unread(fire: Fire) -> str:
+        return (
+            f"timer {fire.handle} is not acted on: it was added by pid {fire.owner_pid}, whose timers were refused "
+            f"a moment ago; nothing was signalled"
         )
 
     @property
