@@ -202,6 +202,8 @@ static void scribble_run(void)
         (void)shmw_cancel(w, handles[rnd() % 8]);
         (void)shmw_reset(w, handles[rnd() % 8], 2.0);
         (void)shmw_cancel_many(w, handles, 8);
+        (void)shmw_keep_many(w, handles, 8);
+        (void)shmw_ack_many(w, handles, 8, 0, 0);
         (void)shmw_poll(w, (double)(now_ns + (int64_t)(rnd() % (1ULL << 45))) / 1e9, 0, 64, records, &more);
         (void)shmw_pending(w);
         {
