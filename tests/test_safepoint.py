@@ -728,18 +728,37 @@ class _Slotted:
         self._sock = sock
 
 
+class _Ran(BaseException):
+    """Application code that ran in a look-up (BaseException: no except
+    Exception in the look-up hides it)."""
+
+
 class _Tricky:
     @property
     def _sock(self) -> socket.socket:
-        raise AssertionError("a property was run")
+        raise _Ran("a property was run")
+
+
+class _Weird:
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        raise _Ran("__class__ was read")
+
+    def recv(self, n: int) -> bytes:
+        raise _Ran("called")
 
 
 @pytest.mark.parametrize(
     ("statement", "plain"),
     [
         ("data = x.recv(1)", True),
-        ("data = client._sock.recv(n - len(b'ab'), socket.MSG_PEEK)", True),
-        ("n = slotted._sock.recv_into(bytearray(4), flags=0)", True),
+        ("data = client._sock.recv(n - 2, socket.MSG_PEEK)", True),
+        ("n = slotted._sock.recv_into(buffer, flags=0)", True),
+        ("data = x.recv(len(b'ab'))", False),  # a call for an argument may have bound the name anew
+        ("data = empty._sock.recv(1)", False),  # a slot not set
+        ("data = weird.recv(1)", False),  # its __class__ a property: not run
+        ("messages = x.recvmsg(1, 64)", False),  # it may carry descriptors
+        ("status = os.waitpid(-1, 0)", False),  # a child's status, reaped once
         ("ready, _, _ = select.select([x], [], [], 1.0)", True),
         ("return os.read(3, 4096)", True),
         ("data = f'{x.recv(1)!r:>5}'", True),
@@ -761,6 +780,7 @@ def test_the_function_a_call_calls_is_read_off_the_bytecode_without_running_code
     with sock, peer:
         space = {
             "x": sock, "n": 3, "client": _Client(sock), "slotted": _Slotted(sock), "tricky": _Tricky(),
+            "empty": _Slotted.__new__(_Slotted), "weird": _Weird(), "buffer": bytearray(4),
             "lock": threading.Lock(), "items": queue.SimpleQueue(), "os": os, "select": select, "socket": socket,
         }  # fmt: skip
         namespace: dict[str, Any] = {}

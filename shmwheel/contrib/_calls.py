@@ -26,12 +26,12 @@ import _io
 import _socket
 import dis
 import functools
-import inspect
 import os
 import select
 import sys
 import time
-from types import CodeType, FrameType, MemberDescriptorType, ModuleType
+from collections.abc import Callable, Mapping
+from types import CodeType, FrameType, GetSetDescriptorType, MemberDescriptorType, ModuleType
 from typing import Any
 
 __all__ = ["JUMPS", "PLAIN", "STATEMENT_ENDS", "plain_call"]
@@ -40,8 +40,8 @@ __all__ = ["JUMPS", "PLAIN", "STATEMENT_ENDS", "plain_call"]
 def _plain() -> frozenset[Any]:
     names = {
         _socket.socket: (
-            "recv", "recv_into", "recvfrom", "recvfrom_into", "recvmsg", "recvmsg_into",
-            "send", "sendall", "sendto", "sendmsg", "connect", "connect_ex",
+            "recv", "recv_into", "recvfrom", "recvfrom_into", "send", "sendall", "sendto", "sendmsg",
+            "connect", "connect_ex",
         ),
         _io.FileIO: ("read", "readinto", "readall", "write"),
         _io.BufferedReader: ("read", "read1", "readinto", "readinto1", "readline", "peek"),
@@ -61,20 +61,21 @@ def _plain() -> frozenset[Any]:
         found.append(select.epoll.poll)
     found += [
         getattr(os, name)
-        for name in ("read", "readv", "pread", "preadv", "write", "writev", "pwrite", "pwritev", "sendfile",
-                     "wait", "waitpid", "wait3", "wait4", "waitid")
+        for name in ("read", "readv", "pread", "preadv", "write", "writev", "pwrite", "pwritev", "sendfile")
         if hasattr(os, name)
-    ]  # fmt: skip
+    ]
     return frozenset(found)
 
 
 #: C functions that wait in an interruptible system call and return data
-#: (bytes, a count, None, ready descriptors, an exit status), never
-#: something the caller must release: a socket's receives and sends, a
+#: (bytes, a count, None, ready descriptors), never something the caller
+#: must release or can have only once: a socket's receives and sends, a
 #: file's reads and writes, ``select``, ``poll``, ``time.sleep``, the
-#: ``os`` reads, writes and waits.  Not ``accept`` (a descriptor), not a
-#: lock's ``acquire``, not a queue's ``get``.
+#: ``os`` reads and writes.  Not ``accept`` (a descriptor), not ``recvmsg``
+#: (it may carry descriptors), not ``os.waitpid`` (a child's status, which
+#: is reaped once), not a lock's ``acquire``, not a queue's ``get``.
 PLAIN = _plain()
+_PLAIN_IDS = frozenset(id(each) for each in PLAIN)  # compared by identity: no __eq__ or __hash__ of anyone's runs
 
 #: A call's stack: [method or NULL, callable or self, args...] before
 #: 3.13; [callable, self or NULL, args...] from 3.13.
@@ -87,7 +88,7 @@ _NULL: tuple[str, ...] = ("null",)
 #: is at the call this reads.
 _SHAPES: dict[str, Any] = {
     "NOP": (0, 0), "CACHE": (0, 0), "EXTENDED_ARG": (0, 0), "KW_NAMES": (0, 0), "RESUME": (0, 0),
-    "LOAD_CONST": (0, 1), "PUSH_NULL": (0, 1),
+    "LOAD_CONST": (0, 1),
     "BUILD_TUPLE": lambda n: (n, 1), "BUILD_LIST": lambda n: (n, 1), "BUILD_SET": lambda n: (n, 1),
     "BUILD_STRING": lambda n: (n, 1), "BUILD_SLICE": lambda n: (n, 1), "BUILD_MAP": lambda n: (2 * n, 1),
     "BUILD_CONST_KEY_MAP": lambda n: (n + 1, 1),
@@ -104,13 +105,12 @@ JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs) | frozenset(getattr(dis,
 
 def plain_call(frame: FrameType) -> bool:
     """Whether ``frame`` is at a call of one of :data:`PLAIN`, as far as
-    its bytecode and a static look-up can tell."""
-    path = _callee(frame.f_code, frame.f_lasti)
-    if path is None:
-        return False
+    its bytecode and a static look-up can tell.  Never raises: it runs in a
+    signal handler, where anything raised lands in the application."""
     try:
-        return _look_up(frame, path) in PLAIN
-    except TypeError:  # an unhashable object found on the way
+        path = _callee(frame.f_code, frame.f_lasti)
+        return path is not None and id(_look_up(frame, path)) in _PLAIN_IDS
+    except Exception:  # an object on the way that no static look-up can read
         return False
 
 
@@ -131,6 +131,11 @@ def _callee(code: CodeType, lasti: int) -> tuple[str, ...] | None:
     for ins in instructions[start:at]:
         if ins.offset in targets or ins.opcode in JUMPS:
             return None  # a jump in or out: more than one way here
+        if ins.opname in _CALL_NAMES and ins.opname != "PRECALL":
+            # A call made for an argument may have bound the name to
+            # something else since it was loaded: what is looked up later
+            # is not sure to be what is called.
+            return None
         if not _step(ins, stack):
             return None
     call = instructions[at]
@@ -153,6 +158,8 @@ def _step(ins: dis.Instruction, stack: list[_Name]) -> bool:
         stack.append(("local", ins.argval))
     elif name == "LOAD_FAST_LOAD_FAST":
         stack.extend(("local", each) for each in ins.argval)
+    elif name == "PUSH_NULL":
+        stack.append(_NULL)
     elif name == "LOAD_NAME":
         stack.append(("name", ins.argval))
     elif name == "LOAD_GLOBAL":
@@ -166,11 +173,8 @@ def _step(ins: dis.Instruction, stack: list[_Name]) -> bool:
         value = of + (ins.argval,) if of is not None and of != _NULL else None
         method = name == "LOAD_METHOD" or (sys.version_info >= (3, 12) and arg & 1)
         stack.extend([value, None] if method else [value])  # [method, self]: in 3.13 too, callable first
-    elif name in _CALL_NAMES:
-        popped = arg + (3 if name == "CALL_KW" else 2)
-        if name == "PRECALL":  # 3.11: the call itself is the CALL after it
-            return True
-        return _shape(stack, popped, 1)
+    elif name == "PRECALL":  # 3.11: the call itself is the CALL after it
+        pass
     elif name in _SHAPES:
         shape = _SHAPES[name]
         popped, pushed = shape(arg) if callable(shape) else shape
@@ -193,21 +197,80 @@ _MISSING = object()
 
 def _look_up(frame: FrameType, path: tuple[str, ...]) -> Any:
     """What ``path`` names in ``frame``, looked up without running any of
-    the application's code; _MISSING where it cannot be."""
+    the application's code: only real dictionaries (a frame's, a module's,
+    a class's, an instance's) and slots are read, through the C
+    descriptors of ``type`` and ``object``; _MISSING where that cannot say."""
     kind, name, *attributes = path
-    spaces: list[dict[str, Any]] = []
+    spaces: list[Any] = []
     if kind in ("local", "name"):
         spaces.append(frame.f_locals)  # 3.13: a proxy that reads the frame
     if kind in ("global", "name"):
         spaces += [frame.f_globals, frame.f_builtins]
-    value = next((space[name] for space in spaces if name in space), _MISSING)
+    value: Any = _MISSING
+    for space in spaces:
+        if type(space) is not dict and type(space) is not _LOCALS_PROXY:  # a class body's __prepare__ mapping
+            return _MISSING
+        if name in space:
+            value = space[name]
+            break
     for attribute in attributes:
         if value is _MISSING:
             break
-        if isinstance(value, ModuleType):
-            value = value.__dict__.get(attribute, _MISSING)
-        else:
-            found = inspect.getattr_static(value, attribute, _MISSING)
-            # A slot (__slots__) is read in C, by its descriptor.
-            value = found.__get__(value, type(value)) if isinstance(found, MemberDescriptorType) else found
+        value = _attribute(value, attribute)
     return value
+
+
+def _attribute(value: Any, name: str) -> Any:
+    """``value.name`` as Python would find it for a call, for an object
+    whose type's attributes, and its own, are plain; _MISSING otherwise."""
+    klass = type(value)
+    if issubclass(klass, ModuleType):
+        own = _dict_of(value, ModuleType)
+        return _MISSING if own is None else own.get(name, _MISSING)
+    found = _MISSING
+    for each in _MRO(klass):
+        mapping = _CLASS_DICT(each)
+        if name in mapping:
+            found = mapping[name]
+            break
+    if found is not _MISSING and _data_descriptor(type(found)):  # a data descriptor comes first
+        if type(found) is MemberDescriptorType:  # a slot, read in C
+            try:
+                return found.__get__(value, klass)
+            except AttributeError:  # not set
+                return _MISSING
+        return _MISSING  # a property, or another's descriptor: its code would run
+    own = _dict_of(value, klass)
+    if own is not None and name in own:
+        return own[name]
+    return found  # a function or method of the class: what a call would bind
+
+
+def _data_descriptor(klass: type) -> bool:
+    return any("__set__" in _CLASS_DICT(each) or "__delete__" in _CLASS_DICT(each) for each in _MRO(klass))
+
+
+def _dict_of(value: Any, klass: type) -> Any:
+    """The instance dictionary of ``value`` through the C descriptor its
+    type has for it (a module's is a member, a class's instances' a
+    getset), or None: no dictionary, or one that is not plain."""
+    for each in _MRO(klass):
+        descriptor = _CLASS_DICT(each).get("__dict__")
+        if descriptor is not None:
+            if type(descriptor) not in (GetSetDescriptorType, MemberDescriptorType):
+                return None
+            own = descriptor.__get__(value, klass)
+            return own if type(own) is dict else None
+    return None
+
+
+# The C descriptors of type itself, so that no metaclass's code runs.
+_MRO: Callable[[type], tuple[type, ...]] = type.__dict__["__mro__"].__get__
+_CLASS_DICT: Callable[[type], Mapping[str, Any]] = type.__dict__["__dict__"].__get__
+
+
+def _frame_locals_type() -> type:
+    return type(sys._getframe().f_locals)
+
+
+_LOCALS_PROXY: Any = _frame_locals_type()  # dict up to 3.12; FrameLocalsProxy from 3.13
