@@ -28,7 +28,7 @@ from shmwheel._process import signal_disposition, start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
 from shmwheel.contrib._handler import DUMP_TIME, signal_if
-from shmwheel.contrib._record import HEAD, KIND_LATE, KINDS, shown
+from shmwheel.contrib._record import HEAD, KIND_FINISHED, KIND_LATE, KINDS, shown, with_kind
 from shmwheel.contrib._supervisor import reserve_for
 from shmwheel.contrib.timeouts import (
     KIND_ANSWER,
@@ -640,32 +640,114 @@ def test_a_flood_of_forged_timers_is_said_in_a_few_lines_and_a_real_timeout_stil
     assert stranger.poll() is None
 
 
-def test_the_timers_of_a_process_refused_a_moment_ago_are_refused_unread(make_wheel, worker, caplog) -> None:
-    """A forger's timers, added by a process of its own: the first is read
-    and refused; the rest, for USE_TTL, are refused unread - its owner pid
-    is enough, so not even a payload that is no record is read - and
-    counted and said all the same.  The driver's own fires are read as
-    ever, and past USE_TTL the forger's are read again."""
+KEPT_WORKER = textwrap.dedent(
+    """
+    import signal, sys, threading, time
+    from shmwheel.contrib.timeouts import RequestTimer
+    timer = RequestTimer(sys.argv[1], float(sys.argv[2]), warn_after=float(sys.argv[3]))
+    assert timer.prepare()
+    done = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: done.set())
+    handle = timer.start("GET", "/slow", "kept")
+    print("ready", flush=True)
+    done.wait(60)
+    timer.finish(handle)
+    print("finished", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@contextlib.contextmanager
+def driving(name: str, actions: TimeoutActions) -> Iterator[shmwheel.Driver]:
+    """A Driver with a TimeoutHandler, in a thread of this process."""
+    driver = shmwheel.Driver(name, TimeoutHandler(name, actions))
+    thread = threading.Thread(target=driver.run)
+    thread.start()
+    try:
+        yield driver
+    finally:
+        driver.stop()
+        thread.join()
+
+
+@pytest.mark.parametrize("how", ["finished", "exited"])
+def test_a_requests_fire_is_kept_in_flight_only_while_its_stages_run(how: str, make_wheel, tmp_path: Path) -> None:
+    """A request past its warn_after stage: its own fire is kept in flight
+    while the driver holds its timeout stage.  Finished, its worker frees
+    the fire itself, driver or none (a driver that took over would
+    otherwise begin its stages again); exited, the driver frees it once
+    the timeout stage finds it gone.  (Before, the first stayed in flight
+    until a new driver took it, and the second for good.)"""
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
-    stranger, forger = worker(), worker()
+    with script_processes(tmp_path, KEPT_WORKER, "kept") as run:
+        proc = run([wheel.name, "1.0", "0.2"])
+        with driving(wheel.name, TimeoutActions(tracebacks=False)):
+            wait_until(lambda: wheel.stats().in_flight == 1, "its warn_after stage, its fire kept")
+            if how == "exited":
+                proc.kill()
+                proc.wait()
+                wait_until(lambda: wheel.stats().in_flight == 0, "its timeout stage to find it gone")
+                return
+        assert wheel.stats().in_flight == 1  # the driver stopped: kept for the next one
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.stdout is not None and proc.stdout.readline() == "finished\n"
+        assert wheel.stats().in_flight == 0  # freed by its worker, with no driver to hand it to
+
+
+def test_a_kept_fire_whose_request_finishes_while_it_waits_begins_no_stage(make_wheel, worker, caplog) -> None:
+    """A new driver is handed a request's kept fire and waits for the dead
+    driver's follow-ups to be due before it begins the stages again; the
+    worker says meanwhile that the request has finished: nothing begins.
+    (Before, the word was dropped, and the stage began again at the end
+    of the wait: the worker, which forgets ended requests, was asked for a
+    stack it would not write, dumped, and with kill on, killed.)"""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("polite", wheel.name, 60.0)
+    payload = record_for(proc)
+    handler = TimeoutHandler(wheel.name, TimeoutActions(tracebacks=True, kill=True))
+    handler.took_over(12345, 1)
+    now = time.monotonic_ns()
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        kept = handler(shmwheel.Fire(7, now, now, payload, proc.pid, True, True))
+        assert kept is shmwheel.KEEP_IN_FLIGHT  # its stages wait: kept still
+        handler(shmwheel.Fire(8, now, now, with_kind(payload, KIND_FINISHED), proc.pid))
+        waited = handler(shmwheel.Fire(9, now, now, with_kind(payload, KIND_LATE), os.getpid()))
+    lines = [r.getMessage() for r in caplog.records]
+    assert waited is None and not any("request timed out" in line or "begin again" in line for line in lines), lines
+    assert proc.poll() is None
+
+
+def test_the_timers_of_a_process_refused_a_moment_ago_are_refused_unread(make_wheel, worker, caplog) -> None:
+    """A forger's timers, added by a process of its own that is attached
+    to the wheel: the first is read and refused; the rest, for USE_TTL,
+    are refused unread - its owner pid is enough, so not even a payload
+    that is no record is read - and counted and said all the same.  The
+    driver's own fires are read as ever, and past USE_TTL the forger's are
+    read again."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    stranger, forger = worker(), worker("polite", wheel.name, 60.0)  # the forger attached: a producer of the wheel
     handler = TimeoutHandler(wheel.name, TimeoutActions(tracebacks=False))
     handler.USE_TTL = 0.5
     now = time.monotonic_ns()
 
-    def fire(payload: bytes, owner: int) -> shmwheel.Fire:
-        return shmwheel.Fire(1, now, now, payload, owner)
+    def fire(payload: bytes, owner: int, kept: bool = False) -> shmwheel.Fire:
+        return shmwheel.Fire(1, now, now, payload, owner, kept, kept)
 
+    forged = record_for(stranger, "/forged")
     with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
-        handler(fire(record_for(stranger, "/forged"), forger.pid))
+        handler(fire(forged, forger.pid))
         for _ in range(1000):
             handler(fire(b"junk", forger.pid))
         handler(fire(b"junk", os.getpid()))
+        handler(fire(b"junk", forger.pid, kept=True))  # a driver kept it: read, whoever added it
+        handler(fire(with_kind(forged, KIND_FINISHED), forger.pid))  # a worker's word: read, believed
         time.sleep(0.6)
         handler(fire(b"junk", forger.pid))
         time.sleep(1.2)  # the summary of the last second
     lines = [r.getMessage() for r in caplog.records]
     assert handler.refused == 1001
-    assert sum("carries no request record" in line for line in lines) == 2, lines  # this driver's, and past USE_TTL
+    assert sum("carries no request record" in line for line in lines) == 3, lines  # this driver's, kept, past USE_TTL
     unread = f"it was added by pid {forger.pid}, whose timers were refused a moment ago; nothing was signalled"
     assert [line for line in lines if "1000 more timers were not acted on" in line][0].endswith(unread), lines
     assert stranger.poll() is None

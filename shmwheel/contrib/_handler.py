@@ -314,6 +314,7 @@ class TimeoutActions:
         return args
 
 
+_WORDS = frozenset(bytes([kind]) for kind in (KIND_ANSWER, KIND_FINISHED, KIND_RELEASED))  # a worker's, by kind byte
 FOLLOW_UPS = {
     KIND_KILL: "SIGKILL",
     KIND_GRACEFUL: "kill_signal",
@@ -321,6 +322,7 @@ FOLLOW_UPS = {
     KIND_TIMEOUT: "timeout stage",
     KIND_GRACE: "interrupt check",
 }
+_OWN_KINDS = frozenset(bytes([kind]) for kind in (*FOLLOW_UPS, KIND_LATE))  # what this driver adds, by kind byte
 WARNED, TIMED_OUT = "warned", "timed out"  # the stage a late request is at
 FORGET_AFTER = 600.0  # s: how long a worker sent kill_signal, or a late request, is remembered, at most
 HELD_IDLE = 1.0  # s: how long the thread that brings kept follow-ups back waits for another before it ends
@@ -391,8 +393,8 @@ class TimeoutHandler:
         self._refused_lately: dict[tuple[int, int], tuple[float, str]] = {}  # (pid, start): (when, why)
         # Processes whose timers were refused a moment ago: their next ones
         # are refused unread, so a flood costs the real timeouts that come
-        # after it in the same batch well under a microsecond a timer.
-        self._refusing: dict[int, float] = {}  # owner pid: when
+        # after it in the same batch about a microsecond a timer.
+        self._refusing: dict[int, tuple[float, int]] = {}  # owner pid: when, its start as a producer
         self._refusals = Burst(_refusals)
         self._gone = Burst(_gone)  # timers of workers that have exited: one, or a forger's hundred thousand
         self._predecessor = 0  # the driver this one took the wheel over from, which died: its follow-ups count
@@ -403,7 +405,8 @@ class TimeoutHandler:
         # again, whatever died with this one: its follow-ups kept in memory,
         # a driver before it, a worker in which no Python runs to say so.
         self._kept: dict[bytes, list[int]] = {}  # request: the handles of its fires kept in flight
-        self._deferred: dict[bytes, float] = {}  # requests begun again once a dead driver's follow-ups are due: since
+        self._due: dict[bytes, tuple[int, float]] = {}  # request: this driver's follow-ups of it still to come, since
+        self._ended: dict[bytes, float] = {}  # requests whose worker said they ended while no stage ran here: when
 
     def spare(self, pid: int) -> None:
         """Never signal ``pid`` (the server's master, which maps the wheel
@@ -421,18 +424,13 @@ class TimeoutHandler:
 
     def __call__(self, fire: Fire) -> Any:
         with self._lock:
-            refused_at = self._refusing.get(fire.owner_pid)
-            if refused_at is not None and time.monotonic() - refused_at < self.USE_TTL:
-                self._refusals.add(lambda: self._refused_unread(fire))
+            if self._refused_unread(fire):
                 return None
-            record = self._handle(fire)
             key = fire.payload[1:]
-            keep = (
-                record is not None
-                and record.kind == KIND_REQUEST
-                and fire.handle >= 0
-                and (key in self._late or key in self._deferred)
-            )
+            if fire.owner_pid == os.getpid() and fire.payload[:1] in _OWN_KINDS:
+                self._came(key)  # one of this driver's follow-ups: one fewer to come
+            record = self._handle(fire)
+            keep = record is not None and record.kind == KIND_REQUEST and fire.handle >= 0 and key in self._due
             if keep:
                 handles = self._kept.setdefault(key, [])
                 if fire.handle not in handles:
@@ -440,12 +438,23 @@ class TimeoutHandler:
             self._release()
             return KEEP_IN_FLIGHT if keep else None
 
+    def _came(self, key: bytes) -> None:
+        count, since = self._due.get(key, (0, 0.0))
+        if count > 1:
+            self._due[key] = (count - 1, since)
+        else:
+            self._due.pop(key, None)
+
     def _release(self) -> None:
         """Acknowledge the fires kept in flight of requests whose stages are
-        over: no follow-up of theirs is due any more."""
-        done = [key for key in self._kept if key not in self._late and key not in self._deferred]
+        over: none of this driver's follow-ups of them is still to come (or
+        one has been lost for FORGET_AFTER: a repair retired it)."""
+        now = time.monotonic()
+        done = [key for key in self._kept if now - self._due.get(key, (0, -math.inf))[1] >= FORGET_AFTER]
         if not done:
             return
+        for key in done:
+            self._due.pop(key, None)
         handles = [handle for key in done for handle in self._kept.pop(key)]
         try:
             self._open().acknowledge(handles)
@@ -461,7 +470,7 @@ class TimeoutHandler:
         key = fire.payload[1:]
         if record.kind in (KIND_ANSWER, KIND_FINISHED, KIND_RELEASED):
             # They only spare a worker the dump or the kill: believed on their word.
-            self._heard(self._late.get(key), record)
+            self._heard(self._late.get(key), record, key)
             return record
         # Who added it, first: a timer that names a worker and was added by
         # anyone else is refused whether or not that worker is there still.
@@ -549,10 +558,8 @@ class TimeoutHandler:
         key = fire.payload[1:]
         now = time.monotonic()
         self._carried = {k: t for k, t in self._carried.items() if now - t < FORGET_AFTER}
-        self._deferred = {k: t for k, t in self._deferred.items() if now - t < FORGET_AFTER}
-        if fire.owner_pid == os.getpid():
-            self._deferred.pop(key, None)  # its wait below is over
-        if key in self._late or key in self._carried or not there:
+        self._ended = {k: t for k, t in self._ended.items() if now - t < FORGET_AFTER}
+        if key in self._late or key in self._carried or key in self._ended or not there:
             return
         # Shortly after a takeover the dead driver's own follow-ups may still
         # be on their way (its SIGKILL kill_after after its kill signal):
@@ -560,7 +567,6 @@ class TimeoutHandler:
         # due, this word waits, as a follow-up of this driver's.
         wait = self._took_over_at + self._follow_ups_within() - now
         if wait > 0 and fire.owner_pid != os.getpid():
-            self._deferred[key] = now
             self._later(wait, KIND_LATE, fire.payload)
             return
         self._carried[key] = now
@@ -592,8 +598,11 @@ class TimeoutHandler:
         actions = self.actions
         return DUMP_TIME + actions.interrupt_grace + DUMP_TIME + actions.kill_after + 1.0
 
-    def _heard(self, late: _Late | None, record: RequestRecord) -> None:
+    def _heard(self, late: _Late | None, record: RequestRecord, key: bytes) -> None:
         """The worker's word about a request whose follow-ups are due."""
+        if late is None and record.kind != KIND_ANSWER and key in self._due:
+            self._ended[key] = time.monotonic()  # its stage waits to begin again (_told_late): it need not
+            return
         if late is None or late.ended:
             return
         if record.kind == KIND_ANSWER:
@@ -847,6 +856,11 @@ class TimeoutHandler:
         and comes back from a thread of its own: a stage is never skipped
         for want of a slot."""
         follow_up = with_kind(payload, kind)
+        key, now = payload[1:], time.monotonic()
+        if len(self._due) > 1024:  # some were lost (a repair retired them): not counted for ever
+            self._due = {k: v for k, v in self._due.items() if now - v[1] < FORGET_AFTER}
+        count, since = self._due.get(key, (0, now))
+        self._due[key] = (count + 1, since)
         try:
             wheel = self._open()
             try:
@@ -1058,6 +1072,14 @@ class TimeoutHandler:
             return f"the timer was added by pid {fire.owner_pid}, not by the worker it names"
         return None
 
+    def _producer_start(self, pid: int) -> int | None:
+        """The start time of live producer ``pid``, from a reading of the
+        table no older than PRODUCERS_TTL; None if it is none."""
+        if time.monotonic() - self._producers_read >= self.PRODUCERS_TTL:
+            self._producers_read = time.monotonic()
+            self._producers = {p: s for p, s, live in self._open().producers() if live}
+        return self._producers.get(pid)
+
     def _is_producer(self, pid: int, start: int) -> bool:
         """Whether (pid, start) is a live producer of the wheel: from the
         last reading of the table if it is recent and has it, else from a
@@ -1076,17 +1098,32 @@ class TimeoutHandler:
         self._refusals.add(
             lambda: f"timer {fire.handle} names {record.describe()} but is not acted on: {why}; nothing was signalled"
         )
-        if fire.owner_pid not in (os.getpid(), self._predecessor):  # never this driver's own follow-ups
+        owner = fire.owner_pid
+        start = self._producer_start(owner)  # a live producer: not a pid that another process may take next
+        if start is not None and owner not in (os.getpid(), self._predecessor):  # never this driver's follow-ups
             if len(self._refusing) > 1024:
                 self._refusing.clear()
-            self._refusing[fire.owner_pid] = time.monotonic()
+            self._refusing[owner] = (time.monotonic(), start)
 
-    @staticmethod
-    def _refused_unread(fire: Fire) -> str:
-        return (
-            f"timer {fire.handle} is not acted on: it was added by pid {fire.owner_pid}, whose timers were refused "
-            f"a moment ago; nothing was signalled"
+    def _refused_unread(self, fire: Fire) -> bool:
+        """Refuse ``fire`` on its owner's pid alone, if a timer of that
+        process was refused within USE_TTL and it is the same process: not
+        a worker's word (an answer, a request finished), nor a fire a
+        driver kept in flight."""
+        refused = self._refusing.get(fire.owner_pid)
+        if refused is None or fire.kept or fire.payload[:1] in _WORDS:
+            return False
+        when, start = refused
+        if time.monotonic() - when >= self.USE_TTL or self._producers.get(fire.owner_pid) != start:
+            del self._refusing[fire.owner_pid]
+            return False
+        self._refusals.add(
+            lambda: (
+                f"timer {fire.handle} is not acted on: it was added by pid {fire.owner_pid}, whose timers were "
+                f"refused a moment ago; nothing was signalled"
+            )
         )
+        return True
 
     @property
     def refused(self) -> int:

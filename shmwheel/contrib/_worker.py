@@ -67,8 +67,9 @@ _log = logging.getLogger("shmwheel.timeouts")
 LOOK_INTERVAL_NS = 1_000_000_000  # how often a worker checks that its wheel's name still names it
 #: How long, and how many, requests that ended after their timer fired are
 #: remembered, to be said again to a driver that carries on a dead one's
-#: stages (a restart takes about a second).
-ENDED_FOR = 10.0
+#: stages (a restart takes about a second, and a stage begun again waits
+#: until the dead driver's follow-ups would all have been due).
+ENDED_FOR = 60.0
 ENDED_KEPT = 64
 KEEP_OLD = 2  # wheels replaced under a worker that it keeps open for the cancels of their requests
 ATTACH_TRIES = 3  # an AutoDriver's wheel may be removed between its making and the attach: made again
@@ -591,8 +592,11 @@ class RequestTimer:
         if self._cancel(active.handle) is not False:
             return
         # Not cancelled: its timer has fired, and the driver is acting on a
-        # request that has ended.  Told, it leaves the worker alone.
+        # request that has ended.  Told, it leaves the worker alone; and the
+        # fire it keeps in flight while its stages run is freed, so that no
+        # driver that takes over begins them again.
         if _monotonic_ns() >= active.deadline_ns - SLACK_NS:
+            self._acknowledge(active.handle)
             self._tell(active.payload, KIND_FINISHED)
             now = time.monotonic()
             with self._ended_lock:
@@ -652,6 +656,18 @@ class RequestTimer:
             return None
         return False
 
+    def _acknowledge(self, handle: int) -> None:
+        """Free the fire of timer ``handle``, which the driver keeps in flight
+        while the request's stages run (KEEP_IN_FLIGHT), in whichever of
+        this process's wheels has it."""
+        current, old = self._wheel, self._old
+        try:
+            for wheel in (current, *old) if current is not None else old:
+                if wheel.acknowledge([handle]):
+                    return
+        except ShmwheelError:
+            pass  # the wheel is gone: so is the fire
+
     def rearm(self, handle: int, seconds: float | None) -> bool:
         """Give the request of ``handle`` ``seconds`` from now (None: no
         timeout at all); False if it has no timer, or has timed out."""
@@ -667,6 +683,7 @@ class RequestTimer:
                 return False  # its timeout has fired: the driver is acting on it
             # Its warn_after stage has fired, and the driver holds its
             # timeout stage: told, it drops that.
+            self._acknowledge(active.handle)
             self._tell(active.payload, KIND_RELEASED)
         if seconds is None:
             self._active.pop(handle, None)
