@@ -267,6 +267,7 @@ def _json_line(fire: Fire) -> bytes:
         "payload_hex": fire.payload.hex(),
         "owner_pid": fire.owner_pid,
         "redelivered": fire.redelivered,
+        "kept": fire.kept,
     }
     record = decode_request(fire.payload)  # a request-timeout wheel's: decoded too
     if record is not None:

@@ -413,8 +413,8 @@ def test_cli_driver_prints_json_lines_and_stops_on_sigterm(make_wheel) -> None:
         h = wheel.add(0.01, b"\x00hi")
         line = proc.stdout.readline()  # type: ignore[union-attr]
         fire = json.loads(line)
-        assert set(fire) == {"handle", "deadline", "fired_at", "payload_hex", "owner_pid", "redelivered"}
-        assert fire["handle"] == h and fire["payload_hex"] == "006869" and fire["redelivered"] is False
+        assert set(fire) == {"handle", "deadline", "fired_at", "payload_hex", "owner_pid", "redelivered", "kept"}
+        assert fire["handle"] == h and fire["payload_hex"] == "006869" and fire["redelivered"] is fire["kept"] is False
         assert fire["fired_at"] >= fire["deadline"]
     finally:
         proc.send_signal(signal.SIGTERM)
