@@ -129,7 +129,9 @@ def stuck_requests_are_timed_out_with_their_own_stacks(server: Server, name: str
             assert answers[path].result() == (200, f"done by pid {pid}\n")  # no kill: it finishes
 
     with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(get_as, server.port, REGEX, f"{name}{REGEX}")
+        # 2**27 steps: 3 s or more here.  At 2**26 (1.5 s on an idle
+        # machine) the regex could end before the dump was asked for.
+        answer = pool.submit(get_as, server.port, f"{REGEX}?n=27", f"{name}{REGEX}")
         pid, thread = the_one_driver_line(server, REGEX, f"{name}{REGEX}")
         server.wait_for(
             rf"worker pid {pid} did not write the stack of GET {REGEX} \(request {re.escape(name + REGEX)}, .*\) "
