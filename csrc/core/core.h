@@ -349,6 +349,17 @@ void shmw__unlock(shmw_t *w);
 /* A public call's lock: SHMW_ECLOSED for a closed handle, else shmw__lock. */
 static inline int shmw__enter(shmw_t *w) { return w ? shmw__lock(w) : SHMW_ECLOSED; }
 static inline int shmw__try_enter(shmw_t *w) { return w ? shmw__lock_mode(w, 0) : SHMW_ECLOSED; }
+/* The lock of a call on many handles: SHMW_EHANDLE, before any lock, if
+ * one is negative (no handle is). */
+static inline int shmw__enter_handles(shmw_t *w, const int64_t *handles, uint32_t n)
+{
+    uint32_t k;
+
+    for (k = 0; k < n; k++)
+        if (handles[k] < 0)
+            return SHMW_EHANDLE;
+    return shmw__enter(w);
+}
 int  shmw__wake_for(shmw_t *w, uint64_t expires);
 void shmw__futex_wake_all(uint32_t *word);                  /* no lock */
 void shmw__futex_wait_until(uint32_t *word, uint32_t seen, int64_t deadline_ns);   /* no lock */

@@ -385,10 +385,7 @@ int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors
     uint32_t k, done = 0;
     int rc;
 
-    for (k = 0; k < n; k++)
-        if (handles[k] < 0)
-            return SHMW_EHANDLE;
-    if ((rc = shmw__enter(w)))
+    if ((rc = shmw__enter_handles(w, handles, n)))
         return rc;
     STORE(w->hdr->handler_errors, w->hdr->handler_errors + errors);
     STORE(w->hdr->refused, w->hdr->refused > UINT32_MAX - refused ? UINT32_MAX : w->hdr->refused + refused);
@@ -411,10 +408,7 @@ int shmw_keep_many(shmw_t *w, const int64_t *handles, uint32_t n)
     uint32_t k, done = 0;
     int rc;
 
-    for (k = 0; k < n; k++)
-        if (handles[k] < 0)
-            return SHMW_EHANDLE;
-    if ((rc = shmw__enter(w)))
+    if ((rc = shmw__enter_handles(w, handles, n)))
         return rc;
     for (k = 0; k < n; k++) {
         uint32_t i = shmw__lookup(w, handles[k], SHMW_INFLIGHT);

@@ -375,10 +375,7 @@ int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
     uint32_t k;
     int rc, done = 0;
 
-    for (k = 0; k < n; k++)
-        if (handles[k] < 0)
-            return SHMW_EHANDLE;
-    if ((rc = shmw__enter(w)))
+    if ((rc = shmw__enter_handles(w, handles, n)))
         return rc;
     for (k = 0; k < n; k++) {
         rc = cancel_locked(w, handles[k]);
