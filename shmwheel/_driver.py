@@ -512,7 +512,8 @@ class Driver:
             kept, self._kept = self._kept, []
             if kept:
                 self._keep(wheel, kept)
-            self._ack(wheel, [f.handle for f in fires if f.handle not in kept], errors)
+            held = set(kept)
+            self._ack(wheel, [f.handle for f in fires if f.handle not in held], errors)
         if n < 0:
             raise wheel.error(n)
 

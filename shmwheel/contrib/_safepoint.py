@@ -199,8 +199,9 @@ def _read_lines(code: CodeType) -> tuple[frozenset[int], frozenset[int], frozens
                 break
             i -= 1
     # The calls that throw their value away, which a raise right after
-    # their return drops harmlessly (see unsafe_in_call): the offsets a frame in one has as
-    # f_lasti, the call's own or (3.11, 3.12) its inline caches'.
+    # their return drops harmlessly (see unsafe_in_call): the offsets a
+    # frame in one has as f_lasti, the call's own or (3.11, 3.12) its
+    # inline caches'.
     ends = [ins.offset for ins in instructions[1:]] + [len(code.co_code)]
     calls = frozenset(
         at
