@@ -216,6 +216,15 @@ int     shmw_driver_take(shmw_t *w, const volatile int *stop, char *buf, uint32_
 int     shmw_driver_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, uint32_t cap);
 int     shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors, uint32_t refused);
 int     shmw_keep_many(shmw_t *w, const int64_t *handles, uint32_t n);
+/* For a dispatcher: takes out of a batch that driver_take copied (n
+ * records in buf) those of the processes in `owners`, whose timers its
+ * handler refuses unread, except those it must read all the same: kept,
+ * or whose payload begins with a byte in `spare`.  Their handles and
+ * owners go to `handles` and `pids` (room for n each), the rest close up
+ * in order.  Touches no segment and takes no lock: the caller
+ * acknowledges what it took out.  Returns how many records are left. */
+uint32_t shmw_sift(const shmw_t *w, char *buf, uint32_t n, const int32_t *owners, uint32_t n_owners,
+                   const char *spare, uint32_t n_spare, int64_t *handles, int32_t *pids, uint32_t *taken);
 void    shmw_wake(shmw_t *w);
 
 /* The producer table.  attach takes (or finds) this process's producer id;

@@ -19,7 +19,8 @@
  * must find the segment sound unless the scribble hit the parameters,
  * which no repair rewrites.  Part three holds the lock from another thread
  * and checks that the try forms (SHMW_TRYLOCK, shmw_try_cancel) give up
- * with SHMW_EBUSY having changed nothing, and work once it is free.  Exit status 0 on success; a sanitizer
+ * with SHMW_EBUSY having changed nothing, and work once it is free.  Part
+ * four sifts a dispatcher's batch (shmw_sift).  Exit status 0 on success; a sanitizer
  * report and a non-zero status otherwise.
  */
 #include "core/core.h"    /* white-box: the scribbles spare the header's mutex */
@@ -274,6 +275,62 @@ static void trylock_checks(shmw_t *w)
     EXPECT(shmw_pending(w) == 0, "%d pending after the last cancel", shmw_pending(w));
 }
 
+/* Part four: shmw_sift on a dispatcher's batch, whose records the caller
+ * may have garbled: it reads nothing outside them. */
+static void sift_checks(shmw_t *w, uint32_t payload_size)
+{
+    uint32_t stride = (uint32_t)shmw_record_size(w), k, left, taken;
+    char *buf = malloc((size_t)stride * 6);
+    int64_t handles[6];
+    int32_t pids[6], owners[2] = { 7, 9 };
+    /* owner, flags, first payload byte: 7 and 9 refused, "w" read anyway */
+    static const struct { int32_t owner; uint32_t flags; char first; } in[6] = {
+        { 7, 0, 'x' }, { 5, 0, 'x' }, { 9, SHMW_KEPT, 'x' }, { 9, 0, 'w' }, { 7, SHMW_REDELIVERED, 'x' }, { 7, 0, 'w' },
+    };
+
+    if (!buf)
+        abort();
+    for (k = 0; k < 6; k++) {
+        struct shmw_fire *f = (struct shmw_fire *)(buf + (size_t)k * stride);
+        memset(f, 0, stride);
+        f->handle = k;
+        f->owner_pid = in[k].owner;
+        f->flags = in[k].flags;
+        f->payload_len = payload_size ? 1 : 1000;       /* a garbled length past a record without payload */
+        if (payload_size)
+            buf[(size_t)k * stride + sizeof(*f)] = in[k].first;
+    }
+    left = shmw_sift(w, buf, 6, owners, 2, "w", 1, handles, pids, &taken);
+    if (payload_size) {
+        EXPECT(left == 4 && taken == 2, "sift left %u and took %u, not 4 and 2", left, taken);
+        EXPECT(handles[0] == 0 && handles[1] == 4 && pids[0] == 7 && pids[1] == 7, "sift took the wrong records");
+        for (k = 0; k < left; k++)
+            EXPECT(((struct shmw_fire *)(buf + (size_t)k * stride))->handle == (int64_t)"\1\2\3\5"[k],
+                   "sift left record %u out of order", k);
+    } else {
+        EXPECT(left == 2 && taken == 4, "sift, no payloads: left %u and took %u, not 2 and 4", left, taken);
+    }
+    EXPECT(shmw_sift(w, buf, left, owners, 0, "w", 1, handles, pids, &taken) == left && taken == 0,
+           "sift with no owners took %u", taken);
+    free(buf);
+}
+
+static void sift_run(void)
+{
+    uint32_t payload_size;
+
+    for (payload_size = 0; payload_size <= 8; payload_size += 8) {
+        struct shmw_params p = { 64, payload_size, 4, 1000000, 0 };
+        uint64_t size;
+        shmw_t *w;
+        char *base = make(&p, &size, &w, shmw_now_ns());
+
+        sift_checks(w, payload_size);
+        shmw_close(w);
+        free(base);
+    }
+}
+
 static void trylock_run(void)
 {
     struct shmw_params p = { 64, 8, 4, 1000000, 0 };
@@ -291,6 +348,7 @@ int main(void)
     model_run();
     scribble_run();
     trylock_run();
+    sift_run();
     if (failures) {
         fprintf(stderr, "test_core: %d failures\n", failures);
         return 1;

@@ -119,6 +119,14 @@ class Driver:
     once whenever one of its own operations meets corruption.  A lock not
     released within ``lock_timeout`` is said in the log (who holds it) and
     waited out: never a reason for the driver to stop.
+
+    A handler may also say whose fires it refuses without reading them, so
+    that a flood of them costs a few nanoseconds each, not a call: its
+    ``refuses_unread()`` returns the owner pids and the payloads' first
+    bytes it reads all the same (a kept fire is always read); the
+    dispatcher takes those fires out of each batch before any Fire is
+    made, acknowledges them, and tells ``refused_unread(count, handle,
+    pid)``: how many, and the last one's handle and owner.
     """
 
     def __init__(
@@ -409,19 +417,23 @@ class Driver:
             raise wheel.error(rc)
 
     def _ack(self, wheel: Wheel, handles: list[int], errors: int) -> None:
-        """Acknowledge a batch, repairing what the acknowledgement meets.  A
-        retry is safe: what was freed already no longer matches its handle.
-        A handler that refuses fires (their records name a process it may
-        not signal) counts them in an int attribute ``refused``, which goes
-        into the segment's count (``stats().refused``) with the batch."""
-        arr = ffi.new("int64_t[]", handles) if handles else ffi.NULL
+        """Acknowledge a batch (see :meth:`_ack_array`)."""
+        self._ack_array(wheel, ffi.new("int64_t[]", handles) if handles else ffi.NULL, len(handles), errors)
+
+    def _ack_array(self, wheel: Wheel, arr: Any, n: int, errors: int) -> None:
+        """Acknowledge the ``n`` fires whose handles are in C array ``arr``,
+        repairing what the acknowledgement meets.  A retry is safe: what was
+        freed already no longer matches its handle.  A handler that refuses
+        fires (their records name a process it may not signal) counts them
+        in an int attribute ``refused``, which goes into the segment's count
+        (``stats().refused``) with the batch."""
         refused = getattr(self._handler, "refused", 0)
         new = refused - self._refused if isinstance(refused, int) and refused > self._refused else 0
         self._refused += new
         count = [errors, min(new, 2**32 - 1)]  # counted by the first call only
 
         def ack() -> int:
-            rc: int = lib.shmw_ack_many(wheel.core, arr, len(handles), count[0], count[1])
+            rc: int = lib.shmw_ack_many(wheel.core, arr, n, count[0], count[1])
             count[0] = count[1] = 0
             return rc
 
@@ -492,12 +504,16 @@ class Driver:
         buf = ffi.new("char[]", _SEND_BATCH * rec.size)
         view = memoryview(ffi.buffer(buf))
 
+        sift = self._sifter(wheel, buf)
+
         def take() -> int:
             return self._repairing(
                 wheel, "the dispatcher", lambda: lib.shmw_driver_take(wheel.core, self._send_stop, buf, _SEND_BATCH)
             )
 
         while (n := take()) > 0:
+            if sift is not None:
+                n = sift(n)
             fires = decode_records(rec, view[: n * rec.size])
             try:
                 errors = self.handle_batch(fires)
@@ -516,6 +532,30 @@ class Driver:
             self._ack(wheel, [f.handle for f in fires if f.handle not in held], errors)
         if n < 0:
             raise wheel.error(n)
+
+    def _sifter(self, wheel: Wheel, buf: Any) -> Callable[[int], int] | None:
+        """What takes the fires its handler refuses unread (see the class)
+        out of a batch of ``n`` in ``buf``, acknowledges them and returns
+        how many are left; None if the handler refuses none so."""
+        refuses = getattr(self._handler, "refuses_unread", None)
+        refused = getattr(self._handler, "refused_unread", None)
+        if not (callable(refuses) and callable(refused)):
+            return None
+        handles, pids = ffi.new("int64_t[]", _SEND_BATCH), ffi.new("int32_t[]", _SEND_BATCH)
+        taken = ffi.new("uint32_t *")
+
+        def sift(n: int) -> int:
+            owners, spare = refuses()
+            if not owners:
+                return n
+            n = lib.shmw_sift(wheel.core, buf, n, owners, len(owners), spare, len(spare), handles, pids, taken)
+            if k := taken[0]:
+                refused(k, handles[k - 1], pids[k - 1])
+                self.fired += k
+                self._ack_array(wheel, handles, k, 0)
+            return int(n)
+
+        return sift
 
     def handle_batch(self, fires: list[Fire]) -> int:
         """For the package: call the handler on each fire of a batch; return

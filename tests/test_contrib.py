@@ -28,7 +28,7 @@ from shmwheel._process import signal_disposition, start_time
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
 from shmwheel.contrib._handler import DUMP_TIME, signal_if
-from shmwheel.contrib._record import HEAD, KIND_FINISHED, KIND_LATE, KINDS, shown, with_kind
+from shmwheel.contrib._record import HEAD, KIND_FINISHED, KIND_LATE, KIND_RELEASED, KINDS, shown, with_kind
 from shmwheel.contrib._supervisor import reserve_for
 from shmwheel.contrib.timeouts import (
     KIND_ANSWER,
@@ -742,14 +742,21 @@ def test_the_timers_of_a_process_refused_a_moment_ago_are_refused_unread(make_wh
         handler(fire(b"junk", os.getpid()))
         handler(fire(b"junk", forger.pid, kept=True))  # a driver kept it: read, whoever added it
         handler(fire(with_kind(forged, KIND_FINISHED), forger.pid))  # a worker's word: read, believed
+        # What the dispatcher takes out of its batches unread, those words
+        # left in (shmwheel.Driver): the same process, for the same time.
+        owners, spare = handler.refuses_unread()
+        assert owners == [forger.pid] and sorted(spare) == sorted((KIND_ANSWER, KIND_FINISHED, KIND_RELEASED))
+        handler.refused_unread(500, 7, forger.pid)
         time.sleep(0.6)
+        assert handler.refuses_unread()[0] == []
         handler(fire(b"junk", forger.pid))
         time.sleep(1.2)  # the summary of the last second
     lines = [r.getMessage() for r in caplog.records]
-    assert handler.refused == 1001
+    assert handler.refused == 1501
     assert sum("carries no request record" in line for line in lines) == 3, lines  # this driver's, kept, past USE_TTL
     unread = f"it was added by pid {forger.pid}, whose timers were refused a moment ago; nothing was signalled"
-    assert [line for line in lines if "1000 more timers were not acted on" in line][0].endswith(unread), lines
+    assert [line for line in lines if "1500 more timers were not acted on" in line][0].endswith(unread), lines
+    assert "timer 7 is not acted on" in [line for line in lines if "1500 more" in line][0]
     assert stranger.poll() is None
 
 

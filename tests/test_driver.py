@@ -75,6 +75,26 @@ def record_and_keep(path: str, fire: shmwheel.Fire) -> object:
     return shmwheel.KEEP_IN_FLIGHT if fire.payload == b"keep" else None
 
 
+class Sifting:
+    """Records every fire it reads, keeps in flight those whose payload says
+    so if ``keep``, and refuses unread the fires of ``owner`` but those
+    whose payload begins with "w": each batch taken out is a line too."""
+
+    def __init__(self, path: str, owner: int, keep: bool) -> None:
+        self.path, self.owner, self.keep = path, owner, keep
+
+    def refuses_unread(self) -> tuple[list[int], bytes]:
+        return [self.owner], b"w"
+
+    def refused_unread(self, count: int, handle: int, pid: int) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"refused": count, "handle": handle, "owner_pid": pid}) + "\n")
+
+    def __call__(self, fire: shmwheel.Fire) -> object:
+        record(self.path, fire)
+        return shmwheel.KEEP_IN_FLIGHT if self.keep and fire.payload == b"keep" else None
+
+
 def record_or_raise(path: str, fire: shmwheel.Fire) -> None:
     if fire.payload == b"bad":
         raise RuntimeError("a handler that fails")
@@ -280,6 +300,43 @@ def test_a_kept_fire_stays_in_flight_until_acknowledged_and_a_new_driver_is_hand
     with pytest.raises(TypeError):
         wheel.acknowledge(["1"])  # type: ignore[list-item]
     assert d3.stop() == 0
+
+
+def test_fires_a_handler_refuses_unread_are_taken_out_before_it_reads_them(make_wheel, start, tmp_path: Path) -> None:
+    """A handler that names the processes whose fires it refuses unread
+    (refuses_unread) is handed none of theirs: the dispatcher takes them out
+    of each batch, acknowledges them and tells it how many.  It still reads
+    their fires that begin with a byte it names, a fire a driver kept in
+    flight before, and every other process's."""
+    wheel = make_wheel(capacity=5000)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    d1 = start(wheel.name, Sifting(str(first), owner=0, keep=True))
+    kept = wheel.add(0.01, b"keep")
+    wait_for(lambda: len(read_records(first)) == 1)
+    os.kill(d1.pid, signal.SIGKILL)
+    wait_for(lambda: not d1.is_alive())
+
+    start(wheel.name, Sifting(str(second), owner=os.getpid(), keep=False))
+    words = [wheel.add(0.2, b"w%d" % k) for k in range(3)]
+    refused = wheel.add_many([0.2] * 1000, [b"x"] * 1000)
+    other = subprocess.run(
+        [sys.executable, "-c", f"import shmwheel; print(shmwheel.attach({wheel.name!r}).add(0.2, b'x'))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    theirs = int(other.stdout)
+
+    def lines() -> tuple[list[dict], list[dict]]:
+        got = read_records(second)
+        return [r for r in got if "payload" in r], [r for r in got if "refused" in r]
+
+    wait_for(lambda: sum(r["refused"] for r in lines()[1]) == 1000 and len(lines()[0]) == 5)
+    wait_for(lambda: wheel.stats().in_flight == 0)
+    read, told = lines()
+    assert sorted(r["handle"] for r in read) == sorted([kept, *words, theirs])
+    assert [r["kept"] for r in read if r["handle"] == kept] == [True]
+    assert {r["owner_pid"] for r in told} == {os.getpid()} and {r["handle"] for r in told} <= set(refused)
+    st = wheel.stats()
+    assert (st.pending, st.in_flight, st.free) == (0, 0, st.capacity)
 
 
 def test_a_driver_whose_registration_is_taken_hands_out_nothing_more(make_wheel, start, tmp_path: Path) -> None:

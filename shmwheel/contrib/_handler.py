@@ -188,19 +188,19 @@ class Burst:
         self._flusher: threading.Timer | None = None
         _bursts.add(self)  # what the last interval counted is said as the driver exits
 
-    def add(self, what: str | Callable[[], str]) -> None:
-        """One more line: ``what``, or a function that makes it, called
-        only if the line is said (the first of a burst, or the last)."""
+    def add(self, what: str | Callable[[], str], count: int = 1) -> None:
+        """``count`` more lines, the last of which is ``what``, or a
+        function that makes it, called only if the line is said (the first
+        of a burst, or the last)."""
         now = time.monotonic()
         with self._lock:
-            self.count += 1
-            if now - self._said >= BURST_EVERY and not self._unsaid:
+            self.count += count
+            say = now - self._said >= BURST_EVERY and not self._unsaid
+            if say:
                 self._said = now
-                say = True
-            else:
-                self._unsaid += 1
+            if count > say:
+                self._unsaid += count - say
                 self._last = what
-                say = False
                 if self._flusher is None:
                     self._flusher = threading.Timer(max(self._said + BURST_EVERY - now, 0.0), self._flush)
                     self._flusher.daemon = True
@@ -230,6 +230,13 @@ def _say_the_rest() -> None:
 def _refusals(count: int, last: str) -> str:
     were = "timers were" if count > 1 else "timer was"
     return f"{count} more {were} not acted on in the last {BURST_EVERY:.0f} s, and nothing signalled; the last: {last}"
+
+
+def _unread(handle: int, pid: int) -> str:
+    return (
+        f"timer {handle} is not acted on: it was added by pid {pid}, whose timers were refused a moment ago; "
+        f"nothing was signalled"
+    )
 
 
 def _gone(count: int, last: str) -> str:
@@ -315,6 +322,7 @@ class TimeoutActions:
 
 
 _WORDS = frozenset(bytes([kind]) for kind in (KIND_ANSWER, KIND_FINISHED, KIND_RELEASED))  # a worker's, by kind byte
+_WORD_BYTES = b"".join(sorted(_WORDS))
 FOLLOW_UPS = {
     KIND_KILL: "SIGKILL",
     KIND_GRACEFUL: "kill_signal",
@@ -1105,6 +1113,25 @@ class TimeoutHandler:
                 self._refusing.clear()
             self._refusing[owner] = (time.monotonic(), start)
 
+    def refuses_unread(self) -> tuple[list[int], bytes]:
+        """For the dispatcher (:class:`shmwheel.Driver`): the processes whose
+        timers it would refuse unread (:meth:`_refused_unread`), whose fires
+        are taken out of a batch before any is read, and the kinds of
+        record read all the same, a worker's words."""
+        with self._lock:
+            if not self._refusing:
+                return [], _WORD_BYTES
+            now = time.monotonic()
+            for owner, (when, start) in list(self._refusing.items()):
+                if now - when >= self.USE_TTL or self._producers.get(owner) != start:
+                    del self._refusing[owner]
+            return list(self._refusing), _WORD_BYTES
+
+    def refused_unread(self, count: int, handle: int, pid: int) -> None:
+        """The dispatcher took ``count`` fires out unread, as
+        :meth:`refuses_unread` asked, the last of them ``handle`` of ``pid``."""
+        self._refusals.add(lambda: _unread(handle, pid), count)
+
     def _refused_unread(self, fire: Fire) -> bool:
         """Refuse ``fire`` on its owner's pid alone, if a timer of that
         process was refused within USE_TTL and it is the same process: not
@@ -1117,12 +1144,7 @@ class TimeoutHandler:
         if time.monotonic() - when >= self.USE_TTL or self._producers.get(fire.owner_pid) != start:
             del self._refusing[fire.owner_pid]
             return False
-        self._refusals.add(
-            lambda: (
-                f"timer {fire.handle} is not acted on: it was added by pid {fire.owner_pid}, whose timers were "
-                f"refused a moment ago; nothing was signalled"
-            )
-        )
+        self._refusals.add(lambda: _unread(fire.handle, fire.owner_pid))
         return True
 
     @property
