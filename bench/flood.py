@@ -43,7 +43,7 @@ from _common import Segments, progress, scratch, strict_json  # noqa: E402
 
 import shmwheel  # noqa: E402
 from shmwheel._process import start_time  # noqa: E402
-from shmwheel.contrib.timeouts import (  # noqa: E402
+from shmwheel.contrib import (  # noqa: E402
     KIND_REQUEST,
     PAYLOAD_SIZE,
     TimeoutActions,
@@ -53,7 +53,7 @@ from shmwheel.contrib.timeouts import (  # noqa: E402
 
 WORKER = """
 import sys, time
-from shmwheel.contrib.timeouts import RequestTimer
+from shmwheel.contrib import RequestTimer
 name = sys.argv[1]
 timer = RequestTimer(name, 3.0)
 assert timer.start("GET", "/real", "real") is not None

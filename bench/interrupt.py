@@ -103,7 +103,7 @@ from _common import SHM_DIR, CpuMeter, Segments, distribution_ms, progress, scra
 from _machine import machine_info
 
 import shmwheel
-from shmwheel.contrib.timeouts import RequestTimer
+from shmwheel.contrib import RequestTimer
 from shmwheel.contrib.wsgi import TimeoutMiddleware
 
 BIN = os.path.dirname(sys.executable)  # gunicorn and uvicorn of this environment

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sentry_sdk
 
-from shmwheel.contrib.timeouts import RequestRecord
+from shmwheel.contrib import RequestRecord
 
 
 def report_to_sentry(request: RequestRecord, stack: str) -> None:

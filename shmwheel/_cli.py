@@ -455,6 +455,10 @@ def _users(name: str) -> str | None:
     return " and ".join(said) or None
 
 
+#: The request-timeout driver's subcommand.
+TIMEOUTS = "timeouts"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmwheel", description="A timing wheel in POSIX shared memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -519,6 +523,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="repeat every interval until Ctrl-C or SIGTERM")
     p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help="sampling interval (default 1)")
 
+    # Parsed by the command itself (shmwheel.contrib.timeouts), which main() hands the rest of the line.
+    sub.add_parser(
+        TIMEOUTS,
+        add_help=False,
+        help="drive a request-timeout wheel: log the requests that time out, have their workers write their "
+        "stacks, and kill the workers if asked (shmwheel timeouts --help)",
+    )
+
     p = command("ls", _ls, "list the shmwheel segments in /dev/shm", named=False)
     p.add_argument("--json", action="store_true", help="print a JSON array")
 
@@ -530,6 +542,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [TIMEOUTS]:
+        from .contrib.timeouts import main as timeouts
+
+        return timeouts(argv[1:], prog=f"shmwheel {TIMEOUTS}")
     args = _parser().parse_args(argv)
     try:
         status = int(args.func(args))

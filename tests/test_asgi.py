@@ -25,7 +25,7 @@ import pytest
 import shmwheel
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib.asgi import TIMED, TimeoutMiddleware, own_wheel_name
-from shmwheel.contrib.timeouts import PAYLOAD_SIZE, decode_request
+from shmwheel.contrib import PAYLOAD_SIZE, decode_request
 
 WAIT = 30.0
 

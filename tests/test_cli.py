@@ -25,6 +25,7 @@ from conftest import foreign_segment, fresh_name, wait_for
 
 import shmwheel
 from shmwheel._binding import ffi, lib
+from shmwheel._wheel import observe
 
 SHM = Path("/dev/shm")
 
@@ -433,7 +434,7 @@ def test_driver_jsonl_whose_reader_goes_away_exits_141_and_leaves_the_rest_in_fl
 
 def test_driver_jsonl_decodes_a_request_record(make_wheel: MakeWheel) -> None:
     """A request-timeout wheel's fire: the record decoded beside its bytes; another payload: only its bytes."""
-    from shmwheel.contrib.timeouts import KIND_REQUEST, encode_request
+    from shmwheel.contrib import KIND_REQUEST, encode_request
 
     wheel = make_wheel(capacity=100, payload_size=256)
     record = encode_request(KIND_REQUEST, 4321, 99, 12345, "POST", "abc-1", "/upload/é", thread=0x7F01, task=0)
@@ -503,6 +504,37 @@ def test_driver_help_says_where_the_handler_module_is_looked_for() -> None:
     proc = run("driver", "--help")
     assert proc.returncode == 0
     assert "current directory" in " ".join(proc.stdout.split())
+
+
+def test_timeouts_is_the_request_timeout_driver_command(name: str) -> None:
+    """``shmwheel timeouts`` is ``python -m shmwheel.contrib.timeouts``
+    under the one command line: it makes and drives a request wheel, stops
+    on SIGTERM with status 0 and removes what it made; its usage errors
+    name it."""
+    assert "drive a request-timeout wheel" in run("--help").stdout
+    assert "--kill-after" in run("timeouts", "--help").stdout
+    bad = run("timeouts", "a/b")
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith("shmwheel timeouts: error: invalid wheel name")
+    proc = subprocess.Popen([sys.executable, "-m", "shmwheel", "timeouts", name, "--create"], stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+    def driven() -> bool:
+        try:
+            with observe(name) as wheel:
+                return wheel.stats().driver_pid == proc.pid
+        except shmwheel.ShmwheelError:  # not there yet, or not made whole yet
+            return False
+
+    try:
+        wait_for(driven)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert not (SHM / name).exists()
 
 
 # -- demo -------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import timeouts
 from shmwheel.contrib._handler import DUMP_TIME, signal_if
 from shmwheel.contrib._record import HEAD, KIND_FINISHED, KIND_LATE, KIND_RELEASED, KINDS, shown, with_kind
-from shmwheel.contrib._supervisor import reserve_for
-from shmwheel.contrib.timeouts import (
+from shmwheel.contrib._settings import reserve_for
+from shmwheel.contrib import (
     KIND_ANSWER,
     KIND_CHECK,
     KIND_GRACEFUL,
@@ -178,7 +178,7 @@ def test_actions_refuse_bad_settings(kwargs: dict[str, object], error: type[Exce
 def test_actions_take_signal_names_and_round_trip_through_the_command_line() -> None:
     actions = TimeoutActions(kill=True, kill_signal="abrt", tracebacks=False, kill_after=2.5, log=False)
     assert actions.kill_signal == signal.SIGABRT
-    again = TimeoutActions.from_args(timeouts._parser().parse_args(["w", *actions.as_args()]))
+    again = TimeoutActions.from_args(timeouts._parser("shmwheel timeouts").parse_args(["w", *actions.as_args()]))
     assert again == actions
 
 
@@ -196,7 +196,7 @@ def test_actions_take_signal_names_and_round_trip_through_the_command_line() -> 
 WORKER = textwrap.dedent(
     """
     import faulthandler, re, signal, sys, time
-    from shmwheel.contrib.timeouts import RequestTimer
+    from shmwheel.contrib import RequestTimer
     mode = sys.argv[1]
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -206,7 +206,7 @@ WORKER = textwrap.dedent(
         handle = timer.start("GET", "/slow", "r1")
         assert handle is not None
         if mode == "lost":  # something took the stack signal since its start's look: its default action ends it
-            from shmwheel.contrib.timeouts import decode_request
+            from shmwheel.contrib import decode_request
             signal.signal(decode_request(timer.active()[handle].payload).stack_signal, signal.SIG_DFL)
         if mode in ("two", "stubborn"):
             assert timer.start("GET", "/slower", "r2") is not None
@@ -379,7 +379,7 @@ def test_a_stack_signal_the_worker_does_not_catch_is_not_sent(make_wheel, worker
 FORK_THEN_CLOSE = textwrap.dedent(
     """
     import os, signal, sys, time
-    from shmwheel.contrib.timeouts import RequestTimer
+    from shmwheel.contrib import RequestTimer
     RequestTimer(sys.argv[1], 30.0).prepare()  # the stack signal's handler, and its pipe
     pid = os.fork()
     if pid == 0:  # a child that closes every descriptor (a daemon does) and reuses their numbers
@@ -643,7 +643,7 @@ def test_a_flood_of_forged_timers_is_said_in_a_few_lines_and_a_real_timeout_stil
 KEPT_WORKER = textwrap.dedent(
     """
     import signal, sys, threading, time
-    from shmwheel.contrib.timeouts import RequestTimer
+    from shmwheel.contrib import RequestTimer
     timer = RequestTimer(sys.argv[1], float(sys.argv[2]), warn_after=float(sys.argv[3]))
     assert timer.prepare()
     done = threading.Event()
@@ -1219,7 +1219,7 @@ def test_create_wheel_leaves_a_segment_it_cannot_read_as_a_wheel_alone(
 def test_a_driver_whose_parent_is_killed_removes_the_wheel(name: str, tmp_path: Path) -> None:
     """SIGKILL the process that runs the supervisor: its driver stops and takes the wheel with it."""
     code = (
-        "from shmwheel.contrib.timeouts import DriverSupervisor as S\n"
+        "from shmwheel.contrib import DriverSupervisor as S\n"
         f"s = S({name!r})\ns.start()\nprint(s.pid, flush=True)\ninput()"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -1239,7 +1239,7 @@ def test_a_driver_outlives_the_thread_that_started_it_and_not_its_process(name: 
     process is killed later: the driver goes, and the wheel with it."""
     code = (
         "import threading, time\n"
-        "from shmwheel.contrib.timeouts import DriverSupervisor as S\n"
+        "from shmwheel.contrib import DriverSupervisor as S\n"
         f"s = S({name!r})\n"
         "t = threading.Thread(target=s.start)\nt.start()\nt.join()\n"
         "print(s.pid, flush=True)\n"
@@ -1365,7 +1365,7 @@ def test_the_driver_command_reports_an_os_error_in_one_line(name: str) -> None:
     """--create under a file size limit smaller than the wheel: one line and status 1, no traceback."""
     proc = run_driver_command(name, "--create", preexec_fn=_file_size_limit_1_mib)
     assert proc.returncode == 1
-    assert proc.stderr.splitlines() == ["shmwheel.contrib.timeouts: File too large"]
+    assert proc.stderr.splitlines() == ["python -m shmwheel.contrib.timeouts: File too large"]
     assert not Path("/dev/shm", name).exists()
 
 
@@ -1374,7 +1374,7 @@ def test_the_driver_command_does_not_replace_another_programs_segment(name: str)
     proc = run_driver_command(name, "--create")
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
-        f"shmwheel.contrib.timeouts: segment {name!r} is not a shmwheel segment: not replacing it; "
+        f"python -m shmwheel.contrib.timeouts: segment {name!r} is not a shmwheel segment: not replacing it; "
         f"if nothing uses it, remove it yourself: rm /dev/shm/{name}"
     ]
     assert Path("/dev/shm", name).read_bytes().startswith(b"someone else's")

@@ -26,7 +26,7 @@ import shmwheel
 from shmwheel import _fast
 from shmwheel._binding import ffi, lib
 from shmwheel._fast import Timer
-from shmwheel.contrib import wsgi
+from shmwheel.contrib import _body
 from shmwheel.contrib._record import (
     DEFAULT_TRACEBACK_SIGNAL,
     GREENLET,
@@ -40,7 +40,7 @@ from shmwheel.contrib._record import (
     decode_request,
 )
 from shmwheel.contrib._stacks import Active
-from shmwheel.contrib._worker import RequestTimer, current_handle
+from shmwheel.contrib._worker import RequestTimer
 from shmwheel.contrib.wsgi import TimeoutMiddleware
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -115,7 +115,7 @@ def test_fast_start_packs_the_record_its_own_path_packs(
         assert a.payload == b.payload
         assert a._replace(handle=0) == b._replace(handle=0)
         assert type(a) is type(b)
-        assert current_handle(timer) == slow
+        assert timer.current_handle() == slow
         timer.finish(fast)
         timer.finish(slow)
         assert len(wheel) == 0 and not timer._active
@@ -128,7 +128,7 @@ def test_fast_start_and_finish_are_the_timers_path(make_wheel) -> None:
     timer._start_slow = lambda *a: calls.append(a)  # type: ignore[method-assign]
     handle = timer.start("GET", "/x", "r")
     assert handle is not None and calls == []
-    assert current_handle(timer) == handle and len(wheel) == 1
+    assert timer.current_handle() == handle and len(wheel) == 1
     record = decode_request(timer._active[handle].payload)
     assert record is not None and (record.method, record.path, record.request_id) == ("GET", "/x", "r")
     timer.finish(handle)
@@ -311,7 +311,7 @@ def test_threads_starting_and_finishing_at_once_keep_the_table_and_wheel_straigh
         try:
             for _ in range(2000):
                 h = timer.start("GET", "/x", "r")
-                assert h is not None and current_handle(timer) == h
+                assert h is not None and timer.current_handle() == h
                 timer.finish(h)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
@@ -417,7 +417,7 @@ def test_a_bodys_close_is_the_body_itself_as_servers_look_it_up(make_wheel) -> N
     assert len(wheel) == 0 and wheel.stats().cancelled == 1
 
 
-@pytest.mark.parametrize("body_type", [_fast.Body, wsgi._ClosingBody], ids=["c", "python"])
+@pytest.mark.parametrize("body_type", [_fast.Body, _body.ClosingBody], ids=["c", "python"])
 def test_a_body_closes_the_applications_then_ends_the_timer_whatever_happens(make_wheel, body_type) -> None:
     wheel = make_wheel()
     timer = _timer(wheel)
@@ -597,7 +597,7 @@ def test_gunicorns_hooks_in_c_file_what_the_python_hooks_file(make_wheel, monkey
         req: Any = _gunicorn_request(raw)
         pre(None, req)
         handle = req.shmwheel_timer
-        assert handle is not None and current_handle(timer) == handle and len(wheel) == 1
+        assert handle is not None and timer.current_handle() == handle and len(wheel) == 1
         records.append(timer._active[handle].payload)
         post(None, req, {}, None)
         assert len(wheel) == 0 and not timer._active
@@ -831,7 +831,7 @@ def test_a_body_of_the_servers_file_wrapper_stays_one_whose_close_ends_the_timer
     if wrapper is _Wrapper:
         assert type(body) is _Wrapper and body.blksize == 4096  # the server's own: it sends the file itself
     else:
-        assert type(body) in (_fast.Body, wsgi._ClosingBody)
+        assert type(body) in (_fast.Body, _body.ClosingBody)
     assert b"".join(body) == b"abc" * 5000
     with pytest.raises(OSError, match="close failed"):
         body.close()  # type: ignore[attr-defined]
@@ -872,7 +872,7 @@ def test_a_file_handed_to_a_function_file_wrapper_is_the_body_and_its_close_ends
     for _ in range(2):  # the second through the stand-in kept for the server's wrapper
         environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/f", "wsgi.file_wrapper": file_wrapper}
         body = call(environ, lambda *a: None)
-        assert body is server.given and type(body) is wsgi._TimedFile  # the server sends it itself
+        assert body is server.given and type(body) is _body.TimedFile  # the server sends it itself
         assert body.read(3) == b"abc" and body.seek(0) == 0  # the file's own, as the server reads it
         assert len(wheel) == 1 and len(mw.timer._active) == 1
         with pytest.raises(OSError, match="close failed"):
@@ -921,7 +921,7 @@ def test_a_function_file_wrapper_whose_file_is_not_the_body_leaves_the_body_to_e
     mw._plain = way != "python"
     call = mw.direct() if way == "direct" else mw
     body = call({"REQUEST_METHOD": "GET", "PATH_INFO": "/f", "wsgi.file_wrapper": server.file_wrapper}, lambda *a: None)
-    assert type(body) in (_fast.Body, wsgi._ClosingBody) and b"".join(body) == b"otherunused"
+    assert type(body) in (_fast.Body, _body.ClosingBody) and b"".join(body) == b"otherunused"
     assert len(wheel) == 1
     body.close()
     assert len(wheel) == 0 and not mw.timer._active
@@ -1079,17 +1079,17 @@ def test_a_plain_threads_request_is_its_threads_wherever_it_runs_there(make_whee
     else:  # RequestTimer's own path, as when the lock is held elsewhere
         handle = timer._start_slow(now, "GET", "/x", "r", None, timer._timeout_ns, now)
     assert handle is not None and _fast.here() == (timer, handle)
-    assert current_handle(timer) == handle
+    assert timer.current_handle() == handle
 
     async def in_a_loop() -> bool:
-        return current_handle(timer) == handle and extend(50.0)
+        return timer.current_handle() == handle and extend(50.0)
 
     import asyncio
 
     assert asyncio.run(in_a_loop())
     timer_now = timer._active[handle].handle
     context = contextvars.copy_context()
-    assert _in_thread(lambda: context.run(current_handle, timer)) is None
+    assert _in_thread(lambda: context.run(timer.current_handle)) is None
     assert _in_thread(lambda: context.run(extend, 60.0)) is False
     assert _in_thread(lambda: context.run(no_timeout)) is False
     assert timer._active[handle].handle == timer_now and len(wheel) == 1  # unchanged
@@ -1097,9 +1097,9 @@ def test_a_plain_threads_request_is_its_threads_wherever_it_runs_there(make_whee
     told = [r.getMessage() for r in logged.records if "runs no request" in r.getMessage()]
     assert len(told) == 1 and told[0].startswith("shmwheel: extend() was called in thread 0x"), told
     assert f"while thread 0x{threading.get_ident():016x} runs one" in told[0]
-    assert current_handle(timer) == handle and extend(40.0)
+    assert timer.current_handle() == handle and extend(40.0)
     timer.finish(handle)
-    assert _fast.here() is None and current_handle(timer) is None and not extend(5.0)
+    assert _fast.here() is None and timer.current_handle() is None and not extend(5.0)
     assert len(wheel) == 0 and not timer._active
 
 
@@ -1112,10 +1112,10 @@ def test_a_request_finished_in_another_thread_is_no_longer_its_threads(make_whee
     assert handle is not None
     _in_thread(lambda: timer.finish(handle))
     assert _fast.here() == (timer, handle)  # left in the slot until the thread's next request
-    assert current_handle(timer) is None and not extend(5.0) and not no_timeout()
+    assert timer.current_handle() is None and not extend(5.0) and not no_timeout()
     assert len(wheel) == 0 and not timer._active
     again = timer.start("GET", "/y", "r")
-    assert again is not None and _fast.here() == (timer, again) and current_handle(timer) == again
+    assert again is not None and _fast.here() == (timer, again) and timer.current_handle() == again
     timer.finish(again)
 
 
@@ -1129,19 +1129,19 @@ def test_a_greenlet_does_not_see_its_threads_request(make_wheel) -> None:
     timer = _timer(wheel)
     assert timer._getcurrent is not None
     handle = timer.start("GET", "/main", "r")
-    assert handle is not None and current_handle(timer) == handle
+    assert handle is not None and timer.current_handle() == handle
     seen: list[object] = []
 
     def serve() -> None:
-        seen.append(current_handle(timer))
+        seen.append(timer.current_handle())
         own = timer.start("GET", "/g", "r")
         seen.append(own)
-        seen.append(current_handle(timer))
+        seen.append(timer.current_handle())
         timer.finish(own)
 
     greenlet.greenlet(serve).switch()
     assert seen[0] is None and seen[1] is not None and seen[2] == seen[1] != handle
-    assert current_handle(timer) == handle
+    assert timer.current_handle() == handle
     timer.finish(handle)
     assert len(wheel) == 0 and not timer._active
 
@@ -1161,7 +1161,7 @@ def test_a_tasks_request_is_found_from_the_thread_its_sync_code_runs_in(make_whe
         handle = timer.start("GET", "/x", "r", task=asyncio.current_task())
         assert handle is not None and _fast.here() is None
         try:
-            return await asyncio.to_thread(extend, 60.0), await asyncio.to_thread(current_handle, timer)
+            return await asyncio.to_thread(extend, 60.0), await asyncio.to_thread(timer.current_handle)
         finally:
             timer.finish(handle)
 

@@ -31,7 +31,7 @@ from conftest import entry, wait_for
 import shmwheel
 from shmwheel._binding import lib
 from shmwheel._process import start_time
-from shmwheel.contrib.timeouts import (
+from shmwheel.contrib import (
     KIND_GRACEFUL,
     KIND_KILL,
     KIND_REQUEST,
@@ -426,7 +426,7 @@ def test_the_driver_command_refuses_root_on_a_wheel_others_can_write(
     proc = subprocess.run(driver_command(wheel.name), capture_output=True, text=True, timeout=WAIT)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
-        f"shmwheel.contrib.timeouts: wheel {wheel.name!r} can be written by {who}, and a root driver would "
+        f"python -m shmwheel.contrib.timeouts: wheel {wheel.name!r} can be written by {who}, and a root driver would "
         "signal what they name: run it as the workers' user (--user, --group), or pass --allow-root"
     ]
     assert wheel.stats().driver_pid is None

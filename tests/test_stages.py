@@ -30,7 +30,7 @@ from shmwheel.contrib._routes import compile_routes
 from shmwheel.contrib._stacks import report_overdue
 from shmwheel.contrib._worker import queued_ns
 from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware
-from shmwheel.contrib.timeouts import (
+from shmwheel.contrib import (
     KIND_CHECK,
     KIND_REQUEST,
     PAYLOAD_SIZE,
@@ -153,7 +153,7 @@ STAGED = textwrap.dedent(
     """
     import re, sys, time
     from shmwheel.contrib import RequestTimeout
-    from shmwheel.contrib.timeouts import RequestTimer
+    from shmwheel.contrib import RequestTimer
     mode, name, timeout, warn = sys.argv[1:5]
     timer = RequestTimer(name, float(timeout), interrupt=True, warn_after=None if warn == "-" else float(warn))
     assert timer.prepare()
@@ -592,7 +592,7 @@ logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 import shmwheel
 from shmwheel.contrib import _stacks
 from shmwheel.contrib._record import DUMP_SIGNALS, signal_name
-from shmwheel.contrib.timeouts import PAYLOAD_SIZE, RequestTimer, decode_request
+from shmwheel.contrib import PAYLOAD_SIZE, RequestTimer, decode_request
 name, queued = sys.argv[1], sys.argv[2] == "queued"
 if not queued:  # every real-time signal the driver could ask on is the application's
     for signum in DUMP_SIGNALS:
@@ -653,7 +653,7 @@ import os, signal, sys, time
 import shmwheel
 from shmwheel._binding import lib
 from shmwheel.contrib import _stacks
-from shmwheel.contrib.timeouts import PAYLOAD_SIZE, RequestTimer, decode_request
+from shmwheel.contrib import PAYLOAD_SIZE, RequestTimer, decode_request
 name = sys.argv[1]
 heard = []
 report = _stacks.report_overdue

@@ -54,7 +54,6 @@ nothing.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import errno
 import heapq
@@ -71,7 +70,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._binding import lib
-from .._checks import check_flag, check_seconds, check_signal
 from .._driver import KEEP_IN_FLIGHT
 from .._errors import ShmwheelError, WheelFullError, one_line
 from .._process import alive, signal_disposition, uids, uses_file
@@ -96,13 +94,11 @@ from ._record import (
     signal_name,
     with_kind,
 )
+from ._settings import TimeoutActions
 from ._stacks import asked_value
 
 __all__ = [
-    "DEFAULT_INTERRUPT_GRACE",
-    "DEFAULT_KILL_AFTER",
     "DUMP_TIME",
-    "TimeoutActions",
     "TimeoutHandler",
     "signal_if",
     "signal_process",
@@ -111,15 +107,9 @@ __all__ = [
 
 _log = logging.getLogger("shmwheel.timeouts")
 
-#: How long a worker may take to go after kill_signal before SIGKILL.
-DEFAULT_KILL_AFTER = 5.0
 #: Seconds a worker has to write a request's stack before the driver takes
 #: it that no Python can run there; and from the dump to kill_signal.
 DUMP_TIME = 0.5
-#: How long an interrupted request has to end before the driver says it has
-#: not, and goes on to the kill stage if ``kill`` is on.  Python code sees
-#: the interrupt within milliseconds; a C call only once it returns.
-DEFAULT_INTERRUPT_GRACE = 1.0
 
 
 def signal_process(pid: int, start: int, signum: int) -> bool:
@@ -267,58 +257,6 @@ def uid_refusal(pid: int) -> str | None:
         f"pid {pid} runs as uid {real} and this driver as uid {me}: a driver signals only processes of "
         "its own uid (run it as the workers' user)"
     )
-
-
-@dataclass(frozen=True)
-class TimeoutActions:
-    """What the driver does when a request's timer fires (see the module docs).
-
-    Which signal asks a worker for a stack is the worker's to say: its
-    records name it (``traceback_signal`` of the middlewares and of
-    ``install()``)."""
-
-    log: bool = True  #: the WARNING line
-    tracebacks: bool = True  #: ask the worker for the request's stack
-    kill: bool = False  #: kill_signal, then SIGKILL after kill_after
-    kill_signal: int = signal.SIGTERM
-    kill_after: float = DEFAULT_KILL_AFTER
-    #: how long an interrupted request has to end before it is logged, and killed with kill
-    interrupt_grace: float = DEFAULT_INTERRUPT_GRACE
-
-    def __post_init__(self) -> None:
-        for flag in ("log", "tracebacks", "kill"):
-            check_flag(getattr(self, flag), flag)
-        object.__setattr__(self, "kill_signal", check_signal(self.kill_signal, "kill_signal"))
-        object.__setattr__(self, "kill_after", check_seconds(self.kill_after, "kill_after", positive=True))
-        grace = check_seconds(self.interrupt_grace, "interrupt_grace", positive=True)
-        object.__setattr__(self, "interrupt_grace", grace)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> TimeoutActions:
-        """The settings parsed from the arguments :meth:`as_args` makes."""
-        return cls(
-            log=args.log,
-            tracebacks=args.tracebacks,
-            kill=args.kill,
-            kill_signal=args.kill_signal,
-            kill_after=args.kill_after,
-            interrupt_grace=args.interrupt_grace,
-        )
-
-    def as_args(self) -> list[str]:
-        """The same settings as command-line arguments of ``python -m shmwheel.contrib.timeouts``."""
-        args = [
-            f"--kill-signal={signal.Signals(self.kill_signal).name}",
-            f"--kill-after={self.kill_after!r}",
-            f"--interrupt-grace={self.interrupt_grace!r}",
-        ]
-        if not self.log:
-            args.append("--no-log")
-        if not self.tracebacks:
-            args.append("--no-tracebacks")
-        if self.kill:
-            args.append("--kill")
-        return args
 
 
 _WORDS = frozenset(bytes([kind]) for kind in (KIND_ANSWER, KIND_FINISHED, KIND_RELEASED))  # a worker's, by kind byte

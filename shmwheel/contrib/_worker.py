@@ -28,6 +28,7 @@ from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, 
 from .._process import start_time
 from .._segment import segment_name
 from .._wheel import Wheel, _fast_ext, attach
+from ._body import file_wrapper_for, timed_file
 from ._interrupt import interrupt, listen_for_wake
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
@@ -55,12 +56,12 @@ from ._record import (
 )
 from ._routes import Routes, compile_routes
 from ._stacks import SLACK_NS, Active, ask_signal, keep_listening, listen, listening, real, server_log, server_logger
-from ._supervisor import AutoDriver
 
 if TYPE_CHECKING:
     from .._fast import Table
+    from ._autodriver import AutoDriver
 
-__all__ = ["RequestTimer", "current_handle", "extend", "no_timeout", "queued_ns", "timed_apps"]
+__all__ = ["RequestTimer", "extend", "no_timeout", "queued_ns", "timed_apps"]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
@@ -543,6 +544,11 @@ class RequestTimer:
         except (ShmwheelError, ValueError) as exc:
             _log.debug("wheel %r: the driver could not be told about a timed-out request: %s", self.name, exc)
 
+    def current_handle(self) -> int | None:
+        """The handle of this timer's request in progress here, if any."""
+        current = _here()
+        return current[1] if current is not None and current[0] is self else None
+
     def finish(self, handle: int | None) -> None:
         """Cancel the request's timer (nothing if it had none or it fired).
 
@@ -569,21 +575,17 @@ class RequestTimer:
 
     def _timing_file_wrapper(self, wrapper: object) -> Any:
         """The stand-in for a server's ``wsgi.file_wrapper`` that is a
-        function (:func:`shmwheel.contrib.wsgi.file_wrapper_for`), made once
+        function (:func:`shmwheel.contrib._body.file_wrapper_for`), made once
         for the last one seen; None to leave it.  Also for shmwheel._fast's
         Timer.wsgi."""
         seen, timing = self._file_wrapper
         if wrapper is not seen:
-            from .wsgi import file_wrapper_for
-
             timing = file_wrapper_for(wrapper, self)
             self._file_wrapper = (wrapper, timing)
         return timing
 
     def _file_body(self, body: Any, wrapper: type, handle: int) -> Any:
-        """For shmwheel._fast's Timer.wsgi: :func:`shmwheel.contrib.wsgi.timed_file`."""
-        from .wsgi import timed_file
-
+        """For shmwheel._fast's Timer.wsgi: :func:`shmwheel.contrib._body.timed_file`."""
         return timed_file(body, wrapper, self, handle)
 
     def _finished(self, active: Active) -> None:
@@ -747,12 +749,6 @@ def _here() -> tuple[RequestTimer, int] | None:
                 return here
     current = _current.get()
     return current if current is not None and current[1] in current[0]._active else None
-
-
-def current_handle(timer: RequestTimer) -> int | None:
-    """The handle of ``timer``'s request in progress here, if any."""
-    current = _here()
-    return current[1] if current is not None and current[0] is timer else None
 
 
 def extend(seconds: float) -> bool:

@@ -13,7 +13,7 @@ and that the master drives (it names it in the ``SHMWHEEL_WHEEL``
 environment variable), and with Uvicorn's worker classes ``install()``
 wraps the application itself.  With ``name=...`` the middleware only adds
 and cancels timers in that wheel, and the driver is yours to run:
-``python -m shmwheel.contrib.timeouts NAME --create`` under a process
+``shmwheel timeouts NAME --create`` under a process
 manager, say.
 
 It is a plain ASGI 3 application around yours: the timer runs from the
@@ -44,12 +44,12 @@ from typing import Any
 from .._checks import CAPACITIES, check_flag, check_int, check_seconds
 from .._segment import segment_name
 from .._wheel import _fast_ext
-from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
+from ._autodriver import AutoDriver
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RequestTimeout, is_trio_task, trio_cancel_scope
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
 from ._routes import Routes, compile_routes
+from ._settings import DEFAULT_CAPACITY, DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, WHEEL_ENV, TimeoutActions
 from ._stacks import server_logger
-from ._supervisor import DEFAULT_CAPACITY, WHEEL_ENV, AutoDriver
 from ._worker import RequestTimer, check_stages, timed_apps
 
 __all__ = ["TIMED", "TimeoutMiddleware", "own_wheel_name"]
@@ -86,7 +86,7 @@ class TimeoutMiddleware:
     ``name``: the wheel, whose driver is run elsewhere; by default the wheel
     of the server's ``install()`` if there is one, else one of the server's
     own with a driver its workers start.  The rest says what that driver
-    does on a timeout (see :class:`~shmwheel.contrib.timeouts.TimeoutActions`;
+    does on a timeout (see :class:`~shmwheel.contrib.TimeoutActions`;
     ``kill_signal`` SIGTERM: Uvicorn and Hypercorn shut a worker down
     gracefully on it) and how many requests may be in progress at once
     (``capacity``); a driver run elsewhere has its own settings.

@@ -54,11 +54,11 @@ from typing import Any
 
 from .._checks import check_flag, check_seconds, check_signal
 from .._wheel import _fast_ext
-from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
 from ._logs import LogTarget
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
 from ._routes import Routes
-from ._supervisor import DEFAULT_CAPACITY, WHEEL_ENV, DriverSupervisor
+from ._settings import DEFAULT_CAPACITY, DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, WHEEL_ENV, TimeoutActions
+from ._supervisor import DriverSupervisor
 from ._worker import RequestTimer, timed_apps
 from .asgi import TimeoutMiddleware
 from .wsgi import InterruptibleApp

@@ -1,22 +1,12 @@
-"""Per-request timeouts: the driver command, and every public name of the
-request-timeout core in one place.
+"""The request-timeout driver command: ``shmwheel timeouts NAME [--create]
+[--kill] ...``, the same as ``python -m shmwheel.contrib.timeouts NAME ...``.
 
-``python -m shmwheel.contrib.timeouts NAME [--create] [--kill] ...`` drives
-a request-timeout wheel: for servers whose master does not run the driver
-itself (the Gunicorn and uWSGI adapters do), under a process manager, or
-beside any server whose workers use the WSGI or ASGI middleware.
-
-The core is organised by concern, and this module re-exports its public
-names so that ``from shmwheel.contrib.timeouts import ...`` keeps working:
-
-* :mod:`shmwheel.contrib._record`: the request record a timer carries
-  (:class:`RequestRecord`, :func:`encode_request`, :func:`decode_request`);
-* :mod:`shmwheel.contrib._worker`: the worker's side (:class:`RequestTimer`);
-* :mod:`shmwheel.contrib._handler`: the driver's side, what it does on a
-  timeout and whom it may signal (:class:`TimeoutActions`,
-  :class:`TimeoutHandler`, :func:`signal_process`);
-* :mod:`shmwheel.contrib._supervisor`: the wheel and the driver process's
-  lifetime (:func:`create_wheel`, :class:`DriverSupervisor`).
+It drives a request-timeout wheel: for servers whose master does not run
+the driver itself (the Gunicorn and uWSGI adapters do), under a process
+manager, or beside any server whose workers use the WSGI or ASGI
+middleware.  The public names of request timeouts are in
+:mod:`shmwheel.contrib`; those this module used to hold still resolve
+here, with a DeprecationWarning.
 """
 
 from __future__ import annotations
@@ -32,68 +22,27 @@ import signal
 import stat
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .._driver import Driver, dedicated_process
 from .._errors import SegmentNotFoundError, ShmwheelError, one_line
 from .._segment import SHM, bare_name, segment_name
 from .._wheel import observe, unlink
-from ._handler import (
-    DEFAULT_INTERRUPT_GRACE,
-    DEFAULT_KILL_AFTER,
-    DUMP_TIME,
-    TimeoutActions,
-    TimeoutHandler,
-    signal_process,
-)
+from ._handler import TimeoutHandler
 from ._logs import LogTarget
-from ._record import (
-    DEFAULT_TRACEBACK_SIGNAL,
-    DUMP_SIGNAL,
-    KIND_ANSWER,
-    KIND_CHECK,
-    KIND_GRACEFUL,
-    KIND_KILL,
-    KIND_REQUEST,
-    PAYLOAD_SIZE,
-    RequestRecord,
-    decode_request,
-    encode_request,
-)
-from ._supervisor import DEFAULT_CAPACITY, LOG_FORMAT, DriverSupervisor, create_wheel, watch_parent, watch_use
-from ._worker import RequestTimer
+from ._settings import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
+from ._supervisor import LOG_FORMAT, create_wheel, watch_parent, watch_use
 
-__all__ = [
-    "DEFAULT_CAPACITY",
-    "DEFAULT_INTERRUPT_GRACE",
-    "DEFAULT_KILL_AFTER",
-    "DEFAULT_TRACEBACK_SIGNAL",
-    "DUMP_SIGNAL",
-    "DUMP_TIME",
-    "KIND_ANSWER",
-    "KIND_CHECK",
-    "KIND_GRACEFUL",
-    "KIND_KILL",
-    "KIND_REQUEST",
-    "PAYLOAD_SIZE",
-    "DriverSupervisor",
-    "RequestRecord",
-    "RequestTimer",
-    "TimeoutActions",
-    "TimeoutHandler",
-    "create_wheel",
-    "decode_request",
-    "encode_request",
-    "main",
-    "signal_process",
-]
+__all__ = ["main"]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m shmwheel.contrib.timeouts",
+        prog=prog,
         description="Drive a request-timeout wheel: log the requests that time out, have their workers write "
         "their stacks, and kill the workers if asked.",
     )
@@ -224,14 +173,14 @@ def _other_writers(name: str) -> str | None:
     return " and ".join(who) or None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m shmwheel.contrib.timeouts") -> int:
     """Run the driver command; return the exit status.
 
     As ``shmwheel``'s command line does: a usage error is argparse's (exit
-    status 2), any other error one line "shmwheel.contrib.timeouts: ..." on
+    status 2), any other error one line "PROG: ..." on
     stderr and exit status 1.
     """
-    parser = _parser()
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     try:
         segment_name(args.name)
@@ -318,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dedicated_process()
         driver.run()
     except (ShmwheelError, OSError, ValueError, TypeError) as exc:
-        print(f"shmwheel.contrib.timeouts: {one_line(exc)}", file=sys.stderr)
+        print(f"{parser.prog}: {one_line(exc)}", file=sys.stderr)
         return 1
     finally:
         if parent_gone.is_set():
@@ -361,3 +310,15 @@ def _remove_unless_in_use(name: str) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def __getattr__(name: str) -> Any:
+    package = sys.modules["shmwheel.contrib"]
+    if name not in package.__all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"import {name} from shmwheel.contrib, not shmwheel.contrib.timeouts, which is the driver command",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(package, name)

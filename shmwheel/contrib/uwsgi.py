@@ -80,10 +80,11 @@ from .._driver import Driver
 from .._errors import DriverRunningError, SegmentNotFoundError, ShmwheelError
 from .._process import alive, start_time
 from .._wheel import observe, unlink
-from ._handler import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions, TimeoutHandler
+from ._handler import TimeoutHandler
 from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
+from ._settings import DEFAULT_CAPACITY, DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
 from ._stacks import writes_somewhere
-from ._supervisor import DEFAULT_CAPACITY, LOG_FORMAT, create_wheel, watch_parent
+from ._supervisor import LOG_FORMAT, create_wheel, watch_parent
 from .wsgi import TimeoutMiddleware, WSGIApp
 
 __all__ = ["driver", "request_timeouts"]

@@ -8,8 +8,8 @@ the response, so a response body that streams slowly counts too.  A file
 handed to the server's ``wsgi.file_wrapper`` stays one, which the server
 sends itself (with sendfile), its timer ended when the file is closed.  The
 middleware only adds and cancels timers; the wheel and its driver come from
-elsewhere: :class:`shmwheel.contrib.timeouts.DriverSupervisor` in the
-server's master process, or ``python -m shmwheel.contrib.timeouts NAME
+elsewhere: :class:`shmwheel.contrib.DriverSupervisor` in the
+server's master process, or ``shmwheel timeouts NAME
 --create`` run beside the server (by systemd, say).  The Gunicorn and
 uWSGI integrations set both up for you.
 """
@@ -21,14 +21,14 @@ from typing import Any
 
 from .._checks import check_flag
 from .._wheel import _fast_ext
+from ._body import Environ, closing_body, file_wrapper_of, is_timed_file, timed_file, timing_file_wrapper
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RESPONSE_STATUS, RequestTimeout
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
 from ._routes import Routes
-from ._worker import RequestTimer, current_handle, timed_apps
+from ._worker import RequestTimer, timed_apps
 
 __all__ = ["InterruptibleApp", "TimeoutMiddleware"]
 
-Environ = dict[str, Any]
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 
@@ -105,12 +105,12 @@ class TimeoutMiddleware:
         except BaseException:
             timer.finish(handle)
             raise
-        if handle is None or _is_timed_file(body, timer, handle):
+        if handle is None or is_timed_file(body, timer, handle):
             return body  # nothing to end, or a file the server sends itself that ends the timer
-        wrapper = _file_wrapper_of(environ, body)
+        wrapper = file_wrapper_of(environ, body)
         if wrapper is not None and (timed := timed_file(body, wrapper, timer, handle)) is not None:
             return timed
-        return _closing_body(body, timer, handle)
+        return closing_body(body, timer, handle)
 
     def direct(self) -> WSGIApp:
         """The middleware as a server best calls it: a C callable that
@@ -131,7 +131,7 @@ class InterruptibleApp:
         self.timer = timer
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
-        handle = current_handle(self.timer)
+        handle = self.timer.current_handle()
         if handle is None:
             return self.app(environ, start_response)
         return _call_interruptible(self.app, environ, start_response, self.timer, handle)
@@ -168,7 +168,7 @@ def _call_interruptible(
     except BaseException:
         in_app.discard(handle)
         raise
-    if _file_wrapper_of(environ, body) is not None or _is_timed_file(body, timer, handle):
+    if file_wrapper_of(environ, body) is not None or is_timed_file(body, timer, handle):
         # A file the server sends itself (sendfile): no code of the application's runs from here.
         if timer.interrupted(handle) and response.timed_out():
             _close(body)
@@ -296,138 +296,3 @@ def _path(environ: Environ) -> str:
         return str(raw.encode("latin-1").decode("utf-8"))
     except UnicodeError:
         return str(raw)
-
-
-class _ClosingBody:
-    """The application's response body, with the timer cancelled on close()
-    (shmwheel._fast's Body where that is built).
-
-    The server calls close() once it has sent the body or given up on it
-    (PEP 3333), whatever happened; the body's own close() runs first.
-    """
-
-    __slots__ = ("_body", "_timer", "_handle")
-
-    def __init__(self, body: Iterable[bytes], timer: RequestTimer, handle: int | None) -> None:
-        self._body = body
-        self._timer = timer
-        self._handle = handle
-
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(self._body)
-
-    def close(self) -> None:
-        try:
-            close = getattr(self._body, "close", None)
-            if close is not None:
-                close()
-        finally:
-            handle, self._handle = self._handle, None
-            self._timer.finish(handle)
-
-
-class _TimedFile(_ClosingBody):
-    """A file that the server sends itself: the file's own fileno(),
-    read(), seek() and mode, and a close() that ends the request's timer
-    after the file's own close().  One made for the application, by a
-    :class:`_TimingFileWrapper`, ends nothing until the middleware has it
-    back as the body (``_for`` is its request's handle until then): closed
-    by the application before, it would leave the rest of the request
-    without a timer."""
-
-    __slots__ = ("_for",)
-
-    def __init__(self, body: Any, timer: RequestTimer, handle: int | None, for_handle: int | None = None) -> None:
-        super().__init__(body, timer, handle)
-        self._for = for_handle
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._body, name)
-
-
-def _file_wrapper_of(environ: Environ, body: object) -> type | None:
-    """The server's ``wsgi.file_wrapper`` if ``body`` is one it made, else None."""
-    wrapper = environ.get("wsgi.file_wrapper")
-    return wrapper if isinstance(wrapper, type) and type(body) is wrapper else None
-
-
-class _TimingFileWrapper:
-    """A server's ``wsgi.file_wrapper`` that is a function, uWSGI's, as the
-    middleware hands it to the application: the file goes to the server in
-    a :class:`_TimedFile`.  uWSGI sends the file itself (sendfile) only if
-    the body is the very object its wrapper was last given, so the file
-    cannot be made a timed one afterwards, as a wrapper that is a class is
-    made again (:func:`timed_file`).  A request without a timer hands the
-    server its file as it is."""
-
-    __slots__ = ("wrapper", "timer")
-
-    #: The type of what it hands the server; shmwheel._fast's Timer.wsgi reads it.
-    file_type = _TimedFile
-
-    def __init__(self, wrapper: Callable[..., Any], timer: RequestTimer) -> None:
-        self.wrapper = wrapper
-        self.timer = timer
-
-    def __call__(self, filelike: Any, *args: Any, **kwargs: Any) -> Any:
-        handle = current_handle(self.timer)
-        if handle is not None:
-            filelike = _TimedFile(filelike, self.timer, None, handle)
-        return self.wrapper(filelike, *args, **kwargs)
-
-
-def timing_file_wrapper(environ: Environ, timer: RequestTimer) -> None:
-    """Put in ``environ`` the :class:`_TimingFileWrapper` of the server's
-    ``wsgi.file_wrapper`` if that is a function (a class is left, its
-    bodies made again afterwards by :func:`timed_file`)."""
-    wrapper = environ.get("wsgi.file_wrapper")
-    if wrapper is not None:
-        timing = timer._timing_file_wrapper(wrapper)
-        if timing is not None:
-            environ["wsgi.file_wrapper"] = timing
-
-
-def file_wrapper_for(wrapper: object, timer: RequestTimer) -> _TimingFileWrapper | None:
-    """The :class:`_TimingFileWrapper` that stands for ``wrapper``, or None
-    where the server's wrapper is left as it is."""
-    if isinstance(wrapper, _TimingFileWrapper):  # the environ has been through this middleware
-        return wrapper if wrapper.timer is timer else None
-    if isinstance(wrapper, type) or not callable(wrapper):
-        return None
-    return _TimingFileWrapper(wrapper, timer)
-
-
-def _is_timed_file(body: object, timer: RequestTimer, handle: int) -> bool:
-    """Whether ``body`` is the file a :class:`_TimingFileWrapper` handed the
-    server for this request: then the server sends it itself, and from here
-    its close() ends the timer."""
-    if type(body) is not _TimedFile or body._timer is not timer or body._for != handle:
-        return False
-    body._handle = handle
-    return True
-
-
-def timed_file(body: Any, wrapper: type, timer: RequestTimer, handle: int | None) -> Iterable[bytes] | None:
-    """``body``, made by the server's ``wsgi.file_wrapper`` (PEP 3333's way
-    for a server to send a file itself, with sendfile), made again around
-    the same file in a :class:`_TimedFile`: the server still sends it
-    itself, and its close() ends the timer.  None where the wrapper keeps
-    its file other than as Gunicorn's and wsgiref's do (``filelike``,
-    ``blksize``), or will not make another: the body then goes the way of
-    any other, iterated by the server."""
-    filelike = getattr(body, "filelike", None)
-    blksize = getattr(body, "blksize", None)
-    if filelike is None or type(blksize) is not int:
-        return None
-    try:
-        timed: Iterable[bytes] = wrapper(_TimedFile(filelike, timer, handle), blksize)
-    except Exception:  # noqa: BLE001 - the server's; its own body serves as well, iterated
-        return None
-    return timed
-
-
-#: The body the middleware gives back: shmwheel._fast's Body, the same in C
-#: (its close() ends the timer without a Python frame), where it is built.
-_closing_body: Callable[[Iterable[bytes], RequestTimer, int | None], Iterable[bytes]] = (
-    _ClosingBody if _fast_ext is None else _fast_ext.Body
-)

@@ -1,0 +1,100 @@
+"""The settings every side of request timeouts shares: what the driver does
+on a timeout (:class:`TimeoutActions`), carried to a driver process on its
+command line, and the request wheel's size and name.  The worker's side
+and the driver's side both import from here, and neither from the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from dataclasses import dataclass
+
+from .._checks import check_flag, check_seconds, check_signal
+
+__all__ = [
+    "COMMAND",
+    "DEFAULT_CAPACITY",
+    "DEFAULT_INTERRUPT_GRACE",
+    "DEFAULT_KILL_AFTER",
+    "WHEEL_ENV",
+    "TimeoutActions",
+    "reserve_for",
+]
+
+#: Timers a request-timeout wheel holds: one per request in progress.
+DEFAULT_CAPACITY = 65_536
+#: The driver command's module: ``python -m shmwheel.contrib.timeouts``.
+COMMAND = "shmwheel.contrib.timeouts"
+#: The environment variable in which a server's master names the wheel it
+#: made for its workers (the Gunicorn adapter sets it): a middleware without
+#: a name of its own uses that wheel, and leaves its driver to the master.
+WHEEL_ENV = "SHMWHEEL_WHEEL"
+#: How long a worker may take to go after kill_signal before SIGKILL.
+DEFAULT_KILL_AFTER = 5.0
+#: How long an interrupted request has to end before the driver says it has
+#: not, and goes on to the kill stage if ``kill`` is on.  Python code sees
+#: the interrupt within milliseconds; a C call only once it returns.
+DEFAULT_INTERRUPT_GRACE = 1.0
+
+
+def reserve_for(capacity: int) -> int:
+    """The slots a request-timeout wheel keeps for the timers that must get
+    through when its workers' requests have filled it: the driver's
+    follow-ups (the stack check, the interrupt's grace, the kill signal and
+    the SIGKILL after it) and the workers' answers to them.  A sixteenth:
+    4096 of the default 65536, room for the stages of hundreds of late
+    requests at once."""
+    return capacity // 16
+
+
+@dataclass(frozen=True)
+class TimeoutActions:
+    """What the driver does when a request's timer fires (see the module docs).
+
+    Which signal asks a worker for a stack is the worker's to say: its
+    records name it (``traceback_signal`` of the middlewares and of
+    ``install()``)."""
+
+    log: bool = True  #: the WARNING line
+    tracebacks: bool = True  #: ask the worker for the request's stack
+    kill: bool = False  #: kill_signal, then SIGKILL after kill_after
+    kill_signal: int = signal.SIGTERM
+    kill_after: float = DEFAULT_KILL_AFTER
+    #: how long an interrupted request has to end before it is logged, and killed with kill
+    interrupt_grace: float = DEFAULT_INTERRUPT_GRACE
+
+    def __post_init__(self) -> None:
+        for flag in ("log", "tracebacks", "kill"):
+            check_flag(getattr(self, flag), flag)
+        object.__setattr__(self, "kill_signal", check_signal(self.kill_signal, "kill_signal"))
+        object.__setattr__(self, "kill_after", check_seconds(self.kill_after, "kill_after", positive=True))
+        grace = check_seconds(self.interrupt_grace, "interrupt_grace", positive=True)
+        object.__setattr__(self, "interrupt_grace", grace)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TimeoutActions:
+        """The settings parsed from the arguments :meth:`as_args` makes."""
+        return cls(
+            log=args.log,
+            tracebacks=args.tracebacks,
+            kill=args.kill,
+            kill_signal=args.kill_signal,
+            kill_after=args.kill_after,
+            interrupt_grace=args.interrupt_grace,
+        )
+
+    def as_args(self) -> list[str]:
+        """The same settings as command-line arguments of ``python -m shmwheel.contrib.timeouts``."""
+        args = [
+            f"--kill-signal={signal.Signals(self.kill_signal).name}",
+            f"--kill-after={self.kill_after!r}",
+            f"--interrupt-grace={self.interrupt_grace!r}",
+        ]
+        if not self.log:
+            args.append("--no-log")
+        if not self.tracebacks:
+            args.append("--no-tracebacks")
+        if self.kill:
+            args.append("--kill")
+        return args

@@ -1,0 +1,95 @@
+"""The package's layout: its import graph (tools/imports.py) and where its
+public names live."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import shmwheel.contrib
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("imports_tool", ROOT / "tools" / "imports.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_package_has_no_import_circle_and_contrib_imports_only_downward() -> None:
+    imports = _tool()
+    graph = imports.graph()
+    assert "shmwheel.contrib._worker" in graph and "shmwheel._wheel" in graph["shmwheel.contrib._worker"]
+    assert imports.problems(graph) == []
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "imports.py")], capture_output=True, text=True)
+    assert run.returncode == 0 and "no circle" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_import_rules_catch_a_circle_an_upward_import_and_a_worker_that_loads_the_driver() -> None:
+    imports = _tool()
+    graph = imports.graph()
+    circle = {**graph, "shmwheel._records": graph["shmwheel._records"] | {"shmwheel._wheel"}}
+    assert any("circle" in p and "shmwheel._records" in p for p in imports.problems(circle))
+    upward = {**graph, "shmwheel.contrib._record": graph["shmwheel.contrib._record"] | {"shmwheel.contrib._stacks"}}
+    assert any("not below it" in p for p in imports.problems(upward))
+    worker = {**graph, "shmwheel.contrib._stacks": graph["shmwheel.contrib._stacks"] | {"shmwheel.contrib._handler"}}
+    found = imports.problems(worker)
+    assert any(p.startswith("the worker side loads the driver side: shmwheel.contrib._handler") for p in found), found
+
+
+def test_a_worker_loads_none_of_the_drivers_side() -> None:
+    """What the import graph says, as Python runs it: a worker that uses
+    the middlewares and the public names it needs never loads the driver's
+    side, however the package's own __init__ runs first."""
+    code = (
+        "import sys\n"
+        "import shmwheel.contrib.wsgi, shmwheel.contrib.asgi\n"
+        "from shmwheel.contrib import RequestTimer, RequestTimeout, TimeoutActions, extend, no_timeout\n"
+        "print(sorted(m for m in sys.modules if m.startswith('shmwheel.contrib.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = ast.literal_eval(out)
+    assert "shmwheel.contrib._worker" in loaded
+    assert not {"shmwheel.contrib._handler", "shmwheel.contrib._supervisor", "shmwheel.contrib.timeouts"} & set(loaded)
+
+
+def test_every_public_name_of_contrib_is_there_and_typed_where_it_lives() -> None:
+    tree = ast.parse((ROOT / "shmwheel" / "contrib" / "__init__.py").read_text())
+    typed = {
+        alias.asname: node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.asname == alias.name
+    }
+    homes = shmwheel.contrib._HOMES
+    assert typed == {name: home for name, home in homes.items()}
+    assert sorted(shmwheel.contrib.__all__) == sorted(homes)
+    for name, home in homes.items():
+        assert getattr(shmwheel.contrib, name) is getattr(importlib.import_module(f"shmwheel.contrib.{home}"), name)
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        shmwheel.contrib.Nothing  # noqa: B018
+
+
+def test_the_driver_commands_module_still_gives_its_old_names_with_a_warning() -> None:
+    from shmwheel.contrib import timeouts
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        timer = timeouts.RequestTimer
+    assert timer is shmwheel.contrib.RequestTimer
+    assert [str(w.message) for w in caught] == [
+        "import RequestTimer from shmwheel.contrib, not shmwheel.contrib.timeouts, which is the driver command"
+    ]
+    with pytest.raises(AttributeError):
+        timeouts.main_loop  # noqa: B018
