@@ -58,14 +58,15 @@ def partial_structs(text: str) -> str:
 
 
 SHIPPED = _read("shmwheel.h")
+RECORD = _read("record.h")  # the request record's numbers, for shmwheel.contrib
 TESTING = _read("testing.h")
 SEGMENT = _read("core/core.h")
 
 ffibuilder = FFI()
-ffibuilder.cdef(constants(SHIPPED) + declarations(SHIPPED))
+ffibuilder.cdef(constants(SHIPPED) + constants(RECORD) + declarations(SHIPPED))
 ffibuilder.set_source(
     "shmwheel._shmwheel",
-    '#include "shmwheel.h"',
+    '#include "shmwheel.h"\n#include "record.h"',
     sources=CORE_SOURCES,
     include_dirs=["csrc"],
     extra_compile_args=CFLAGS,
@@ -76,6 +77,7 @@ ffibuilder.set_source(
 testing_ffibuilder = FFI()
 testing_ffibuilder.cdef(
     constants(SHIPPED)
+    + constants(RECORD)
     + constants(SEGMENT)
     + constants(TESTING)
     + declarations(SHIPPED)
@@ -84,7 +86,7 @@ testing_ffibuilder.cdef(
 )
 testing_ffibuilder.set_source(
     "shmwheel._shmwheel_testing",
-    '#include "testing.h"\n#include "core/core.h"',
+    '#include "testing.h"\n#include "core/core.h"\n#include "record.h"',
     sources=[*CORE_SOURCES, "csrc/testing.c"],
     include_dirs=["csrc"],
     define_macros=[("SHMW_TESTING", None)],

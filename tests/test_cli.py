@@ -514,7 +514,9 @@ def test_timeouts_is_the_request_timeout_driver_command(name: str) -> None:
     assert "drive a request-timeout wheel" in run("--help").stdout
     assert "--kill-after" in run("timeouts", "--help").stdout
     bad = run("timeouts", "a/b")
-    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith("shmwheel timeouts: error: invalid wheel name")
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith(
+        "shmwheel timeouts: error: invalid wheel name"
+    )
     proc = subprocess.Popen([sys.executable, "-m", "shmwheel", "timeouts", name, "--create"], stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
 

@@ -29,14 +29,10 @@ from shmwheel._fast import Timer
 from shmwheel.contrib import _body
 from shmwheel.contrib._record import (
     DEFAULT_TRACEBACK_SIGNAL,
-    GREENLET,
     HEAD,
     KIND_REQUEST,
     MAGIC,
-    MAX_METHOD,
     MAX_REQUEST_ID,
-    TASK,
-    WARN,
     decode_request,
 )
 from shmwheel.contrib._stacks import Active
@@ -290,8 +286,9 @@ def test_the_core_outlives_its_wheel_object_safely(make_wheel) -> None:
     active = _fast.Table()
     head = HEAD.pack(KIND_REQUEST, 0, 0, 0, os.getpid(), 0, 0, 0, 0, 0, 0, MAGIC, 30_000, 0)
     var: contextvars.ContextVar[object] = contextvars.ContextVar("request")
-    timer = Timer(core, head, 30 * 10**9, 30 * 10**9, wheel.payload_size, MAX_METHOD, MAX_REQUEST_ID,
-                  TASK, GREENLET, active, set(), var, None, None, False, 0, WARN, 10**9)  # fmt: skip
+    timer = Timer(core=core, head=head, due_ns=30 * 10**9, timeout_ns=30 * 10**9, size=wheel.payload_size,
+                  table=active, interrupted=set(), var=var, owner=None, getcurrent=None, interrupt=False, warn_ns=0,
+                  look_ns=10**9)  # fmt: skip
     timer.look_at = 2**62  # no RequestTimer here to have the first request's look
     h = timer.start(time.monotonic_ns(), "GET", "/x", None, None)
     # A plain thread's request is filed in the thread's slot, not in the context.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import struct
 import subprocess
 import sys
 import warnings
@@ -93,3 +94,47 @@ def test_the_driver_commands_module_still_gives_its_old_names_with_a_warning() -
     ]
     with pytest.raises(AttributeError):
         timeouts.main_loop  # noqa: B018
+
+
+def test_the_request_records_layout_is_the_c_headers() -> None:
+    """Python packs and reads a record's head with a struct of its own; the
+    layout is csrc/record.h's, whose offsets the compiler gives through the
+    cffi module.  Each field the header places is where the struct puts it,
+    and a record Python writes has each value at the header's offset."""
+    from shmwheel._binding import lib
+    from shmwheel.contrib import _record
+
+    at, offsets = 0, []
+    for code in _record.HEAD.format.lstrip("<"):
+        offsets.append(at)
+        at += struct.calcsize("<" + code)
+    assert at == _record.HEAD.size == lib.SHMW_REQ_HEAD_SIZE
+    placed = dict(zip(_HEAD_FIELDS, offsets, strict=True))
+    header = {name: getattr(lib, f"SHMW_REQ_AT_{name.upper()}") for name in _PLACED}
+    assert header == {name: placed[_PLACED[name]] for name in _PLACED}
+
+    payload = _record.encode_request(
+        _record.KIND_REQUEST, 4242, 77, 123_456_789, "GET", "rid", "/p", thread=0x1122334455667788, task=99,
+        task_kind="task", stack_signal=10, timeout_ms=30_000, warn=True, queued_ms=250,
+    )  # fmt: skip
+
+    def field(code: str, at: int) -> int:
+        value: int = struct.unpack_from("<" + code, payload, at)[0]
+        return value
+
+    assert field("B", lib.SHMW_REQ_AT_FLAGS) == lib.SHMW_REQ_TASK | lib.SHMW_REQ_WARN
+    assert field("q", lib.SHMW_REQ_AT_STARTED) == 123_456_789
+    assert field("Q", lib.SHMW_REQ_AT_THREAD) == 0x1122334455667788
+    assert field("Q", lib.SHMW_REQ_AT_TASK) == 99
+    assert field("B", lib.SHMW_REQ_AT_STACK_SIGNAL) == 10
+    assert field("H", lib.SHMW_REQ_AT_MAGIC) == lib.SHMW_REQ_MAGIC
+    assert field("I", lib.SHMW_REQ_AT_TIMEOUT) == 30_000
+    assert field("I", lib.SHMW_REQ_AT_QUEUED) == 250
+
+
+#: HEAD's fields in order, and which of them csrc/record.h names an offset of.
+_HEAD_FIELDS = ("kind", "method_len", "request_id_len", "flags", "pid", "start", "started_ns", "thread", "task",
+                "stack_signal", "dump_signal", "magic", "timeout_ms", "queued_ms")  # fmt: skip
+_PLACED = {"flags": "flags", "started": "started_ns", "thread": "thread", "task": "task",
+           "stack_signal": "stack_signal", "magic": "magic", "timeout": "timeout_ms",
+           "queued": "queued_ms"}  # fmt: skip

@@ -68,6 +68,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "record.h"
 #include "shmwheel.h"
 
 typedef int64_t (*add_at_fn)(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags);
@@ -77,18 +78,18 @@ typedef int (*try_cancel_fn)(shmw_t *w, int64_t handle);
 _Static_assert(__builtin_types_compatible_p(add_at_fn, __typeof__(&shmw_add_at_ns)), "add_at_fn: shmw_add_at_ns");
 _Static_assert(__builtin_types_compatible_p(try_cancel_fn, __typeof__(&shmw_try_cancel)), "try_cancel_fn: shmw_try_cancel");
 
-/* The request record's head (_record.py's HEAD, "<BBBBIQqQQBBHII"): the
- * offsets of the fields that change from one request to the next.  The
- * others come from the Timer's template, packed by Python. */
-#define HEAD_SIZE     52
-#define OFF_MLEN      1     /* B  method length */
-#define OFF_RLEN      2     /* B  request id length */
-#define OFF_FLAGS     3     /* B  flags */
-#define OFF_STARTED   16    /* q  request start, monotonic ns */
-#define OFF_THREAD    24    /* Q  the OS thread */
-#define OFF_TASK      32    /* Q  the greenlet, id(), or 0 */
-#define OFF_TIMEOUT   44    /* I  the timeout, ms */
-#define OFF_QUEUED    48    /* I  the time queued by X-Request-Start, ms, rounded up */
+/* The request record's head (csrc/record.h): the offsets of the fields that
+ * change from one request to the next.  The others come from the Timer's
+ * template, packed by Python. */
+#define HEAD_SIZE     SHMW_REQ_HEAD_SIZE
+#define OFF_MLEN      offsetof(struct shmw_request_head, method_len)
+#define OFF_RLEN      offsetof(struct shmw_request_head, request_id_len)
+#define OFF_FLAGS     SHMW_REQ_AT_FLAGS
+#define OFF_STARTED   SHMW_REQ_AT_STARTED
+#define OFF_THREAD    SHMW_REQ_AT_THREAD
+#define OFF_TASK      SHMW_REQ_AT_TASK
+#define OFF_TIMEOUT   SHMW_REQ_AT_TIMEOUT
+#define OFF_QUEUED    SHMW_REQ_AT_QUEUED
 
 /* This process's pid: asked once, and again in a forked child. */
 static pid_t current_pid;
@@ -955,12 +956,7 @@ typedef struct {
     pid_t       pid;            /* the process this Timer serves */
     char        retired;        /* 1 once its RequestTimer has let go of it (retire()) */
     char        interrupt;      /* the Active's interrupt field */
-    uint8_t     task_flag;      /* _record.TASK */
-    uint8_t     greenlet_flag;  /* _record.GREENLET */
-    uint8_t     warn_flag;      /* _record.WARN */
     Py_ssize_t  size;           /* the wheel's payload size */
-    Py_ssize_t  max_method;     /* _record.MAX_METHOD */
-    Py_ssize_t  max_request_id; /* _record.MAX_REQUEST_ID */
     char        head[HEAD_SIZE]; /* the record's head with this timer's constants: a copy, no object to reach */
     /* The rest: tasks, and the once-a-second look. */
     int64_t     look_ns;        /* how often the RequestTimer looks at its wheel */
@@ -1035,23 +1031,20 @@ static void Timer_dealloc(TimerObject *self)
 
 static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *names[] = {"core", "head", "due_ns", "timeout_ns", "size", "max_method",
-                            "max_request_id", "task_flag", "greenlet_flag", "table", "interrupted", "var", "owner",
-                            "getcurrent", "interrupt", "warn_ns", "warn_flag", "look_ns",
-                            "current_tasks", "current_task", NULL};
+    /* Made in one place, with keywords (RequestTimer._make_fast). */
+    static char *names[] = {"core", "head", "due_ns", "timeout_ns", "size", "table", "interrupted", "var",
+                            "owner", "getcurrent", "interrupt", "warn_ns", "look_ns", "current_tasks",
+                            "current_task", NULL};
     PyObject *core, *head, *table, *interrupted, *var, *owner, *getcurrent;
     PyObject *current_tasks = Py_None, *current_task = Py_None;
     long long due, timeout, warn, look;
-    Py_ssize_t size, max_method, max_request_id;
-    unsigned char task_flag, greenlet_flag, warn_flag;
+    Py_ssize_t size;
     int interrupt;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SLLnnnbbO!O!OOOpLbL|OO:Timer", names,
-                                     &CoreType, &core, &head, &due, &timeout, &size, &max_method,
-                                     &max_request_id, &task_flag, &greenlet_flag, &TableType, &table,
-                                     &PySet_Type, &interrupted, &var, &owner,
-                                     &getcurrent, &interrupt, &warn, &warn_flag, &look, &current_tasks,
-                                     &current_task))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SLLnO!O!OOOpLL|OO:Timer", names,
+                                     &CoreType, &core, &head, &due, &timeout, &size, &TableType, &table,
+                                     &PySet_Type, &interrupted, &var, &owner, &getcurrent, &interrupt, &warn,
+                                     &look, &current_tasks, &current_task))
         return -1;
     if (PyBytes_GET_SIZE(head) != HEAD_SIZE) {
         PyErr_Format(PyExc_ValueError, "head must be %d bytes", HEAD_SIZE);
@@ -1061,9 +1054,8 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "var must be a ContextVar");
         return -1;
     }
-    if (size < HEAD_SIZE || size > (Py_ssize_t)SHMW_MAX_PAYLOAD || max_method < 0 || max_method > 255
-        || max_request_id < 0 || max_request_id > 255 || timeout <= 0 || due <= 0
-        || warn < 0 || look <= 0) {
+    if (size < HEAD_SIZE || size > (Py_ssize_t)SHMW_MAX_PAYLOAD || timeout <= 0 || due <= 0 || warn < 0
+        || look <= 0) {
         PyErr_SetString(PyExc_ValueError, "a Timer's sizes or times are out of range");
         return -1;
     }
@@ -1078,11 +1070,6 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     self->look_at = 0;  /* the first request has the look: an AutoDriver that waits for it starts there */
     self->pid = current_pid;
     self->size = size;
-    self->max_method = max_method;
-    self->max_request_id = max_request_id;
-    self->task_flag = task_flag;
-    self->greenlet_flag = greenlet_flag;
-    self->warn_flag = warn_flag;
     self->table = (TableObject *)Py_NewRef(table);
     self->interrupted = Py_NewRef(interrupted);
     self->var = Py_NewRef(var);
@@ -1154,7 +1141,7 @@ static Py_ssize_t request_id_of(const TimerObject *self, PyObject *rid, const ch
     } else {
         return -1;
     }
-    if (n < 1 || n > self->max_request_id)
+    if (n < 1 || n > SHMW_REQ_MAX_REQUEST_ID)
         return 0;
     for (k = 0; k < n; k++)
         if (!request_id_char(s[k]))
@@ -1295,7 +1282,7 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     if (!w || !PyUnicode_CheckExact(method) || !PyUnicode_IS_ASCII(method))
         Py_RETURN_NONE;
     mlen = PyUnicode_GET_LENGTH(method);
-    if (mlen > self->max_method || (rlen = request_id_of(self, request_id, &rid)) < 0)
+    if (mlen > SHMW_REQ_MAX_METHOD || (rlen = request_id_of(self, request_id, &rid)) < 0)
         Py_RETURN_NONE;
     n = HEAD_SIZE + mlen + rlen + l1 + l2;
     if (n > self->size)
@@ -1316,11 +1303,11 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
         if (timeout_ms > UINT32_MAX || queued_ms > UINT32_MAX)
             Py_RETURN_NONE;
         due = started + (warn ? self->warn_ns : timeout);
-        flags = (uint8_t)((flags & ~self->warn_flag) | (warn ? self->warn_flag : 0));
+        flags = (uint8_t)((flags & ~SHMW_REQ_WARN) | (warn ? SHMW_REQ_WARN : 0));
     }
     if (task != Py_None) {
         /* The asyncio or trio task that runs the request. */
-        flags |= self->task_flag;
+        flags |= SHMW_REQ_TASK;
     } else if (self->getcurrent != Py_None) {
         /* A greenlet that is not its thread's own serves the request. */
         PyObject *parent;
@@ -1333,7 +1320,7 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
         }
         if (parent != Py_None) {
             task = current;
-            flags |= self->greenlet_flag;
+            flags |= SHMW_REQ_GREENLET;
         }
         Py_DECREF(parent);
     }

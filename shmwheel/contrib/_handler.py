@@ -88,6 +88,7 @@ from ._record import (
     KIND_RELEASED,
     KIND_REQUEST,
     KIND_TIMEOUT,
+    SLACK_NS,
     STACK_SIGNALS,
     RequestRecord,
     decode_request,
@@ -272,7 +273,6 @@ _OWN_KINDS = frozenset(bytes([kind]) for kind in (*FOLLOW_UPS, KIND_LATE))  # wh
 WARNED, TIMED_OUT = "warned", "timed out"  # the stage a late request is at
 FORGET_AFTER = 600.0  # s: how long a worker sent kill_signal, or a late request, is remembered, at most
 HELD_IDLE = 1.0  # s: how long the thread that brings kept follow-ups back waits for another before it ends
-SLACK_NS = 5_000_000  # a fire this close to a request's timeout is its timeout (clock rounding)
 
 
 def _running(record: RequestRecord) -> str:

@@ -1,45 +1,11 @@
 """What a worker and the driver agree on: the request record a worker puts
 in each request's timer, and the signals that ask a worker for a stack.
 
-The request record is a 52-byte head then the method, the request id and
-the path (little-endian)::
-
-    offset  size  field
-         0     1  kind (KIND_*): a request, or a follow-up of the driver's
-         1     1  method length in bytes
-         2     1  request id length in bytes
-         3     1  flags: TRUNCATED, the path was cut to fit; TASK, ``task``
-                  is an asyncio task; GREENLET, ``task`` is a greenlet;
-                  WARN, the timer is the request's warn_after stage, and
-                  its timeout comes later; INTERRUPT, the worker ends the
-                  request itself when asked at its timeout
-         4     4  worker pid
-         8     8  worker start time, clock ticks since boot (/proc/PID/stat)
-        16     8  request start, time.monotonic_ns()
-        24     8  the OS thread that runs the request, _thread.get_ident()
-                  (the original, not gevent's or eventlet's patched one)
-        32     8  its asyncio task or greenlet, id(), or 0
-                  (the request id is empty when its client sent none: the
-                  worker's pid and the request's start stand in)
-        40     1  stack signal: the worker writes the request's own stack
-                  on it (0: it cannot be asked).  A real-time one of
-                  DUMP_SIGNALS where one is free, on which the driver's
-                  asks queue, each with its value; else the traceback
-                  signal (SIGURG by default), on which one that comes while
-                  another is pending is merged with it
-        41     1  dump signal: faulthandler writes every thread's stack on
-                  it, when no Python can run in the worker (0: none)
-        42     2  MAGIC, so that a payload of another kind is never read
-                  as a request
-        44     4  the request's timeout, milliseconds after its start (0:
-                  this timer is the timeout); a WARN timer's driver adds
-                  the timeout stage for then
-        48     4  how long the request had queued before its worker took
-                  it, by the proxy's X-Request-Start, in milliseconds
-                  (rounded up); its start above is that much earlier than
-                  the worker's own.  The driver times the kill from the
-                  worker's own start, so that no header makes it sooner
-        52     -  method, request id, path (UTF-8, the path cut to fit)
+The record's layout, kinds, flags and limits are written once, in C
+(csrc/record.h, which shmwheel._fast packs from); the numbers here are
+the compiled module's, and HEAD, the struct Python packs and reads the
+head with, is checked against the header's offsets by tests/test_layout.py.
+A record is the head, then the method, the request id and the path.
 
 The worker names the signals itself, so a driver run elsewhere, with
 settings of its own, still asks it in the way it listens.
@@ -52,6 +18,8 @@ import signal
 import struct
 import time
 from typing import Any, NamedTuple
+
+from .._binding import lib
 
 __all__ = [
     "DEFAULT_TRACEBACK_SIGNAL",
@@ -79,33 +47,40 @@ __all__ = [
 ]
 
 #: Bytes of request record per timer: room for a path of about 180 bytes.
-PAYLOAD_SIZE = 256
+PAYLOAD_SIZE: int = lib.SHMW_REQ_PAYLOAD_SIZE
 
-KIND_REQUEST = 1  #: a request's own timer, added by its worker
-KIND_KILL = 2  #: the driver's follow-up: SIGKILL, kill_after after kill_signal
-KIND_GRACEFUL = 3  #: the driver's follow-up: kill_signal, once the stack is written
-KIND_CHECK = 4  #: the driver's follow-up: did the worker write the stack it was asked for?
-KIND_ANSWER = 5  #: the worker's: it has written the stack of the request this names
-KIND_FINISHED = 6  #: the worker's: the request this names has finished, after its timer fired
-KIND_TIMEOUT = 7  #: the driver's follow-up: the timeout stage of a request warned first
-KIND_GRACE = 8  #: the driver's follow-up: has the request it interrupted ended?
-KIND_RELEASED = 9  #: the worker's: the request this names was given a new timer, or none, after this one fired
+KIND_REQUEST: int = lib.SHMW_REQ_KIND_REQUEST  #: a request's own timer, added by its worker
+KIND_KILL: int = lib.SHMW_REQ_KIND_KILL  #: the driver's follow-up: SIGKILL, kill_after after kill_signal
+KIND_GRACEFUL: int = lib.SHMW_REQ_KIND_GRACEFUL  #: the driver's follow-up: kill_signal, once the stack is written
+KIND_CHECK: int = lib.SHMW_REQ_KIND_CHECK  #: the driver's follow-up: did the worker write the stack it was asked for?
+KIND_ANSWER: int = lib.SHMW_REQ_KIND_ANSWER  #: the worker's: it has written the stack of the request this names
+KIND_FINISHED: int = lib.SHMW_REQ_KIND_FINISHED  #: the worker's: the request has finished after its timer fired
+KIND_TIMEOUT: int = lib.SHMW_REQ_KIND_TIMEOUT  #: the driver's follow-up: the timeout stage of a request warned first
+KIND_GRACE: int = lib.SHMW_REQ_KIND_GRACE  #: the driver's follow-up: has the request it interrupted ended?
+KIND_RELEASED: int = lib.SHMW_REQ_KIND_RELEASED  #: the worker's: the request has a new timer, or none, since this fired
 #: The worker's, to a driver it has not told before: the request this names
 #: still runs past its timeout, which a driver that died had asked about.
-KIND_LATE = 10
+KIND_LATE: int = lib.SHMW_REQ_KIND_LATE
 KINDS = frozenset(range(KIND_REQUEST, KIND_LATE + 1))
 
-TRUNCATED = 1  # flags: the path was cut to fit
-TASK = 2  # flags: the task field is an asyncio task's id
-GREENLET = 4  # flags: the task field is a greenlet's id
-WARN = 8  # flags: this timer is the request's warn_after stage; its timeout is timeout_ms after its start
-INTERRUPT = 16  # flags: at its timeout, the worker ends the request itself when asked
-MAX_TIMEOUT_MS = 2**32 - 1  # what the timeout field holds: a longer timeout is written as this, about 49 days
-MAGIC = 0x7273  # "sr": a request record
-HEAD = struct.Struct("<BBBBIQqQQBBHII")  # the last two: the timeout and the time queued, in ms
-_TIMEOUT_AT = 44  # the timeout field's offset
-MAX_METHOD = 32
-MAX_REQUEST_ID = 64
+TRUNCATED: int = lib.SHMW_REQ_TRUNCATED  # flags: the path was cut to fit
+TASK: int = lib.SHMW_REQ_TASK  # flags: the task field is an asyncio task's id
+GREENLET: int = lib.SHMW_REQ_GREENLET  # flags: the task field is a greenlet's id
+WARN: int = lib.SHMW_REQ_WARN  # flags: the warn_after stage; its timeout is timeout_ms after its start
+INTERRUPT: int = lib.SHMW_REQ_INTERRUPT  # flags: at its timeout, the worker ends the request itself when asked
+MAX_TIMEOUT_MS: int = lib.SHMW_REQ_MAX_TIMEOUT_MS  # a longer timeout is written as this, about 49 days
+MAGIC: int = lib.SHMW_REQ_MAGIC
+#: kind, method and request id lengths, flags, pid, start, started_ns,
+#: thread, task, stack and dump signals, magic, timeout and time queued (ms).
+HEAD = struct.Struct("<BBBBIQqQQBBHII")
+AT_STARTED: int = lib.SHMW_REQ_AT_STARTED
+AT_STACK_SIGNAL: int = lib.SHMW_REQ_AT_STACK_SIGNAL
+AT_TIMEOUT: int = lib.SHMW_REQ_AT_TIMEOUT
+MAX_METHOD: int = lib.SHMW_REQ_MAX_METHOD
+#: A clock reading this close to a request's timeout counts as past it: the
+#: wheel fires on its tick, and each side reads the clock at its own moment.
+SLACK_NS = 5_000_000
+MAX_REQUEST_ID: int = lib.SHMW_REQ_MAX_REQUEST_ID
 #: What a request id taken from a client header may hold: it is written into
 #: log lines, so nothing that could forge one.
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,64}")
@@ -326,7 +301,7 @@ def decode_request(payload: bytes) -> RequestRecord | None:
 def rearmed(payload: bytes, timeout_ms: int) -> bytes:
     """The same request's record for a new timer, which is its timeout
     ``timeout_ms`` after its start (:func:`shmwheel.contrib.extend`)."""
-    at = _TIMEOUT_AT
+    at = AT_TIMEOUT
     ms = struct.pack("<I", min(timeout_ms, MAX_TIMEOUT_MS))
     return payload[:3] + bytes([payload[3] & ~WARN]) + payload[4:at] + ms + payload[at + 4 :]
 

@@ -55,7 +55,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._binding import lib
 from .._wheel import _fast_ext
-from ._record import DUMP_SIGNALS, SHOWN_MAX, STACK_SIGNALS, RequestRecord, decode_request, shown, signal_name
+from ._record import (
+    AT_STACK_SIGNAL,
+    AT_STARTED,
+    DUMP_SIGNALS,
+    SHOWN_MAX,
+    STACK_SIGNALS,
+    RequestRecord,
+    decode_request,
+    shown,
+    signal_name,
+)
 
 if TYPE_CHECKING:
     from ._worker import RequestTimer
@@ -68,7 +78,6 @@ _log = logging.getLogger("shmwheel.timeouts")
 #: somewhere (the server's error log), else ``shmwheel.timeouts``.
 SERVER_LOGGERS = ("gunicorn.error", "uvicorn.error", "hypercorn.error")
 FALLBACK_FORMAT = "[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s"
-SLACK_NS = 5_000_000  # a request this close to its deadline counts as past it (clock rounding)
 MAX_FRAMES = 200  # of one stack: a runaway recursion is not written out whole
 
 
@@ -392,8 +401,6 @@ ASK_WAIT_NS = 50_000_000
 LATE_LOOK_NS = 1_000_000_000
 _look_again: int | None = None  # time.monotonic_ns() when such a request is looked at again
 _RECORD_STARTED = struct.Struct("<q")
-_STARTED_AT = 16  # the request's start in its record (see _record.HEAD)
-_STACK_SIGNAL_AT = 40  # the signal the driver asks on, in the record
 
 
 def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, signalled: bool = True) -> int:
@@ -420,7 +427,7 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, sig
             if active.deadline_ns > now:
                 continue
             timed_out = active.timeout_ns <= now
-            queued = active.payload[_STACK_SIGNAL_AT] >= signal.SIGRTMIN
+            queued = active.payload[AT_STACK_SIGNAL] >= signal.SIGRTMIN
             if asked is not None and (queued or now - active.deadline_ns < ASK_WAIT_NS):
                 # Only at the stage the driver has asked about, which it said
                 # in its log first: a request whose deadline has passed but
@@ -430,7 +437,7 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, sig
                 # at most ASK_WAIT, since a signal that came while another
                 # was pending merged with it, and lost the value that named
                 # its request, though the driver had said its line.
-                started = _RECORD_STARTED.unpack_from(active.payload, _STARTED_AT)[0]
+                started = _RECORD_STARTED.unpack_from(active.payload, AT_STARTED)[0]
                 if timed_out and asked_value(started, True) not in asked:
                     timed_out = False
                 if not timed_out and asked_value(started, False) not in asked:

@@ -32,7 +32,6 @@ from ._body import file_wrapper_for, timed_file
 from ._interrupt import interrupt, listen_for_wake
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
-    GREENLET,
     HEAD,
     INTERRUPT,
     KIND_ANSWER,
@@ -41,11 +40,9 @@ from ._record import (
     KIND_RELEASED,
     KIND_REQUEST,
     MAGIC,
-    MAX_METHOD,
-    MAX_REQUEST_ID,
     PAYLOAD_SIZE,
     REQUEST_ID,
-    TASK,
+    SLACK_NS,
     WARN,
     RequestRecord,
     check_traceback_signal,
@@ -55,7 +52,7 @@ from ._record import (
     with_kind,
 )
 from ._routes import Routes, compile_routes
-from ._stacks import SLACK_NS, Active, ask_signal, keep_listening, listen, listening, real, server_log, server_logger
+from ._stacks import Active, ask_signal, keep_listening, listen, listening, real, server_log, server_logger
 
 if TYPE_CHECKING:
     from .._fast import Table
@@ -295,10 +292,10 @@ class RequestTimer:
         assert isinstance(self._active, Table)  # made with the extension there
 
         return Timer(
-            core, head, self._warn_ns if warn else self._timeout_ns, self._timeout_ns, self._size,
-            MAX_METHOD, MAX_REQUEST_ID, TASK, GREENLET, self._active, self._interrupted, _current, self,
-            self._getcurrent, self.interrupt, self._warn_ns, WARN, LOOK_INTERVAL_NS,
-            getattr(asyncio.tasks, "_current_tasks", None), asyncio.current_task,
+            core=core, head=head, due_ns=self._warn_ns if warn else self._timeout_ns, timeout_ns=self._timeout_ns,
+            size=self._size, table=self._active, interrupted=self._interrupted, var=_current, owner=self,
+            getcurrent=self._getcurrent, interrupt=self.interrupt, warn_ns=self._warn_ns, look_ns=LOOK_INTERVAL_NS,
+            current_tasks=getattr(asyncio.tasks, "_current_tasks", None), current_task=asyncio.current_task,
         )  # fmt: skip
 
     def _listen(self) -> None:
