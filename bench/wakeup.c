@@ -8,7 +8,7 @@
  *
  * That price is what a thread pays for waiting on a lock another holds,
  * the GIL included, so it sets how much a little more work under the GIL
- * costs a threaded worker (docs/benchmarks.md, uWSGI).
+ * costs a threaded worker (docs/bench-log.md, uWSGI).
  *
  *     gcc -O2 -std=gnu11 bench/wakeup.c -o /tmp/wakeup
  *     /tmp/wakeup                # wherever the scheduler puts the two
