@@ -25,11 +25,6 @@ from conftest import entry, foreign_segment, script_processes
 import shmwheel
 from shmwheel._binding import ffi, lib
 from shmwheel._process import signal_disposition, start_time
-from shmwheel.contrib import gunicorn as contrib_gunicorn
-from shmwheel.contrib import timeouts
-from shmwheel.contrib._handler import DUMP_TIME, signal_if
-from shmwheel.contrib._record import HEAD, KIND_FINISHED, KIND_LATE, KIND_RELEASED, KINDS, shown, with_kind
-from shmwheel.contrib._settings import reserve_for
 from shmwheel.contrib import (
     KIND_ANSWER,
     KIND_CHECK,
@@ -45,7 +40,12 @@ from shmwheel.contrib import (
     decode_request,
     encode_request,
     signal_process,
+    timeouts,
 )
+from shmwheel.contrib import gunicorn as contrib_gunicorn
+from shmwheel.contrib._handler import DUMP_TIME, signal_if
+from shmwheel.contrib._record import HEAD, KIND_FINISHED, KIND_LATE, KIND_RELEASED, KINDS, shown, with_kind
+from shmwheel.contrib._settings import reserve_for
 from shmwheel.contrib.uwsgi import settings as uwsgi_settings
 from shmwheel.contrib.wsgi import TimeoutMiddleware
 

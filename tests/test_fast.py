@@ -351,9 +351,9 @@ def _count_detours(mw: TimeoutMiddleware) -> list[object]:
     taken: list[object] = []
 
     class Counting(type(mw)):  # type: ignore[misc]
-        def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        def _serve(self, environ: dict[str, Any], start_response: Any, declined: bool = False) -> Any:
             taken.append(environ.get("PATH_INFO"))
-            return super().__call__(environ, start_response)
+            return super()._serve(environ, start_response, declined)
 
     mw.__class__ = Counting
     return taken
@@ -376,10 +376,13 @@ def test_the_middlewares_call_in_c_files_what_its_own_path_files(make_wheel, env
     mw, handles = _recording_middleware(wheel)
     assert mw.timer.prepare() and mw._plain
     own_path: list[str] = []
-    start = mw.timer.start
+    start, start_declined = mw.timer.start, mw.timer.start_declined
     mw.timer.start = lambda *a, **k: own_path.append(a[1]) or start(*a, **k)  # type: ignore[method-assign]
+    mw.timer.start_declined = lambda *a, **k: own_path.append(a[1]) or start_declined(*a, **k)  # type: ignore[method-assign]
     in_c = mw(dict(environ), lambda *a: None)
     taken = bool(own_path)
+    # Given back having tried it (a record to cut): the waiting path, not C again.
+    assert mw.timer._fast.declined == (environ is ENVIRONS[4])
     mw._plain = False  # every request the middleware's own way
     mine = mw(dict(environ), lambda *a: None)
     assert own_path, "the control did not take the middleware's own path"
@@ -533,8 +536,9 @@ def test_the_middleware_called_directly_in_c_is_the_middleware(make_wheel) -> No
     assert type(direct) is _fast.WSGI and direct.middleware is mw
     assert mw.timer.prepare()
     own_path: list[object] = []
-    start = mw.timer.start
+    start, start_declined = mw.timer.start, mw.timer.start_declined
     mw.timer.start = lambda *a, **k: own_path.append(a) or start(*a, **k)  # type: ignore[method-assign]
+    mw.timer.start_declined = lambda *a, **k: own_path.append(a) or start_declined(*a, **k)  # type: ignore[method-assign]
     for environ in ENVIRONS:
         body = direct(dict(environ), lambda *a: None)
         assert list(body) == [b"ok"] and len(wheel) == 1
@@ -1165,3 +1169,78 @@ def test_a_tasks_request_is_found_from_the_thread_its_sync_code_runs_in(make_whe
     extended, found = asyncio.run(request())
     assert extended and found is not None
     assert len(wheel) == 0 and not timer._active and wheel.stats().cancelled == 2
+
+
+# -- a request the C path gives back enters it once -----------------------------------------------
+
+
+@pytest.mark.parametrize("way", ["wsgi-direct", "wsgi", "gunicorn", "asgi"])
+def test_a_request_the_c_path_gives_back_takes_the_waiting_path_without_trying_c_again(
+    make_wheel, monkeypatch, way: str
+) -> None:
+    """With the lock held by another process, each adapter's C path tries
+    the request once and gives it back; the adapter's own path then waits
+    for the lock (the GIL let go), not trying C again: the Timer declined
+    one request, and the request has its timer."""
+    from shmwheel.contrib import asgi as contrib_asgi
+
+    wheel = make_wheel(payload_size=256)
+    handles: list[int] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        handles.append(environ["shmwheel.timer"])
+        return [b"ok"]
+
+    if way == "gunicorn":
+        hooks, timer = _gunicorn_hooks(wheel, monkeypatch)
+        req: Any = _gunicorn_request(RAW_REQUESTS[0])
+    elif way == "asgi":
+
+        async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            handles.append(scope["shmwheel.timer"])
+
+        middleware = contrib_asgi.TimeoutMiddleware(asgi_app, name=wheel.name, timeout=30.0, tracebacks=False)
+        timer = middleware.timer
+        assert timer.prepare() and middleware._in_c is not None
+    else:
+        wsgi = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+        timer = wsgi.timer
+        assert timer.prepare()
+    fast = timer._fast
+    assert fast is not None and fast.declined == 0
+
+    held = threading.Event()
+    holder = threading.Thread(target=_hold, args=(wheel, 0.3, held))
+    holder.start()
+    held.wait()
+    t0 = time.monotonic()
+    try:
+        if way == "gunicorn":
+            hooks["pre_request"](None, req)
+            handles.append(req.shmwheel_timer)
+        elif way == "asgi":
+            scope = {"type": "http", "method": "GET", "path": "/x", "headers": []}
+
+            async def receive() -> dict[str, Any]:
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, Any]) -> None:
+                pass
+
+            import asyncio
+
+            asyncio.run(middleware(scope, receive, send))  # the timer ends with the call
+        else:
+            call = wsgi.direct() if way == "wsgi-direct" else wsgi
+            body = call({"REQUEST_METHOD": "GET", "PATH_INFO": "/x"}, lambda *a: None)
+        waited = time.monotonic() - t0
+    finally:
+        holder.join()
+    assert waited >= 0.2, "the lock was not held: the test proves nothing"
+    assert fast.declined == 1, f"the C path tried the request {fast.declined} times"
+    assert len(handles) == 1 and handles[0] is not None, "the request took no timer"
+    if way == "gunicorn":
+        hooks["post_request"](None, req, {}, None)
+    elif way != "asgi":
+        body.close()  # type: ignore[attr-defined]
+    assert len(wheel) == 0 and not timer._active

@@ -45,9 +45,7 @@ def test_every_link_between_the_readme_and_the_docs_arrives() -> None:
     of its file: the README's quick start and the manual in docs/ point at
     each other's sections."""
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    anchors = {
-        page.resolve(): {_slug(h) for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)} for page in pages
-    }
+    anchors = {page.resolve(): {_slug(h) for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)} for page in pages}
     checked = 0
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):

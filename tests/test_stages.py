@@ -24,22 +24,24 @@ import pytest
 from conftest import script_processes
 
 import shmwheel
-from shmwheel.contrib import RequestTimeout, extend, no_timeout
-from shmwheel.contrib._record import rearmed
-from shmwheel.contrib._routes import compile_routes
-from shmwheel.contrib._stacks import report_overdue
-from shmwheel.contrib._worker import queued_ns
-from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware
 from shmwheel.contrib import (
     KIND_CHECK,
     KIND_REQUEST,
     PAYLOAD_SIZE,
+    RequestTimeout,
     RequestTimer,
     TimeoutActions,
     TimeoutHandler,
     decode_request,
     encode_request,
+    extend,
+    no_timeout,
 )
+from shmwheel.contrib._record import rearmed
+from shmwheel.contrib._routes import compile_routes
+from shmwheel.contrib._stacks import report_overdue
+from shmwheel.contrib._worker import queued_ns
+from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware
 from shmwheel.contrib.wsgi import TimeoutMiddleware
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

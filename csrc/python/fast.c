@@ -965,6 +965,7 @@ typedef struct {
     PyObject   *current_task;   /* asyncio.current_task */
     PyObject   *loop;           /* the loop last found running, or NULL */
     PyObject   *holder;         /* asyncio's running-loop holder it was found under, or NULL */
+    unsigned long long declined; /* requests it tried and gave back: each then took the waiting path */
 } TimerObject;
 
 static PyTypeObject TimerType;
@@ -976,6 +977,8 @@ static PyObject *str_method, *str_path, *str_headers, *str_running_loop;
 static PyObject *str_type, *str_more_body, *str_body_type, *str_zerocopy_type, *str_pathsend_type;
 static PyObject *str_ws_close, *str_http, *str_timer, *str_app, *str_timer_attr, *str_req_key;
 static PyObject *str_file_wrapper, *str_file_body, *str_in_c, *str_timing_file_wrapper, *str_file_type;
+static PyObject *str_serve, *str_call, *str_declined;
+static PyObject *declined_kwnames;  /* ("declined",): the Python pre_request's keyword */
 static PyObject *str_handle, *str_for;
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);
 
@@ -1122,7 +1125,7 @@ static inline int request_id_char(unsigned char c)
  * in).  A str, or bytes, which ASGI's headers are: their latin-1 text is
  * kept or not alike.  -1: neither, which RequestTimer.start's own path
  * deals with. */
-static Py_ssize_t request_id_of(const TimerObject *self, PyObject *rid, const char **data)
+static Py_ssize_t request_id_of(PyObject *rid, const char **data)
 {
     const unsigned char *s;
     Py_ssize_t n, k;
@@ -1282,7 +1285,7 @@ static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, 
     if (!w || !PyUnicode_CheckExact(method) || !PyUnicode_IS_ASCII(method))
         Py_RETURN_NONE;
     mlen = PyUnicode_GET_LENGTH(method);
-    if (mlen > SHMW_REQ_MAX_METHOD || (rlen = request_id_of(self, request_id, &rid)) < 0)
+    if (mlen > SHMW_REQ_MAX_METHOD || (rlen = request_id_of(request_id, &rid)) < 0)
         Py_RETURN_NONE;
     n = HEAD_SIZE + mlen + rlen + l1 + l2;
     if (n > self->size)
@@ -1422,6 +1425,15 @@ static int ns_arg(PyObject *o, int64_t otherwise, int64_t *out)
     return 0;
 }
 
+/* ``key`` as start_request() or start_path() gave it back, counted in
+ * self->declined if it is None: a request tried and given back. */
+static PyObject *declined(TimerObject *self, PyObject *key)
+{
+    if (key == Py_None)
+        self->declined++;
+    return key;
+}
+
 /* start_request() for a str ``path``, as the record holds it: ASCII as it
  * is, else UTF-8 with the surrogates escaped.  None for a path or an id of
  * another type (the id a str or None, as RequestTimer.start takes it). */
@@ -1468,7 +1480,7 @@ static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     if ((r = ready(self, now)) <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
-    return start_path(self, now, started, timeout, args[1], args[2], args[3], args[4]);
+    return declined(self, start_path(self, now, started, timeout, args[1], args[2], args[3], args[4]));
 }
 
 /* The request of ``key`` taken out of the table and its timer cancelled:
@@ -1682,8 +1694,10 @@ static int is_timed_file(TimerObject *self, PyObject *body, PyObject *key)
  * timed file that wrapper was given); the timer finished if the
  * application raises.
  * NotImplemented, having called nothing, where the middleware's own path
- * takes the request: what start() gives back None for, an environ that is
- * not a dict or has a field that is not an ASCII str. */
+ * takes the request: an environ that is not a dict or has a field that is
+ * not an ASCII str.  None, having called nothing, for a request it tried
+ * and gave back (what start() gives back None for): the middleware's
+ * waiting path takes it (TimeoutMiddleware._serve with declined). */
 static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *environ, *method, *script, *path, *rid, *key, *body, *wrapper, *result, *call[2];
@@ -1722,19 +1736,18 @@ static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t
     Py_INCREF(script);
     Py_INCREF(path);
     Py_INCREF(rid);
-    key = start_request(self, now, now, self->timeout_ns, method, (const char *)PyUnicode_1BYTE_DATA(script),
-                        PyUnicode_GET_LENGTH(script), (const char *)PyUnicode_1BYTE_DATA(path),
-                        PyUnicode_GET_LENGTH(path), rid, Py_None);
+    key = declined(self, start_request(self, now, now, self->timeout_ns, method,
+                                       (const char *)PyUnicode_1BYTE_DATA(script), PyUnicode_GET_LENGTH(script),
+                                       (const char *)PyUnicode_1BYTE_DATA(path), PyUnicode_GET_LENGTH(path), rid,
+                                       Py_None));
     Py_DECREF(method);
     Py_DECREF(script);
     Py_DECREF(path);
     Py_DECREF(rid);
     if (!key)
         return NULL;
-    if (key == Py_None) {
-        Py_DECREF(key);
-        Py_RETURN_NOTIMPLEMENTED;
-    }
+    if (key == Py_None)
+        return key;             /* tried and given back: the waiting path */
     if (PyDict_SetItem(environ, str_environ_key, key) < 0 || (swapped = timing_file_wrapper(self, environ)) < 0)
         goto failed;
     call[0] = environ;
@@ -1900,8 +1913,9 @@ static PyObject *asgi_start(TimerObject *self, PyObject *scope, PyObject *send, 
     /* The id's bytes are its latin-1 text, as RequestTimer.start takes it. */
     if (rid != Py_None && !PyBytes_CheckExact(rid))
         goto own;
-    key = start_request(self, now, now, self->timeout_ns, method, (const char *)PyUnicode_1BYTE_DATA(path),
-                        PyUnicode_GET_LENGTH(path), "", 0, rid, task);
+    key = declined(self, start_request(self, now, now, self->timeout_ns, method,
+                                       (const char *)PyUnicode_1BYTE_DATA(path), PyUnicode_GET_LENGTH(path), "", 0,
+                                       rid, task));
     Py_DECREF(task);
     if (!key || key == Py_None)
         return key;
@@ -1950,6 +1964,9 @@ static PyMemberDef Timer_members[] = {
     {"look_at", T_LONGLONG, offsetof(TimerObject, look_at), 0,
      "time.monotonic_ns() of the RequestTimer's next look at its wheel, which the next start() after it has."},
     {"retired", T_BOOL, offsetof(TimerObject, retired), READONLY, "Whether retire() has been called."},
+    {"declined", T_ULONGLONG, offsetof(TimerObject, declined), READONLY,
+     "Requests it tried and gave back (the lock held elsewhere, a record to cut, an error), each of which "
+     "then took the waiting path, not this one again."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -2062,7 +2079,7 @@ static void WSGI_dealloc(WSGIObject *self)
 static PyObject *WSGI_vectorcall(WSGIObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *fast, *r, *call[3];
+    PyObject *fast, *r, *call[3], *tried;
 
     if (nargs == 2 && !kwnames && self->timer) {
         /* The Timer kept from the last request, while it is current: the
@@ -2080,9 +2097,18 @@ static PyObject *WSGI_vectorcall(WSGIObject *self, PyObject *const *args, size_t
             call[2] = args[1];
             r = Timer_wsgi((TimerObject *)fast, call, 3);
             Py_DECREF(fast);
-            if (r != Py_NotImplemented)
+            if (r != Py_NotImplemented && r != Py_None)
                 return r;
+            /* The middleware's own path, told whether this tried the request
+             * and gave it back (None), or could not read it. */
+            if (!self->middleware) {
+                Py_DECREF(r);
+                PyErr_SetString(PyExc_ValueError, "the application has been cleared");
+                return NULL;
+            }
+            tried = r == Py_None ? Py_True : Py_False;
             Py_DECREF(r);
+            return PyObject_CallMethodObjArgs(self->middleware, str_serve, args[0], args[1], tried, NULL);
         } else {
             Py_DECREF(fast);
         }
@@ -2203,10 +2229,13 @@ static PyObject *header_of(PyObject *headers, PyObject *name)
 }
 
 /* pre_request(worker, req): the request's timer added, its handle kept as
- * req.shmwheel_timer; the Python pre_request takes what this does not. */
+ * req.shmwheel_timer; the Python pre_request takes what this does not:
+ * what it cannot read, as slow(worker, req), and what it tried and gave
+ * back, as slow(worker, req, declined=True), which takes the waiting path
+ * (a keyword, so that Gunicorn still counts two arguments). */
 static PyObject *Hooks_pre_request(HooksObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *timer, *fast = NULL, *req, *headers = NULL, *rid, *method = NULL, *path = NULL, *key = NULL;
+    PyObject *timer, *fast = NULL, *req, *headers = NULL, *rid, *method = NULL, *path = NULL, *key = NULL, *call[3];
     TimerObject *t;
     int64_t now;
     int r;
@@ -2239,13 +2268,18 @@ static PyObject *Hooks_pre_request(HooksObject *self, PyObject *const *args, Py_
         goto slow;
     /* Held: start_request may run Python (greenlet's getcurrent), which may change the headers. */
     Py_INCREF(rid);
-    key = start_path(t, now, now, t->timeout_ns, method, path, rid, Py_None);
+    key = declined(t, start_path(t, now, now, t->timeout_ns, method, path, rid, Py_None));
     Py_DECREF(rid);
     if (!key)
         goto done;
     if (key == Py_None) {
+        /* Tried and given back: the Python hook's waiting path. */
         Py_CLEAR(key);
-        goto slow;
+        call[0] = args[0];
+        call[1] = req;
+        call[2] = Py_True;
+        key = PyObject_Vectorcall(self->slow, call, 2, declined_kwnames);
+        goto done;
     }
     if (PyObject_SetAttr(req, str_req_key, key) < 0) {
         end_raising(timer, key);
@@ -2693,6 +2727,10 @@ static int Then_start(ThenObject *self)
     if (r == 0) {
         coro = PyObject_Vectorcall(func, call, 4, NULL);
         r = coro && (inner = await_iter(coro, "TimeoutMiddleware.__call__")) ? 0 : -1;
+    } else if (r == 2) {
+        /* Tried and given back: the middleware's waiting path, _call(scope, receive, send, True). */
+        coro = PyObject_CallMethodObjArgs(call[0], str_call, call[1], call[2], call[3], Py_True, NULL);
+        r = coro && (inner = await_iter(coro, "TimeoutMiddleware._call")) ? 0 : -1;
     } else if (r > 0) {
         self->whole = 1;
         r = 0;
@@ -3166,11 +3204,14 @@ HELD_LAYOUT(ASGIObject, middleware, timer, unheld);
 /* The call of ASGI(middleware) with ``args`` (scope, receive, send): 1
  * with ``*inner``, the application's call as await takes it, and
  * ``*send``, the Send whose request's timer it started; 0, having started
- * nothing, for what the middleware's own path takes; -1 with an exception. */
+ * nothing, for what the middleware's own path takes; 2, having started
+ * nothing, for a request it tried and gave back, which the middleware's
+ * waiting path takes; -1 with an exception. */
 static int asgi_call(ASGIObject *self, PyObject *const *args, PyObject **inner, PyObject **send)
 {
     PyObject *scope, *kind, *timer, *fast, *key, *app, *call[3], *coro;
     PyObject *timed_scope = NULL, *timed_send = NULL;
+    unsigned long long declines = 0;
     int r;
 
     if (!self->middleware) {
@@ -3201,15 +3242,20 @@ static int asgi_call(ASGIObject *self, PyObject *const *args, PyObject **inner, 
     }
     if (!(fast = PyObject_GetAttr(self->timer, str_fast)))
         return -1;
-    key = Py_IS_TYPE(fast, &TimerType) ? asgi_start((TimerObject *)fast, scope, args[2], &timed_scope, &timed_send)
-                                       : Py_NewRef(Py_None);
+    if (Py_IS_TYPE(fast, &TimerType)) {
+        declines = ((TimerObject *)fast)->declined;
+        key = asgi_start((TimerObject *)fast, scope, args[2], &timed_scope, &timed_send);
+        declines = ((TimerObject *)fast)->declined - declines;
+    } else {
+        key = Py_NewRef(Py_None);
+    }
     Py_DECREF(fast);
     if (!key)
         return -1;
     if (key == Py_None) {
         Py_DECREF(key);
         Py_CLEAR(self->timer);  /* read again after the Python path, which may make another */
-        return 0;
+        return declines ? 2 : 0;
     }
     Py_DECREF(key);             /* the Send holds it */
     *inner = NULL;
@@ -3241,7 +3287,7 @@ static PyObject *ASGI_vectorcall(ASGIObject *self, PyObject *const *args, size_t
         PyErr_SetString(PyExc_TypeError, "asgi(scope, receive, send)");
         return NULL;
     }
-    if ((r = asgi_call(self, args, &inner, &send)) <= 0)
+    if ((r = asgi_call(self, args, &inner, &send)) != 1)
         return r < 0 ? NULL : Py_NewRef(Py_None);
     then = Then_make(inner, (SendObject *)send, 1);
     if (!then)
@@ -3485,7 +3531,7 @@ static int fast_exec(PyObject *m)
         {&str_req_key, "shmwheel_timer"}, {&str_file_wrapper, "wsgi.file_wrapper"},
         {&str_file_body, "_file_body"}, {&str_in_c, "_in_c"},
         {&str_timing_file_wrapper, "_timing_file_wrapper"}, {&str_file_type, "file_type"}, {&str_handle, "_handle"},
-        {&str_for, "_for"},
+        {&str_for, "_for"}, {&str_serve, "_serve"}, {&str_call, "_call"}, {&str_declined, "declined"},
     };
     size_t k;
 
@@ -3494,6 +3540,8 @@ static int fast_exec(PyObject *m)
         for (k = 0; k < sizeof names / sizeof names[0]; k++)
             if (!(*names[k].name = PyUnicode_InternFromString(names[k].text)))
                 return -1;
+        if (!(declined_kwnames = PyTuple_Pack(1, str_declined)))
+            return -1;
         current_pid = getpid();
         if (pthread_atfork(NULL, NULL, after_fork_child) != 0) {
             PyErr_SetString(PyExc_OSError, "pthread_atfork failed");

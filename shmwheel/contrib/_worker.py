@@ -380,6 +380,14 @@ class RequestTimer:
                 return handle
         return self._start_slow(now, method, path, request_id, task, timeout_ns, started)
 
+    def start_declined(self, method: str, path: str, request_id: str | None = None, task: Any = None) -> int | None:
+        """start() for a request the C path had and gave back having tried
+        it (the lock held by another process, a record to cut, an error):
+        the waiting path at once, never the C path again.  For the adapters,
+        whose requests take no route and no X-Request-Start."""
+        now = _monotonic_ns()
+        return self._start_slow(now, method, path, request_id, task, self._timeout_ns, now)
+
     def _times(self, now: int, method: str, path: str, request_start: str | None) -> tuple[int, int] | None:
         """The request's timeout by its route, and its start by the proxy's
         X-Request-Start, in ns; None if its route has no timeout."""

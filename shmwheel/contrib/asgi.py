@@ -202,9 +202,12 @@ class TimeoutMiddleware:
         # below the class) and comes here only for what it does not take.
         await self._call(scope, receive, send)
 
-    async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _call(self, scope: Scope, receive: Receive, send: Send, declined: bool = False) -> None:
         """Any scope: one to pass through, a websocket, an HTTP request to
-        end at its timeout or to time from X-Request-Start."""
+        end at its timeout or to time from X-Request-Start.  ``declined``:
+        the C path (shmwheel._fast's ASGI) tried the request and gave it
+        back, so its timer takes the waiting path
+        (RequestTimer.start_declined)."""
         kind = scope["type"]
         if TIMED in scope or not (kind == "http" or (kind == "websocket" and self.websocket)):
             if kind == "lifespan":
@@ -214,8 +217,11 @@ class TimeoutMiddleware:
         timer = self.timer
         task = _task()
         request_start = _header(scope, _REQUEST_START_HEADER) if self.x_request_start else None
-        handle = timer.start(scope.get("method", "WEBSOCKET"), _path(scope), _header(scope, _REQUEST_ID_HEADER), task,
-                             request_start)  # fmt: skip
+        method, path, request_id = scope.get("method", "WEBSOCKET"), _path(scope), _header(scope, _REQUEST_ID_HEADER)
+        if declined:
+            handle = timer.start_declined(method, path, request_id, task)
+        else:
+            handle = timer.start(method, path, request_id, task, request_start)
         finished = False
         started = replaced = False
 

@@ -208,7 +208,11 @@ def install(
     earlier_post = earlier["post_request"] if callable(earlier["post_request"]) else None
     wanted = (_REQUEST_ID_HEADER, _REQUEST_START_HEADER) if settings.x_request_start else (_REQUEST_ID_HEADER,)
 
-    def timer_pre(worker: Any, req: Any) -> None:
+    def timer_pre(worker: Any, req: Any, *, declined: bool = False) -> None:
+        """The request's timer from its start.  ``declined``: the C hook
+        (shmwheel._fast's Hooks) tried it and gave it back, so it takes the
+        waiting path (RequestTimer.start_declined).  A keyword: Gunicorn
+        counts a hook's positional arguments."""
         timer = _state.timer
         if timer is not None:
             request_id = start = None
@@ -218,7 +222,10 @@ def install(
                         request_id = request_id or str(value)  # the first that is not empty
                     else:
                         start = start or str(value)
-            handle = timer.start(req.method, req.path, request_id, None, start)
+            if declined:
+                handle = timer.start_declined(req.method, req.path, request_id)
+            else:
+                handle = timer.start(req.method, req.path, request_id, None, start)
             try:
                 req.shmwheel_timer = handle
             except BaseException:  # no timer outlives a request that cannot keep its handle

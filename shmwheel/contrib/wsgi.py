@@ -82,18 +82,25 @@ class TimeoutMiddleware:
         timed_apps.add(self)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
-        timer = self.timer
-        fast = timer._fast
+        fast = self.timer._fast
         if fast is not None and self._plain:
-            body: Iterable[bytes] = fast.wsgi(self.app, environ, start_response)
+            body: Iterable[bytes] | None = fast.wsgi(self.app, environ, start_response)
             if body is not NotImplemented:
-                return body
-        handle = timer.start(
-            environ.get("REQUEST_METHOD", "-"),
-            _path(environ),
-            environ.get("HTTP_X_REQUEST_ID"),
-            request_start=environ.get("HTTP_X_REQUEST_START") if self.x_request_start else None,
-        )
+                return self._serve(environ, start_response, True) if body is None else body
+        return self._serve(environ, start_response)
+
+    def _serve(self, environ: Environ, start_response: StartResponse, declined: bool = False) -> Iterable[bytes]:
+        """The request on the middleware's own path.  ``declined``: the C
+        path (shmwheel._fast's Timer.wsgi) tried it and gave it back, so its
+        timer takes the waiting path (RequestTimer.start_declined); else the
+        C path could not read it, or does not serve this middleware."""
+        timer = self.timer
+        method, path, request_id = environ.get("REQUEST_METHOD", "-"), _path(environ), environ.get("HTTP_X_REQUEST_ID")
+        if declined:
+            handle = timer.start_declined(method, path, request_id)
+        else:
+            request_start = environ.get("HTTP_X_REQUEST_START") if self.x_request_start else None
+            handle = timer.start(method, path, request_id, request_start=request_start)
         environ["shmwheel.timer"] = handle
         try:
             if handle is not None:
