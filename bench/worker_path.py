@@ -68,13 +68,11 @@ def _child(root: str, fast: bool, cold: bool) -> None:
     import gc
     import signal
 
-    import shmwheel
-    import shmwheel._wheel
-
-    if not fast:  # the build's cffi path alone, as without shmwheel._fast
-        shmwheel._wheel._fast_ext = None  # type: ignore[attr-defined]
+    if not fast:  # the build's cffi path alone, as a build without shmwheel._fast: its import fails
+        sys.modules["shmwheel._fast"] = None  # type: ignore[assignment]
     import shmwheel._shmwheel as core
 
+    import shmwheel
     from shmwheel.contrib import gunicorn as contrib_gunicorn
     from shmwheel.contrib._worker import RequestTimer
     from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware

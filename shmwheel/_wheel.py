@@ -21,8 +21,7 @@ import os
 import stat
 import struct
 import time
-import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 import posix_ipc
@@ -87,18 +86,6 @@ _RESERVED = lib.SHMW_RESERVED
 _ENOTATTACHED = lib.SHMW_ENOTATTACHED
 _REAP_CHUNK = 65536  # entries a reap looks at per lock hold
 
-_fast_ext: types.ModuleType | None
-try:  # the worker's path that keeps the GIL (csrc/python/fast.c); a build without it takes the cffi one
-    from . import _fast as _fast_ext
-except ImportError:  # pragma: no cover - built beside the cffi module by setup.py
-    _fast_ext = None
-if _fast_ext is not None and getattr(_fast_ext, "API_VERSION", None) != lib.SHMW_API_VERSION:
-    # It would call this module's functions with another signature.
-    raise ImportError(
-        f"shmwheel: shmwheel._fast and shmwheel._shmwheel in {os.path.dirname(__file__)} were built from different "
-        "versions of the C sources; build them again together (pip install --force-reinstall shmwheel, or "
-        "pip install -e . in a checkout)"
-    )
 # The fast path calls the core of this very cffi module, by address: it links no copy of its own.
 _FAST_ENTRIES = (
     int(ffi.cast("uintptr_t", ffi.addressof(lib, "shmw_add_at_ns"))),
@@ -730,15 +717,16 @@ class Wheel:
         methods on the add/cancel path read the slot behind it directly."""
         return self._w
 
-    def fast_core(self) -> Any:
-        """For the package: this mapping as :mod:`shmwheel._fast` calls it
-        (a ``_fast.Core``), or None without that module or once closed.
-        Its adds are cancel-on-exit ones, so this process's producer id is
-        kept for them as :meth:`add`'s are.  It keeps the struct and the
-        mapping alive while it lives, and :meth:`close` closes it first."""
-        if self._fast is None and _fast_ext is not None and self._w != ffi.NULL:
+    def fast_core(self, core_type: Callable[..., Any]) -> Any:
+        """For the package: this mapping as shmwheel._fast calls it, made
+        once with ``core_type`` (its ``Core``, which only
+        shmwheel.contrib._door imports), or None once closed.  Its adds are
+        cancel-on-exit ones, so this process's producer id is kept for them
+        as :meth:`add`'s are.  It keeps the struct and the mapping alive
+        while it lives, and :meth:`close` closes it first."""
+        if self._fast is None and self._w != ffi.NULL:
             _owners_here.add(self._name)
-            self._fast = _fast_ext.Core(int(ffi.cast("uintptr_t", self._w)), *_FAST_ENTRIES, (self._w, self._buf))
+            self._fast = core_type(int(ffi.cast("uintptr_t", self._w)), *_FAST_ENTRIES, (self._w, self._buf))
         return self._fast
 
     @property

@@ -64,7 +64,10 @@ def test_the_fast_module_refuses_to_load_beside_a_core_built_from_other_sources(
     # _fast calls the cffi module's functions by address: a stale build of
     # either one would call them with the wrong arguments.
     assert _fast.API_VERSION == lib.SHMW_API_VERSION
-    stale = "import sys, types; sys.modules['shmwheel._fast'] = types.SimpleNamespace(API_VERSION=1); import shmwheel"
+    stale = (
+        "import sys, types; sys.modules['shmwheel._fast'] = types.SimpleNamespace(API_VERSION=1); "
+        "import shmwheel.contrib.wsgi"
+    )
     run = subprocess.run([sys.executable, "-c", stale], capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert run.stderr.splitlines()[-1].startswith("ImportError: shmwheel: shmwheel._fast and shmwheel._shmwheel in "), (
@@ -228,7 +231,7 @@ def test_a_try_on_a_held_lock_gives_up_at_once(make_wheel) -> None:
 def test_a_closed_wheel_makes_the_fast_path_give_up(make_wheel, caplog) -> None:
     wheel = make_wheel()
     timer = _timer(wheel)
-    fast, core = timer._fast, timer._wheel.fast_core()  # type: ignore[union-attr]
+    fast, core = timer._fast, timer._wheel.fast_core(_fast.Core)  # type: ignore[union-attr]
     timer._look_at = 2**62  # not the once-a-second look, which a wheel closed under it fails (fstat)
     timer._wheel.close()  # type: ignore[union-attr]
     assert core.closed
@@ -280,7 +283,7 @@ def test_the_core_outlives_its_wheel_object_safely(make_wheel) -> None:
     """A Core keeps the struct and the mapping alive after its Wheel object is gone."""
     wheel = make_wheel()
     attached = shmwheel.attach(wheel.name)
-    core = attached.fast_core()
+    core = attached.fast_core(_fast.Core)
     del attached
     gc.collect()
     active = _fast.Table()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import struct
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def test_the_package_has_no_import_circle_and_contrib_imports_only_downward() ->
     assert run.returncode == 0 and "no circle" in run.stdout, run.stdout + run.stderr
 
 
-def test_the_import_rules_catch_a_circle_an_upward_import_and_a_worker_that_loads_the_driver() -> None:
+def test_the_import_rules_catch_a_circle_an_upward_import_a_worker_that_loads_the_driver_and_a_second_door() -> None:
     imports = _tool()
     graph = imports.graph()
     circle = {**graph, "shmwheel._records": graph["shmwheel._records"] | {"shmwheel._wheel"}}
@@ -46,6 +47,9 @@ def test_the_import_rules_catch_a_circle_an_upward_import_and_a_worker_that_load
     worker = {**graph, "shmwheel.contrib._stacks": graph["shmwheel.contrib._stacks"] | {"shmwheel.contrib._handler"}}
     found = imports.problems(worker)
     assert any(p.startswith("the worker side loads the driver side: shmwheel.contrib._handler") for p in found), found
+    imports._extension_importers.add("shmwheel.contrib._worker")
+    found = imports.problems(graph)
+    assert found == ["shmwheel.contrib._worker imports shmwheel._fast: only shmwheel.contrib._door may"], found
 
 
 def test_a_worker_loads_none_of_the_drivers_side() -> None:
@@ -138,3 +142,26 @@ _HEAD_FIELDS = ("kind", "method_len", "request_id_len", "flags", "pid", "start",
 _PLACED = {"flags": "flags", "started": "started_ns", "thread": "thread", "task": "task",
            "stack_signal": "stack_signal", "magic": "magic", "timeout": "timeout_ms",
            "queued": "queued_ms"}  # fmt: skip
+
+
+def test_the_names_c_reads_back_are_the_protocols_members() -> None:
+    """Every name fast.c reads, sets or calls on shmwheel's own Python
+    objects is a member of a Protocol of _fast.pyi (so that mypy sees a
+    rename where the object is handed to C), and every member is one C
+    uses: the table in fast.c and the stub say the same."""
+    c = (ROOT / "csrc" / "python" / "fast.c").read_text()
+    ours = c[c.index("/* ---- ours begin */") : c.index("/* ---- ours end */")]
+    in_c = set(re.findall(r'\{&str_\w+, "(\w+)"\}', ours))
+    stub = ast.parse((ROOT / "shmwheel" / "_fast.pyi").read_text())
+    members: set[str] = set()
+    for node in stub.body:
+        if isinstance(node, ast.ClassDef) and any(getattr(b, "id", None) == "Protocol" for b in node.bases):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    if not item.name.startswith("__"):
+                        members.add(item.name)
+                    members.update(a.arg for a in item.args.kwonlyargs)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    members.add(item.target.id)
+    assert len(in_c) > 10
+    assert in_c == members, f"only in fast.c: {sorted(in_c - members)}; only in the stub: {sorted(members - in_c)}"

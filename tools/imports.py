@@ -11,7 +11,9 @@ which runs for the type checker only.  A compiled module (``_fast``,
 * contrib's floors (FLOORS below): a module imports only from floors below
   its own;
 * the worker side never imports the driver side: nothing that a worker
-  loads (WORKER) reaches, however far down, a module of DRIVER.
+  loads (WORKER) reaches, however far down, a module of DRIVER;
+* one door: no module but ``shmwheel.contrib._door`` imports the C
+  extension shmwheel._fast.
 
 Usage::
 
@@ -34,8 +36,10 @@ PACKAGE = ROOT / "shmwheel"
 FLOORS: list[tuple[str, ...]] = [
     ("_record", "_routes", "_logs", "_calls"),  # what both sides share
     ("_settings",),
+    ("_body",),  # the WSGI body, below the one door to C, which chooses it
+    ("_door",),  # the only import of shmwheel._fast
     ("_stacks",),  # the worker's side: stacks and the reporter thread
-    ("_safepoint", "_body", "_autodriver"),
+    ("_safepoint", "_autodriver"),
     ("_interrupt",),
     ("_worker",),  # the request's timer
     ("_handler",),  # the driver's side
@@ -85,8 +89,15 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
+#: The C extension of the request path, and the one module that may import it.
+EXTENSION = "shmwheel._fast"
+DOOR = "shmwheel.contrib._door"
+_extension_importers: set[str] = set()
+
+
 def edges(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The package's modules that module ``name`` imports."""
+    """The package's modules that module ``name`` imports (and, aside, in
+    _extension_importers, whether it imports the extension)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     for node in _imports(ast.parse(path.read_text(), str(path))):
@@ -104,6 +115,8 @@ def edges(name: str, path: Path, known: dict[str, Path]) -> set[str]:
             ]
         for target in targets:
             if _compiled(target):
+                if target == EXTENSION:
+                    _extension_importers.add(name)
                 continue  # a leaf
             while target and target not in known:  # "from shmwheel.x import y" names x
                 target = target.rpartition(".")[0] if target.startswith("shmwheel.") else ""
@@ -198,6 +211,8 @@ def problems(g: dict[str, set[str]]) -> list[str]:
                 found.append(f"{name} (floor {mine}) imports {target} (floor {theirs}): not below it")
             if mine is None and theirs is not None and name != "shmwheel._cli":
                 found.append(f"{name}, of the core, imports {target}, of contrib")
+    for name in sorted(_extension_importers - {DOOR}):
+        found.append(f"{name} imports {EXTENSION}: only {DOOR} may")
     for start in WORKER:
         loaded = reach(g, start)
         for bad in DRIVER:

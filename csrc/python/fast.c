@@ -977,7 +977,7 @@ static PyObject *str_method, *str_path, *str_headers, *str_running_loop;
 static PyObject *str_type, *str_more_body, *str_body_type, *str_zerocopy_type, *str_pathsend_type;
 static PyObject *str_ws_close, *str_http, *str_timer, *str_app, *str_timer_attr, *str_req_key;
 static PyObject *str_file_wrapper, *str_file_body, *str_in_c, *str_timing_file_wrapper, *str_file_type;
-static PyObject *str_serve, *str_call, *str_declined;
+static PyObject *str_serve, *str_call, *str_declined, *str_cancel;
 static PyObject *declined_kwnames;  /* ("declined",): the Python pre_request's keyword */
 static PyObject *str_handle, *str_for;
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);
@@ -1394,7 +1394,7 @@ undo:
 
         PyErr_Fetch(&t, &v, &tb);
         if ((h = PyLong_FromLongLong(handle))) {
-            r = PyObject_CallMethod(self->owner, "_cancel", "O", h);
+            r = PyObject_CallMethodOneArg(self->owner, str_cancel, h);
             Py_DECREF(h);
         }
         if (!r)
@@ -2128,7 +2128,7 @@ static PyObject *WSGI_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObjec
 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:WSGI", names, &middleware))
         return NULL;
-    if (!(app = PyObject_GetAttrString(middleware, "app")) || !(timer = PyObject_GetAttrString(middleware, "timer"))) {
+    if (!(app = PyObject_GetAttr(middleware, str_app)) || !(timer = PyObject_GetAttr(middleware, str_timer_attr))) {
         Py_XDECREF(app);
         return NULL;
     }
@@ -3518,8 +3518,19 @@ static PyMethodDef fast_functions[] = {
 static int fast_exec(PyObject *m)
 {
     static int once;
+    /* The names of shmwheel's own Python objects that this module reads,
+     * sets or calls: each is a member of a Protocol in shmwheel/_fast.pyi,
+     * whose type checking sees a rename on the Python side, and
+     * tests/test_layout.py holds this list and those Protocols together. */
     struct { PyObject **name; const char *text; } names[] = {
+        /* ---- ours begin */
         {&str_look, "_look"}, {&str_fast, "_fast"}, {&str_finish, "finish"}, {&str_finished, "_finished"},
+        {&str_cancel, "_cancel"}, {&str_timing_file_wrapper, "_timing_file_wrapper"},
+        {&str_file_body, "_file_body"}, {&str_file_type, "file_type"}, {&str_timer, "_timer"},
+        {&str_for, "_for"}, {&str_handle, "_handle"}, {&str_app, "app"}, {&str_timer_attr, "timer"},
+        {&str_serve, "_serve"}, {&str_in_c, "_in_c"}, {&str_call, "_call"}, {&str_declined, "declined"},
+        /* ---- ours end */
+        /* The rest: keys of the environ and the scope, a server's names, values compared with. */
         {&str_close, "close"}, {&str_empty, ""}, {&str_dash, "-"}, {&str_request_method, "REQUEST_METHOD"},
         {&str_script_name, "SCRIPT_NAME"}, {&str_path_info, "PATH_INFO"}, {&str_request_id, "HTTP_X_REQUEST_ID"},
         {&str_environ_key, "shmwheel.timer"}, {&str_method, "method"}, {&str_path, "path"},
@@ -3527,11 +3538,7 @@ static int fast_exec(PyObject *m)
         {&str_running_loop, "__asyncio_running_event_loop__"}, {&str_more_body, "more_body"},
         {&str_body_type, "http.response.body"}, {&str_zerocopy_type, "http.response.zerocopysend"},
         {&str_pathsend_type, "http.response.pathsend"}, {&str_ws_close, "websocket.close"}, {&str_http, "http"},
-        {&str_timer, "_timer"}, {&str_app, "app"}, {&str_timer_attr, "timer"},
         {&str_req_key, "shmwheel_timer"}, {&str_file_wrapper, "wsgi.file_wrapper"},
-        {&str_file_body, "_file_body"}, {&str_in_c, "_in_c"},
-        {&str_timing_file_wrapper, "_timing_file_wrapper"}, {&str_file_type, "file_type"}, {&str_handle, "_handle"},
-        {&str_for, "_for"}, {&str_serve, "_serve"}, {&str_call, "_call"}, {&str_declined, "declined"},
     };
     size_t k;
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._wheel import _fast_ext
-
 if TYPE_CHECKING:
     from ._worker import RequestTimer
 
@@ -20,7 +18,6 @@ __all__ = [
     "Environ",
     "TimedFile",
     "TimingFileWrapper",
-    "closing_body",
     "file_wrapper_for",
     "file_wrapper_of",
     "is_timed_file",
@@ -157,10 +154,3 @@ def timed_file(body: Any, wrapper: type, timer: RequestTimer, handle: int | None
     except Exception:  # noqa: BLE001 - the server's; its own body serves as well, iterated
         return None
     return timed
-
-
-#: The body the middleware gives back: shmwheel._fast's Body, the same in C
-#: (its close() ends the timer without a Python frame), where it is built.
-closing_body: Callable[[Iterable[bytes], RequestTimer, int | None], Iterable[bytes]] = (
-    ClosingBody if _fast_ext is None else _fast_ext.Body
-)

@@ -51,10 +51,10 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from .._binding import lib
-from .._wheel import _fast_ext
+from ._door import Active
 from ._record import (
     AT_STACK_SIGNAL,
     AT_STARTED,
@@ -79,23 +79,6 @@ _log = logging.getLogger("shmwheel.timeouts")
 SERVER_LOGGERS = ("gunicorn.error", "uvicorn.error", "hypercorn.error")
 FALLBACK_FORMAT = "[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s"
 MAX_FRAMES = 200  # of one stack: a runaway recursion is not written out whole
-
-
-if TYPE_CHECKING or _fast_ext is not None:
-    from .._fast import Active
-else:  # pragma: no cover - a build without shmwheel._fast
-
-    class Active(NamedTuple):
-        """A request in progress, as its worker's table holds it: with
-        shmwheel._fast, its ``Active``, the same fields in one object."""
-
-        payload: bytes  #: its timer's record
-        deadline_ns: int  #: time.monotonic_ns() when its timer fires: at its warn_after stage, or its timeout
-        thread: int  #: its OS thread, as _thread.get_ident() names it before any monkey-patching
-        task: Any  #: its asyncio or trio task, or its greenlet, or None
-        handle: int  #: its timer (extend() gives it a new one)
-        timeout_ns: int  #: time.monotonic_ns() when it times out
-        interrupt: bool  #: whether it is ended at its timeout
 
 
 def writes_somewhere(logger: logging.Logger | None) -> bool:

@@ -27,8 +27,9 @@ from .._checks import check_flag, check_seconds
 from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, one_line
 from .._process import start_time
 from .._segment import segment_name
-from .._wheel import Wheel, _fast_ext, attach
+from .._wheel import Wheel, attach
 from ._body import file_wrapper_for, timed_file
+from ._door import Table, Timer, core_of, enter, here, leave, new_table
 from ._interrupt import interrupt, listen_for_wake
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
@@ -55,7 +56,6 @@ from ._routes import Routes, compile_routes
 from ._stacks import Active, ask_signal, keep_listening, listen, listening, real, server_log, server_logger
 
 if TYPE_CHECKING:
-    from .._fast import Table
     from ._autodriver import AutoDriver
 
 __all__ = ["RequestTimer", "extend", "no_timeout", "queued_ns", "timed_apps"]
@@ -100,25 +100,6 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 _monotonic_ns = time.monotonic_ns
 _pack = HEAD.pack
-if _fast_ext is not None and _fast_ext.HEAD_SIZE != HEAD.size:
-    # It would write records this module's driver reads otherwise.
-    raise ImportError(
-        f"shmwheel: shmwheel._fast in {os.path.dirname(_fast_ext.__file__ or '')} writes request records of another "
-        "layout than this version's; build it again (pip install --force-reinstall shmwheel, or pip install -e . "
-        "in a checkout)"
-    )
-
-# A request that a plain thread runs (no task, no greenlet but the thread's
-# own) is filed in the thread's slot in shmwheel._fast, not in the context:
-# see _here().  Without the extension, every request is in the context.
-_enter = None if _fast_ext is None else _fast_ext.enter
-_leave = None if _fast_ext is None else _fast_ext.leave
-
-
-def _new_table() -> dict[int, Active] | Table:
-    """A table of requests in progress, by handle: shmwheel._fast's, which
-    makes nothing per request, or a dict."""
-    return {} if _fast_ext is None else _fast_ext.Table()
 
 
 class RequestTimer:
@@ -214,7 +195,7 @@ class RequestTimer:
         self._flags = INTERRUPT if interrupt else 0  # the record's flags every request of this timer has
         self._stack_signal = 0  # the signals this process listens on, as its records name them
         self._dump_signal = 0
-        self._active = _new_table()  # handle: a request of this process in progress
+        self._active = new_table()  # handle: a request of this process in progress
         self._getcurrent: Any = None  # greenlet.getcurrent, once greenlets are in use here
         # The OS thread's id, as faulthandler and sys._current_frames() name
         # it: under gevent's or eventlet's monkey-patching threading.get_ident()
@@ -241,7 +222,7 @@ class RequestTimer:
                 self._wheel = None
                 self._drop_fast()
                 self._old = []
-                self._active = _new_table()
+                self._active = new_table()
                 self._interrupted = set()
                 self._ended_late = {}
                 self._driver_seen = None
@@ -279,7 +260,7 @@ class RequestTimer:
         """The C start() and finish() for ``wheel`` in this process (under
         self._lock), or None where start() takes its own way for every
         request: a build without it."""
-        core = wheel.fast_core()
+        core = core_of(wheel)
         if core is None:
             return None
         warn = 0 < self._warn_ns < self._timeout_ns
@@ -287,10 +268,7 @@ class RequestTimer:
             KIND_REQUEST, 0, 0, self._flags | (WARN if warn else 0), self._pid, self._start, 0, 0, 0,
             self._stack_signal, self._dump_signal, MAGIC, self._timeout_ms, 0,
         )  # fmt: skip
-        from .._fast import Table, Timer  # there: the wheel made a Core of it
-
-        assert isinstance(self._active, Table)  # made with the extension there
-
+        assert Timer is not None and isinstance(self._active, Table)  # the core came from the extension
         return Timer(
             core=core, head=head, due_ns=self._warn_ns if warn else self._timeout_ns, timeout_ns=self._timeout_ns,
             size=self._size, table=self._active, interrupted=self._interrupted, var=_current, owner=self,
@@ -452,8 +430,8 @@ class RequestTimer:
         if handle is None:
             return None
         self._active[handle] = Active(payload, due, thread, task, handle, started + timeout_ns, self.interrupt)
-        if task is None and _enter is not None:
-            _enter(self, handle)
+        if task is None and enter is not None:
+            enter(self, handle)
         else:
             _current.set((self, handle))
         return handle
@@ -570,8 +548,8 @@ class RequestTimer:
                 return
         else:
             active = self._active.pop(handle, None)
-            if _leave is not None:
-                _leave(self, handle)
+            if leave is not None:
+                leave(self, handle)
             if active is None:  # exempted by no_timeout(), or finished already
                 return
             if self._interrupted:
@@ -746,12 +724,12 @@ def _here() -> tuple[RequestTimer, int] | None:
     runs itself, if this is no greenlet but the thread's own; else the one
     of this context (its task's, its greenlet's, or one that a copy of the
     context was taken in).  None if neither is in progress."""
-    if _fast_ext is not None:
-        here: tuple[RequestTimer, int] | None = _fast_ext.here()
-        if here is not None and here[1] in here[0]._active:
+    if here is not None:
+        mine = here()
+        if mine is not None and mine[1] in mine[0]._active:
             greenlet = sys.modules.get("greenlet")
             if greenlet is None or greenlet.getcurrent().parent is None:
-                return here
+                return mine
     current = _current.get()
     return current if current is not None and current[1] in current[0]._active else None
 
@@ -785,7 +763,7 @@ def _rearm_here(what: str, seconds: float | None) -> bool:
     current = _here()
     if current is not None:
         return current[0].rearm(current[1], seconds)
-    if _told_none_here or _fast_ext is None:
+    if _told_none_here or here is None:
         return False
     me = real("_thread", "get_ident")()
     for timer in list(_request_timers):

@@ -43,8 +43,8 @@ from typing import Any
 
 from .._checks import CAPACITIES, check_flag, check_int, check_seconds
 from .._segment import segment_name
-from .._wheel import _fast_ext
 from ._autodriver import AutoDriver
+from ._door import asgi_in_c, in_c, wrap_asgi_call
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RequestTimeout, is_trio_task, trio_cancel_scope
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
 from ._routes import Routes, compile_routes
@@ -151,10 +151,8 @@ class TimeoutMiddleware:
         self.capacity = check_int(capacity, "capacity", *CAPACITIES)
         # An HTTP request that needs no Python of its own (no interrupt,
         # X-Request-Start or route) takes the way in C: shmwheel._fast.ASGI.
-        self._in_c: Callable[[Scope, Receive, Send], Awaitable[None] | None] | None = (
-            _fast_ext.ASGI(self)
-            if _fast_ext is not None and not (interrupt or self.x_request_start or routes is not None)
-            else None
+        self._in_c: Callable[[Scope, Receive, Send], Awaitable[None] | None] | None = asgi_in_c(
+            self, in_c(routes=routes, x_request_start=self.x_request_start, interrupt=interrupt)
         )
         self._lock = threading.Lock()
         self._timer: RequestTimer | None = None
@@ -326,8 +324,7 @@ class TimeoutMiddleware:
 # already, a process whose RequestTimer is not made yet or was made before
 # a fork, a middleware without _in_c) goes to the method above.  Servers
 # still see a coroutine function: the C object has the method's __code__.
-if _fast_ext is not None:
-    TimeoutMiddleware.__call__ = _fast_ext.Coroutine(TimeoutMiddleware.__call__)  # type: ignore[method-assign]
+TimeoutMiddleware.__call__ = wrap_asgi_call(TimeoutMiddleware.__call__)  # type: ignore[method-assign]
 
 
 async def _send_504(send: Send) -> None:

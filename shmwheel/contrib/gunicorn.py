@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._checks import check_flag, check_seconds, check_signal
-from .._wheel import _fast_ext
+from ._door import gunicorn_hooks, in_c
 from ._logs import LogTarget
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
 from ._routes import Routes
@@ -237,24 +237,25 @@ def install(
         if timer is not None:
             timer.finish(getattr(req, "shmwheel_timer", None))
 
-    if _fast_ext is not None and settings.stages["routes"] is None and not settings.x_request_start:
-        # Every request's timer from its start: in C, with no frame of ours
-        # (the Python hook above takes what the C one does not).
-        hooks = _fast_ext.Hooks(_state, timer_pre, _REQUEST_ID_HEADER)
-        timer_pre, timer_post = hooks.pre_request, hooks.post_request
+    # Every request's timer from its start in C where it can be, with no
+    # frame of ours (the Python hook above takes what the C one does not).
+    plain = in_c(routes=settings.stages["routes"], x_request_start=settings.x_request_start)
+    hooks = gunicorn_hooks(_state, timer_pre, _REQUEST_ID_HEADER, plain)
+    start: Callable[[Any, Any], None] = timer_pre if hooks is None else hooks.pre_request
+    end: Callable[[Any, Any, Any, Any], None] = timer_post if hooks is None else hooks.post_request
 
     def pre_both(worker: Any, req: Any) -> None:
-        timer_pre(worker, req)
+        start(worker, req)
         earlier_pre(worker, req)  # type: ignore[misc]
 
     def post_both(worker: Any, req: Any, environ: Any, resp: Any) -> None:
         try:
             earlier_post(worker, req, environ, resp)  # type: ignore[misc]
         finally:
-            timer_post(worker, req, environ, resp)
+            end(worker, req, environ, resp)
 
-    pre_request = timer_pre if earlier_pre is None else pre_both
-    post_request = timer_post if earlier_post is None else post_both
+    pre_request = start if earlier_pre is None else pre_both
+    post_request = end if earlier_post is None else post_both
 
     def on_exit(server: Any) -> None:
         try:

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._checks import check_flag
-from .._wheel import _fast_ext
-from ._body import Environ, closing_body, file_wrapper_of, is_timed_file, timed_file, timing_file_wrapper
+from ._body import Environ, file_wrapper_of, is_timed_file, timed_file, timing_file_wrapper
+from ._door import closing_body, in_c, wsgi_in_c
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RESPONSE_STATUS, RequestTimeout
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
 from ._routes import Routes
@@ -78,7 +78,7 @@ class TimeoutMiddleware:
         self.x_request_start = x_request_start
         # Whether every request takes the whole call in C when it can
         # (shmwheel._fast's Timer.wsgi): not with what needs Python per request.
-        self._plain = not (interrupt or routes is not None or x_request_start)
+        self._plain = in_c(routes=routes, x_request_start=x_request_start, interrupt=interrupt)
         timed_apps.add(self)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
@@ -125,7 +125,8 @@ class TimeoutMiddleware:
         (shmwheel._fast), which uWSGI's ``request_timeouts`` gives it; the
         middleware itself where that cannot serve (interrupt, routes,
         X-Request-Start, a build without the extension)."""
-        return self if _fast_ext is None or not self._plain else _fast_ext.WSGI(self)
+        direct = wsgi_in_c(self, self._plain)
+        return self if direct is None else direct
 
 
 class InterruptibleApp:
