@@ -1,6 +1,8 @@
 # Everything else is in pyproject.toml; this file exists because
 # cffi_modules is a setuptools keyword with no pyproject.toml spelling,
 # and ext_modules has none either.
+import glob
+
 from setuptools import Extension, setup
 
 setup(
@@ -16,9 +18,11 @@ setup(
         # with no PLT stub between: a request meets these calls with cold
         # caches, and the stubs were about 20 of the code lines it brought
         # in (bench/lines.py).
+        # fast.c includes its parts (csrc/python/fast/), one compilation unit.
         Extension(
             "shmwheel._fast",
             sources=["csrc/python/fast.c"],
+            depends=sorted(glob.glob("csrc/python/fast/*")) + ["csrc/record.h", "csrc/shmwheel.h"],
             include_dirs=["csrc"],
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-fno-plt"],
         ),
