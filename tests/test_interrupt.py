@@ -29,7 +29,6 @@ Each server is started once for the tests that use it, with a 1 s timeout
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -39,29 +38,29 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_servers import (
+from _servers import (
+    APPS,
     BIN,
+    GATEWAY_TIMEOUT,
     HOSTILE_PATH,
+    STUCK_FOR,
     WAIT,
     Server,
     assert_client_text_is_data,
-    assert_nothing_left,
     assert_nothing_left_of_asgi,
     auto_driver_of,
+    booted,
     free_port,
     get,
+    gunicorn_app,
+    pid_of,
     serve,
     serve_asgi,
+    stopped_cleanly,
     uwsgi_ini,
 )
-from test_stuck_wsgi import gunicorn
 
-from shmwheel.contrib._interrupt import RESPONSE_BODY
-
-APPS = Path(__file__).resolve().parent / "apps"
 TIMEOUT = 1.0  # s: every server's, but the kill test's
-STUCK = 30  # s a stuck request would last if nothing ended it
-GATEWAY_TIMEOUT = (504, RESPONSE_BODY.decode())
 THREAD = r"thread 0x[0-9a-f]{16}(?:, (?:task|greenlet) 0x[0-9a-f]+)?"
 # How the worker says it ends a request: a thread armed, a task that blocks its loop; in the main thread, woken too.
 ARMED_THREAD = r"RequestTimeout to be raised in thread 0x[0-9a-f]{16} at its next safe point"
@@ -90,14 +89,6 @@ class Answer:
     @property
     def took(self) -> float:
         return self._future.result()[2] - self.sent
-
-
-def pid_of(answer: tuple[int, str]) -> int:
-    """The worker that answered a request of the apps: "done by pid N"."""
-    status, body = answer
-    found = re.search(r"done by pid (\d+)\n$", body)
-    assert status == 200 and found is not None, answer
-    return int(found.group(1))
 
 
 def route(path: str) -> str:
@@ -184,17 +175,6 @@ HYPERCORN_ACCESS = r'"GET {route} 1\.1" 504 '  # the path without its query
 STAGES = f"timeout={TIMEOUT}, interrupt=True, interrupt_grace=0.5, kill=True, kill_after=2.0"
 
 
-@contextlib.contextmanager
-def stopped_cleanly(server: Server, signum: int = signal.SIGTERM) -> Iterator[Server]:
-    yield server
-    assert server.stop(signum) == 0
-    assert_nothing_left(server)
-
-
-def booted(server: Server) -> int:
-    return len(re.findall(r"Booting worker with pid: \d+", server.log()))
-
-
 # -- Gunicorn sync: one worker, the request in its main thread -------------------
 
 
@@ -203,12 +183,12 @@ def test_sync_worker_cpu_loop_is_answered_504_and_the_worker_serves_on(tmp_path:
     there, a 504, and the request queued behind it is served by the same
     worker, which Gunicorn did not replace."""
     port = free_port()
-    cmd = gunicorn(tmp_path, port, "sync", "--workers", "1", "--access-logfile", "-", install=STAGES)
+    cmd = gunicorn_app(tmp_path, port, "sync", "--workers", "1", "--access-logfile", "-", install=STAGES)
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         sibling_carries_on(
             server,
             "sync-spin",
-            stuck=f"/spin?s={STUCK}",
+            stuck=f"/spin?s={STUCK_FOR}",
             sibling="/sleep?s=0.1",
             delay=0.1,
             how=ARMED_THREAD + WOKEN,
@@ -228,10 +208,10 @@ def test_sync_worker_in_a_c_call_is_ended_at_its_deadline_and_serves_on(stuck: s
     request slept on; interrupt_grace later the driver sent SIGABRT, and
     Gunicorn replaced the worker.)"""
     port = free_port()
-    cmd = gunicorn(tmp_path, port, "sync", "--workers", "1", "--access-logfile", "-", install=STAGES)
+    cmd = gunicorn_app(tmp_path, port, "sync", "--workers", "1", "--access-logfile", "-", install=STAGES)
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         before = pid_of(get(port, "/"))
-        assert get(port, f"{stuck}?s={STUCK}", WAIT, "in-c") == GATEWAY_TIMEOUT
+        assert get(port, f"{stuck}?s={STUCK_FOR}", WAIT, "in-c") == GATEWAY_TIMEOUT
         server.wait_for(interrupting(stuck, "in-c", before, ARMED_THREAD + WOKEN))
         server.wait_for(rf"GET {stuck} \(request in-c, worker pid {before}, .*\) ended [\d.]+ s after it was "
                         r"interrupted$")  # fmt: skip
@@ -247,7 +227,7 @@ def gthread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """warn_after 0.5 s, interrupt at 1 s, and kill on if a request outlives interrupt_grace."""
     tmp_path, port = tmp_path_factory.mktemp("gthread"), free_port()
     options = ("--workers", "1", "--threads", "4", "--access-logfile", "-")
-    cmd = gunicorn(tmp_path, port, "gthread", *options, install=f"{STAGES}, warn_after=0.5")
+    cmd = gunicorn_app(tmp_path, port, "gthread", *options, install=f"{STAGES}, warn_after=0.5")
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         yield server
 
@@ -258,7 +238,7 @@ def test_gthread_cpu_loop_is_answered_504_and_its_worker_serves_on(gthread: Serv
     pid = sibling_carries_on(
         gthread,
         "gthread-spin",
-        stuck=f"/spin?s={STUCK}",
+        stuck=f"/spin?s={STUCK_FOR}",
         sibling="/sleep?s=0.8",
         delay=0.1,
         how=ARMED_THREAD,
@@ -344,7 +324,7 @@ def test_a_request_in_a_c_call_that_holds_the_gil_goes_on_to_the_kill(tmp_path: 
     Gunicorn replaces it."""
     port = free_port()
     install = "timeout=0.5, interrupt=True, interrupt_grace=0.5, kill=True, kill_after=1.0"
-    cmd = gunicorn(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
+    cmd = gunicorn_app(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         before = pid_of(get(port, "/"))
         # The thread that answered has its post_request hook yet to run, which
@@ -392,7 +372,7 @@ def test_a_forged_x_request_start_never_gets_a_worker_killed(tmp_path: Path) -> 
     deadline, 0.3 s in, the worker got SIGABRT.)"""
     port = free_port()
     install = "timeout=1.0, interrupt=True, interrupt_grace=0.3, kill=True, kill_after=1.0, x_request_start=True"
-    cmd = gunicorn(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
+    cmd = gunicorn_app(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         before = pid_of(get(port, "/"))
         assert get_queued(port, "/sleep?s=0.8", "forged", 3000.0) == GATEWAY_TIMEOUT
@@ -438,12 +418,12 @@ def test_a_driver_killed_mid_stages_is_replaced_and_the_stuck_worker_still_ended
     grace = 3.0 if when == "in the grace, twice" else 1.0  # the first driver's follow-up comes after the third starts
     kill_after = 5.0 if when == "before a late SIGKILL" else 1.0
     install = f"timeout=1.0, interrupt=True, interrupt_grace={grace}, kill=True, kill_after={kill_after}"
-    cmd = gunicorn(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
+    cmd = gunicorn_app(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=install)
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         before = pid_of(get(port, "/"))
         first = int(server.wait_for(r"driver running, pid (\d+)").group(1))
         with ThreadPoolExecutor(1) as pool:
-            stuck = Answer(pool, port, f"/sleep?s={STUCK}", "stuck")
+            stuck = Answer(pool, port, f"/sleep?s={STUCK_FOR}", "stuck")
             if when.startswith("in the grace"):
                 server.wait_for(interrupting("/sleep", "stuck", before, ".*"))
             else:
@@ -491,7 +471,7 @@ def test_a_worker_in_which_no_python_runs_is_killed_though_its_driver_dies_twice
     port = free_port()
     install = "timeout=1.0, interrupt=True, interrupt_grace=3.0, kill=True, kill_after=1.0"
     options = ("--workers", "1", "--threads", "4", "--timeout", "300")  # Gunicorn's own heartbeat: not before us
-    cmd = gunicorn(tmp_path, port, "gthread", *options, install=install)
+    cmd = gunicorn_app(tmp_path, port, "gthread", *options, install=install)
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         before = pid_of(get(port, "/"))
         first = int(server.wait_for(r"driver running, pid (\d+)").group(1))
@@ -522,7 +502,7 @@ def test_a_worker_in_which_no_python_runs_is_killed_though_its_driver_dies_twice
 @pytest.fixture(scope="module")
 def gevent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp_path, port = tmp_path_factory.mktemp("gevent"), free_port()
-    cmd = gunicorn(tmp_path, port, "gevent", "--workers", "1", "--access-logfile", "-", install=STAGES)
+    cmd = gunicorn_app(tmp_path, port, "gevent", "--workers", "1", "--access-logfile", "-", install=STAGES)
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         yield server
 
@@ -534,7 +514,7 @@ def test_gevent_cpu_loop_is_answered_504_and_then_its_sibling_is_served(gevent: 
     sibling_carries_on(
         gevent,
         "gevent-spin",
-        stuck=f"/spin?s={STUCK}",
+        stuck=f"/spin?s={STUCK_FOR}",
         sibling="/sleep?s=0.2",
         delay=0.3,
         how=ARMED_GREENLET + WOKEN,
@@ -557,7 +537,7 @@ def test_gevent_greenlet_in_a_c_call_that_keeps_the_hub_is_ended_and_its_sibling
     sibling_carries_on(
         gevent,
         "gevent-c-sleep",
-        stuck=f"/c-sleep?s={STUCK}",
+        stuck=f"/c-sleep?s={STUCK_FOR}",
         sibling="/sleep?s=0.2",
         delay=0.3,
         how=ARMED_GREENLET + WOKEN,
@@ -572,7 +552,7 @@ def test_gevent_cooperative_sleep_is_answered_504(gevent: Server) -> None:
     sibling_carries_on(
         gevent,
         "gevent-sleep",
-        stuck=f"/sleep?s={STUCK}",
+        stuck=f"/sleep?s={STUCK_FOR}",
         sibling="/sleep?s=0.5",
         delay=0.3,
         how=r"RequestTimeout to be thrown into greenlet 0x[0-9a-f]+ at its next safe point",
@@ -613,7 +593,7 @@ def test_uwsgi_thread_in_a_cpu_loop_is_answered_504_and_its_worker_serves_on(uws
     sibling_carries_on(
         uwsgi,
         "uwsgi-spin",
-        stuck=f"/spin?s={STUCK}",
+        stuck=f"/spin?s={STUCK_FOR}",
         sibling="/sleep?s=0.8",
         delay=0.1,
         # uWSGI's main thread serves requests too (core 0), and is woken there as well.
@@ -648,7 +628,7 @@ def test_uvicorn_awaiting_task_is_cancelled_and_answered_504(uvicorn: Server) ->
     sibling_carries_on(
         uvicorn,
         "asgi-await",
-        stuck=f"/await-sleep?s={STUCK}",
+        stuck=f"/await-sleep?s={STUCK_FOR}",
         sibling="/await-sleep?s=0.6",
         delay=0.5,
         how=r"task Task-\d+ cancelled.*",
@@ -665,7 +645,7 @@ def test_uvicorn_cpu_loop_in_an_async_endpoint_is_answered_504(uvicorn: Server) 
     sibling_carries_on(
         uvicorn,
         "asgi-spin",
-        stuck=f"/spin?s={STUCK}",
+        stuck=f"/spin?s={STUCK_FOR}",
         sibling="/await-sleep?s=0.2",
         delay=0.3,
         how=ARMED_LOOP + WOKEN,
@@ -684,7 +664,7 @@ def test_uvicorn_time_sleep_in_an_async_endpoint_is_answered_504(uvicorn: Server
     sibling_carries_on(
         uvicorn,
         "asgi-loop-sleep",
-        stuck=f"/loop-sleep?s={STUCK}",
+        stuck=f"/loop-sleep?s={STUCK_FOR}",
         sibling="/await-sleep?s=0.2",
         delay=0.3,
         how=ARMED_LOOP + WOKEN,
@@ -697,7 +677,7 @@ def test_uvicorn_sync_endpoint_in_the_thread_pool_is_ended_and_its_thread_stops(
     anyio's: the task's cancel cannot reach it, so the thread that runs it
     raises RequestTimeout itself at a safe point.  The client gets its 504,
     the thread stops spinning, and the driver hears the request end."""
-    status, body = get(uvicorn.port, f"/thread-spin?s={STUCK}", WAIT, "asgi-thread")
+    status, body = get(uvicorn.port, f"/thread-spin?s={STUCK_FOR}", WAIT, "asgi-thread")
     assert (status, body) == GATEWAY_TIMEOUT
     pid = driver_pid(uvicorn, "/thread-spin", "asgi-thread")
     uvicorn.wait_for(interrupting("/thread-spin", "asgi-thread", pid, r"task Task-\d+ cancelled, and the thread .*"))
@@ -763,7 +743,7 @@ def test_hypercorn_trio_awaiting_task_is_cancelled_and_answered_504(hypercorn_tr
     sibling_carries_on(
         hypercorn_trio,
         "trio-await",
-        stuck=f"/anyio-sleep?s={STUCK}",
+        stuck=f"/anyio-sleep?s={STUCK_FOR}",
         sibling="/anyio-sleep?s=0.6",
         delay=0.5,
         how=r"trio task hypercorn\.trio\.task_group\._handle cancelled.*",
@@ -779,8 +759,8 @@ def test_hypercorn_trio_cpu_loop_and_time_sleep_in_an_async_endpoint_are_answere
     step, never in trio's own code between two steps (where it would end
     the whole run: TrioInternalError); the sibling is served after."""
     for name, stuck, how in (
-        ("trio-spin", f"/spin?s={STUCK}", ARMED_TRIO + WOKEN),
-        ("trio-loop-sleep", f"/loop-sleep?s={STUCK}", ARMED_TRIO + WOKEN),
+        ("trio-spin", f"/spin?s={STUCK_FOR}", ARMED_TRIO + WOKEN),
+        ("trio-loop-sleep", f"/loop-sleep?s={STUCK_FOR}", ARMED_TRIO + WOKEN),
     ):
         sibling_carries_on(
             hypercorn_trio, name, stuck=stuck, sibling="/anyio-sleep?s=0.2", delay=0.3, how=how, access=HYPERCORN_ACCESS
@@ -802,7 +782,7 @@ def test_hypercorn_trio_sync_endpoint_in_a_worker_thread_is_ended_and_its_thread
     to_thread under trio), below trio's and outcome's frames: that thread
     raises RequestTimeout itself, the client gets its 504, the thread stops
     spinning and the driver hears the request end."""
-    status, body = get(hypercorn_trio.port, f"/thread-spin?s={STUCK}", WAIT, "trio-thread")
+    status, body = get(hypercorn_trio.port, f"/thread-spin?s={STUCK_FOR}", WAIT, "trio-thread")
     assert (status, body) == GATEWAY_TIMEOUT
     pid = driver_pid(hypercorn_trio, "/thread-spin", "trio-thread")
     how = r"trio task .* cancelled, and the thread .*"

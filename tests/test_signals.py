@@ -20,9 +20,18 @@ import time
 from pathlib import Path
 
 import pytest
-from test_interrupt import GATEWAY_TIMEOUT, STUCK, booted, pid_of, stopped_cleanly
-from test_servers import WAIT, free_port, get, serve
-from test_stuck_wsgi import gunicorn
+from _servers import (
+    GATEWAY_TIMEOUT,
+    STUCK_FOR,
+    WAIT,
+    booted,
+    free_port,
+    get,
+    gunicorn_app,
+    pid_of,
+    serve,
+    stopped_cleanly,
+)
 
 PRELUDE = """
 import faulthandler, logging, os, signal, sys, time
@@ -197,7 +206,7 @@ def test_an_applications_own_signal_handlers_work_beside_shmwheels_under_gunicor
     port = free_port()
     install = "timeout=1.0, interrupt=True"
     # The sync worker: a request runs in the main thread, where signal.signal() may be called.
-    cmd = gunicorn(tmp_path, port, "sync", "--workers", "1", install=install, app="signals_app:app")
+    cmd = gunicorn_app(tmp_path, port, "sync", "--workers", "1", install=install, app="signals_app:app")
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
         pid = pid_of(get(port, "/"))
         worker = rf"\[{pid}\] \[WARNING\] shmwheel: "
@@ -211,7 +220,7 @@ def test_an_applications_own_signal_handlers_work_beside_shmwheels_under_gunicor
             assert time.monotonic() < give_up, server.log()[-3000:]
             get(port, "/")
             time.sleep(0.2)
-        assert get(port, f"/spin?s={STUCK}", WAIT, "spun") == GATEWAY_TIMEOUT
+        assert get(port, f"/spin?s={STUCK_FOR}", WAIT, "spun") == GATEWAY_TIMEOUT
         # The driver asks on the next free real-time signal, where asks queue.
         spun = r"request timed out: GET /spin \(request spun, .*\), running for [\d.]+ s; asking it to end the request"
         server.wait_for(spun + r" \(SIGRTMIN\+2\)")

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_servers import (
+from _servers import (
     BIN,
     DRIVER_TIMED_OUT,
     WAIT,

@@ -25,30 +25,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_servers import BIN, DRIVER_TIMED_OUT, WAIT, Server, assert_nothing_left, free_port, get, serve, uwsgi_ini
+from _servers import (
+    APPS,
+    BIN,
+    DRIVER_TIMED_OUT,
+    WAIT,
+    Server,
+    assert_nothing_left,
+    free_port,
+    get,
+    gunicorn_app,
+    serve,
+    uwsgi_ini,
+)
 
-APPS = Path(__file__).resolve().parent / "apps"
 SECONDS = 4  # how long a stuck request lasts: well past the 1 s timeout
 COOPERATIVE = {"/sleep": "stuck_in_sleep", "/recv": "stuck_in_recv"}  # under gevent, they yield to the hub
 STUCK = {**COOPERATIVE, "/spin": "stuck_in_spin"}
 REGEX = "/regex"
 FUNCTIONS = {*STUCK.values(), "stuck_in_regex"}
-
-CONFIG = "from shmwheel.contrib import gunicorn as shmwheel_gunicorn\nshmwheel_gunicorn.install(globals(), {args})\n"
-
-
-def gunicorn(
-    tmp_path: Path,
-    port: int,
-    worker_class: str,
-    *options: str,
-    install: str = "timeout=1.0",
-    app: str = "flask_stuck:app",
-) -> list[str]:
-    config = tmp_path / "gunicorn.conf.py"
-    config.write_text(CONFIG.format(args=install))
-    cmd = [str(BIN / "gunicorn"), "-c", str(config), "--bind", f"127.0.0.1:{port}", "--worker-class", worker_class]
-    return [*cmd, *options, "--pythonpath", str(APPS), "--no-control-socket", app]
 
 
 def uwsgi(tmp_path: Path, port: int) -> list[str]:
@@ -68,9 +63,9 @@ def uwsgi(tmp_path: Path, port: int) -> list[str]:
 # time (enough of them for the stuck requests), gthread's one worker in
 # several threads, gevent's in greenlets, uWSGI's two in threads.
 SERVERS = {
-    "sync": lambda tmp_path, port: gunicorn(tmp_path, port, "sync", "--workers", "4"),
-    "gthread": lambda tmp_path, port: gunicorn(tmp_path, port, "gthread", "--workers", "1", "--threads", "8"),
-    "gevent": lambda tmp_path, port: gunicorn(tmp_path, port, "gevent", "--workers", "1"),
+    "sync": lambda tmp_path, port: gunicorn_app(tmp_path, port, "sync", "--workers", "4"),
+    "gthread": lambda tmp_path, port: gunicorn_app(tmp_path, port, "gthread", "--workers", "1", "--threads", "8"),
+    "gevent": lambda tmp_path, port: gunicorn_app(tmp_path, port, "gevent", "--workers", "1"),
     "uwsgi": uwsgi,
 }
 
@@ -170,7 +165,7 @@ def test_gunicorn_gevent_worker_stuck_in_a_request_is_killed_and_replaced(tmp_pa
     """kill=True with the gevent worker: the worker of a stuck request gets
     SIGABRT, then SIGKILL if it is still there; Gunicorn replaces it."""
     port = free_port()
-    cmd = gunicorn(tmp_path, port, "gevent", "--workers", "1", install="timeout=1.0, kill=True, kill_after=2.0")
+    cmd = gunicorn_app(tmp_path, port, "gevent", "--workers", "1", install="timeout=1.0, kill=True, kill_after=2.0")
     with serve(cmd, port, tmp_path, "gunicorn") as server:
         for _ in range(20):
             assert get(server.port, "/")[0] == 200

@@ -21,8 +21,17 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
-from test_servers import BIN, HOSTILE_PATH, WAIT, Server, assert_client_text_is_data, free_port, serve, uwsgi_ini
-from test_stuck_wsgi import gunicorn as stuck_gunicorn
+from _servers import (
+    BIN,
+    HOSTILE_PATH,
+    WAIT,
+    Server,
+    assert_client_text_is_data,
+    free_port,
+    gunicorn_app,
+    serve,
+    uwsgi_ini,
+)
 
 from shmwheel.contrib._interrupt import RESPONSE_BODY
 
@@ -31,7 +40,7 @@ STAGES = "timeout=1.0, interrupt=True"
 
 
 def gunicorn(tmp_path: Path, port: int, worker_class: str, *options: str) -> list[str]:
-    return stuck_gunicorn(tmp_path, port, worker_class, *options, install=STAGES, app="plain_stuck:app")
+    return gunicorn_app(tmp_path, port, worker_class, *options, install=STAGES, app="plain_stuck:app")
 
 
 def uwsgi(tmp_path: Path, port: int) -> list[str]:
