@@ -24,7 +24,12 @@ setup(
             sources=["csrc/python/fast.c"],
             depends=sorted(glob.glob("csrc/python/fast/*")) + ["csrc/record.h", "csrc/shmwheel.h"],
             include_dirs=["csrc"],
-            extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-fno-plt"],
+            # An interpreter API it needs and this CPython lacks is an error
+            # here, not a module that fails at import.
+            extra_compile_args=[
+                "-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-fno-plt",
+                "-Werror=implicit-function-declaration",
+            ],
         ),
         # CPython 3.11's way to have a timed-out request's own thread check,
         # line by line, where it may be interrupted (3.12 and later have

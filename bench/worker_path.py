@@ -35,9 +35,12 @@ ratio to the setitimer pair measured in the same child.
 
 Usage::
 
-    python bench/worker_path.py [--rounds N] [--cold] LABEL=ROOT[:nofast] [LABEL=ROOT[:nofast] ...]
+    python bench/worker_path.py [--rounds N] [--cold] LABEL=ROOT [LABEL=ROOT ...]
 
-``:nofast`` runs ROOT's build with its cffi path alone (no shmwheel._fast).
+A build is a checkout whose extensions are built (pip install -e ., or
+the .so files copied in): every build has its C path, shmwheel._fast, which
+the figures measure; docs/bench-log.md has the runs of builds before it was
+always there, with the cffi path alone beside it.
 
 Every wheel is unlinked, also on error; names ``shmwheel-wpath-<pid>``.
 """
@@ -63,13 +66,11 @@ COLD_SAMPLES = 400
 EVICT_BYTES = 16 << 20  # past L2 and this VM's share of L3, and 4096 pages: past every TLB
 
 
-def _child(root: str, fast: bool, cold: bool) -> None:
+def _child(root: str, cold: bool) -> None:
     sys.path.insert(0, root)
     import gc
     import signal
 
-    if not fast:  # the build's cffi path alone, as a build without shmwheel._fast: its import fails
-        sys.modules["shmwheel._fast"] = None  # type: ignore[assignment]
     import shmwheel._shmwheel as core
 
     import shmwheel
@@ -272,23 +273,19 @@ def _child(root: str, fast: bool, cold: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child")
-    ap.add_argument("--no-fast", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="each request after the caches are emptied")
-    ap.add_argument("builds", nargs="*", help="LABEL=ROOT, or LABEL=ROOT:nofast for its cffi path alone")
+    ap.add_argument("builds", nargs="*", help="LABEL=ROOT: a checkout with its extensions built")
     args = ap.parse_args()
     if args.child:
-        _child(args.child, not args.no_fast, args.cold)
+        _child(args.child, args.cold)
         return
     builds = [b.split("=", 1) for b in args.builds]
     results: dict[str, list[dict[str, float]]] = {label: [] for label, _ in builds}
     for r in range(args.rounds):
         for label, root in builds:
-            root, _, mode = root.partition(":")
             cp = subprocess.run(
-                [sys.executable, __file__, "--child", os.path.abspath(root)]
-                + (["--no-fast"] if mode == "nofast" else [])
-                + (["--cold"] if args.cold else []),
+                [sys.executable, __file__, "--child", os.path.abspath(root)] + (["--cold"] if args.cold else []),
                 capture_output=True,
                 text=True,
                 check=True,

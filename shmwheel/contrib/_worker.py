@@ -29,7 +29,7 @@ from .._process import start_time
 from .._segment import segment_name
 from .._wheel import Wheel, attach
 from ._body import file_wrapper_for, timed_file
-from ._door import Table, Timer, core_of, enter, here, leave, new_table
+from ._door import Timer, core_of, enter, here, leave, new_table
 from ._interrupt import interrupt, listen_for_wake
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
@@ -258,8 +258,7 @@ class RequestTimer:
 
     def _make_fast(self, wheel: Wheel) -> Any:
         """The C start() and finish() for ``wheel`` in this process (under
-        self._lock), or None where start() takes its own way for every
-        request: a build without it."""
+        self._lock), or None for a wheel closed meanwhile."""
         core = core_of(wheel)
         if core is None:
             return None
@@ -268,7 +267,6 @@ class RequestTimer:
             KIND_REQUEST, 0, 0, self._flags | (WARN if warn else 0), self._pid, self._start, 0, 0, 0,
             self._stack_signal, self._dump_signal, MAGIC, self._timeout_ms, 0,
         )  # fmt: skip
-        assert Timer is not None and isinstance(self._active, Table)  # the core came from the extension
         return Timer(
             core=core, head=head, due_ns=self._warn_ns if warn else self._timeout_ns, timeout_ns=self._timeout_ns,
             size=self._size, table=self._active, interrupted=self._interrupted, var=_current, owner=self,
@@ -390,8 +388,7 @@ class RequestTimer:
     ) -> int | None:
         """start() for what its C path gives back: a record to cut, a wheel
         to attach, the lock held by another process (here the add releases
-        the GIL while it waits), an error; and for every request of a build
-        without the C path."""
+        the GIL while it waits), an error."""
         wheel = self._wheel
         if wheel is None or self._pid != _pid:
             wheel = self._ready()
@@ -430,7 +427,7 @@ class RequestTimer:
         if handle is None:
             return None
         self._active[handle] = Active(payload, due, thread, task, handle, started + timeout_ns, self.interrupt)
-        if task is None and enter is not None:
+        if task is None:
             enter(self, handle)
         else:
             _current.set((self, handle))
@@ -548,8 +545,7 @@ class RequestTimer:
                 return
         else:
             active = self._active.pop(handle, None)
-            if leave is not None:
-                leave(self, handle)
+            leave(self, handle)
             if active is None:  # exempted by no_timeout(), or finished already
                 return
             if self._interrupted:
@@ -724,12 +720,11 @@ def _here() -> tuple[RequestTimer, int] | None:
     runs itself, if this is no greenlet but the thread's own; else the one
     of this context (its task's, its greenlet's, or one that a copy of the
     context was taken in).  None if neither is in progress."""
-    if here is not None:
-        mine = here()
-        if mine is not None and mine[1] in mine[0]._active:
-            greenlet = sys.modules.get("greenlet")
-            if greenlet is None or greenlet.getcurrent().parent is None:
-                return mine
+    mine = here()
+    if mine is not None and mine[1] in mine[0]._active:
+        greenlet = sys.modules.get("greenlet")
+        if greenlet is None or greenlet.getcurrent().parent is None:
+            return mine
     current = _current.get()
     return current if current is not None and current[1] in current[0]._active else None
 
@@ -763,7 +758,7 @@ def _rearm_here(what: str, seconds: float | None) -> bool:
     current = _here()
     if current is not None:
         return current[0].rearm(current[1], seconds)
-    if _told_none_here or here is None:
+    if _told_none_here:
         return False
     me = real("_thread", "get_ident")()
     for timer in list(_request_timers):

@@ -324,7 +324,7 @@ class TimeoutMiddleware:
 # already, a process whose RequestTimer is not made yet or was made before
 # a fork, a middleware without _in_c) goes to the method above.  Servers
 # still see a coroutine function: the C object has the method's __code__.
-TimeoutMiddleware.__call__ = wrap_asgi_call(TimeoutMiddleware.__call__)  # type: ignore[method-assign]
+TimeoutMiddleware.__call__ = wrap_asgi_call(TimeoutMiddleware.__call__)  # type: ignore[method-assign,assignment]
 
 
 async def _send_504(send: Send) -> None:

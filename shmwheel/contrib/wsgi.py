@@ -124,7 +124,7 @@ class TimeoutMiddleware:
         reaches the timer with no Python frame of the middleware's
         (shmwheel._fast), which uWSGI's ``request_timeouts`` gives it; the
         middleware itself where that cannot serve (interrupt, routes,
-        X-Request-Start, a build without the extension)."""
+        X-Request-Start)."""
         direct = wsgi_in_c(self, self._plain)
         return self if direct is None else direct
 
