@@ -88,10 +88,10 @@ from ._record import (
     KIND_RELEASED,
     KIND_REQUEST,
     KIND_TIMEOUT,
-    SLACK_NS,
     STACK_SIGNALS,
     RequestRecord,
     decode_request,
+    due,
     signal_name,
     with_kind,
 )
@@ -527,7 +527,7 @@ class TimeoutHandler:
 
     def _warn_stage(self, record: RequestRecord) -> bool:
         """Whether a request with a warn_after stage is not past its timeout yet."""
-        return bool(record.warn) and time.monotonic_ns() < (record.timeout_at() or 0) - SLACK_NS
+        return bool(record.warn) and not due(record.timeout_at() or 0, time.monotonic_ns())
 
     def _begin_again(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         """The stage a request is at, begun again by a driver that does not

@@ -80,6 +80,15 @@ MAX_METHOD: int = lib.SHMW_REQ_MAX_METHOD
 #: A clock reading this close to a request's timeout counts as past it: the
 #: wheel fires on its tick, and each side reads the clock at its own moment.
 SLACK_NS = 5_000_000
+
+
+def due(deadline_ns: int, now_ns: int) -> bool:
+    """Whether a request whose stage is due at ``deadline_ns`` (its timeout,
+    or its timer's deadline) is past it at ``now_ns``: the one definition,
+    in the worker and in the driver alike, give or take SLACK_NS."""
+    return now_ns >= deadline_ns - SLACK_NS
+
+
 MAX_REQUEST_ID: int = lib.SHMW_REQ_MAX_REQUEST_ID
 #: What a request id taken from a client header may hold: it is written into
 #: log lines, so nothing that could forge one.

@@ -119,7 +119,7 @@ def server_logger() -> logging.Logger:
 # -- the signal and the reporter: one of each per process --------------------
 
 _lock = threading.Lock()
-_pid = 0  # the process the pipe and the reporter below are this one's
+_reporter_pid = 0  # the process whose pipe and reporter thread these are (in a forked child, its parent's)
 _pipe: tuple[int, int] = (-1, -1)  # the reporter reads; the signal handler (C) writes
 _reporter_ident = 0  # its thread, which no report shows
 _listening: set[int] = set()
@@ -235,7 +235,7 @@ def ask_signal() -> int:
 
 def listening(signum: int) -> bool:
     """Whether ``signum`` is one of shmwheel's stack signals in this process."""
-    return signum in _listening and _pid == os.getpid()
+    return signum in _listening and _reporter_pid == os.getpid()
 
 
 def keep_listening() -> set[int]:
@@ -246,7 +246,7 @@ def keep_listening() -> set[int]:
     to it.  The log says each once.  Returns the signals left to others:
     this process's requests can no longer be asked for a stack on them."""
     lost: set[int] = set()
-    if _pid != os.getpid():
+    if _reporter_pid != os.getpid():
         return lost
     for signum in list(_listening):
         if lib.shmw_signal_owner(signum) == 2:
@@ -281,13 +281,13 @@ def keep_listening() -> set[int]:
 
 def _start_reporter() -> None:
     """The pipe and the reporter thread of this process: under _lock."""
-    global _pid, _pipe
+    global _reporter_pid, _pipe
     pid = os.getpid()
-    if _pid == pid:
+    if _reporter_pid == pid:
         return
     if _pipe[0] < 0:
         _pipe = _new_pipe()
-    _pid = pid
+    _reporter_pid = pid
     # With every signal blocked, which it inherits: a signal sent to the
     # process (the server's SIGINT, SIGTERM) must land in one of the
     # server's threads, whose handlers expect it there, never in this one.
@@ -354,7 +354,7 @@ def _report_forever(fd: int, pid: int) -> None:
     wait = real("select", "select")
     size = lib.SHMW_SIGNAL_RECORD
     rest = b""
-    while _pid == pid:
+    while _reporter_pid == pid:
         # A request left for its own ask is looked at again once it is
         # ASK_WAIT late, whether or not a signal comes.
         timeout = None if _look_again is None else max(_look_again - time.monotonic_ns(), 0) / 1e9

@@ -43,11 +43,11 @@ from ._record import (
     MAGIC,
     PAYLOAD_SIZE,
     REQUEST_ID,
-    SLACK_NS,
     WARN,
     RequestRecord,
     check_traceback_signal,
     decode_request,
+    due,
     encode_request,
     rearmed,
     with_kind,
@@ -576,7 +576,7 @@ class RequestTimer:
         # request that has ended.  Told, it leaves the worker alone; and the
         # fire it keeps in flight while its stages run is freed, so that no
         # driver that takes over begins them again.
-        if _monotonic_ns() >= active.deadline_ns - SLACK_NS:
+        if due(active.deadline_ns, _monotonic_ns()):
             self._acknowledge(active.handle)
             self._tell(active.payload, KIND_FINISHED)
             now = time.monotonic()
@@ -660,7 +660,7 @@ class RequestTimer:
         if cancelled is None:
             return False
         if not cancelled:
-            if now >= active.timeout_ns - SLACK_NS:
+            if due(active.timeout_ns, now):
                 return False  # its timeout has fired: the driver is acting on it
             # Its warn_after stage has fired, and the driver holds its
             # timeout stage: told, it drops that.
