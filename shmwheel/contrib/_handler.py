@@ -1057,13 +1057,8 @@ class TimeoutHandler:
         are taken out of a batch before any is read, and the kinds of
         record read all the same, a worker's words."""
         with self._lock:
-            if not self._refusing:
-                return [], _WORD_BYTES
             now = time.monotonic()
-            for owner, (when, start) in list(self._refusing.items()):
-                if now - when >= self.USE_TTL or self._producers.get(owner) != start:
-                    del self._refusing[owner]
-            return list(self._refusing), _WORD_BYTES
+            return [owner for owner in list(self._refusing) if self._still_refusing(owner, now)], _WORD_BYTES
 
     def refused_unread(self, count: int, handle: int, pid: int) -> None:
         """The dispatcher took ``count`` fires out unread, as
@@ -1075,15 +1070,21 @@ class TimeoutHandler:
         process was refused within USE_TTL and it is the same process: not
         a worker's word (an answer, a request finished), nor a fire a
         driver kept in flight."""
-        refused = self._refusing.get(fire.owner_pid)
-        if refused is None or fire.kept or fire.payload[:1] in _WORDS:
+        if fire.owner_pid not in self._refusing or fire.kept or fire.payload[:1] in _WORDS:
             return False
-        when, start = refused
-        if time.monotonic() - when >= self.USE_TTL or self._producers.get(fire.owner_pid) != start:
-            del self._refusing[fire.owner_pid]
+        if not self._still_refusing(fire.owner_pid, time.monotonic()):
             return False
         self._refusals.add(lambda: _unread(fire.handle, fire.owner_pid))
         return True
+
+    def _still_refusing(self, owner: int, now: float) -> bool:
+        """Whether ``owner``'s timers are still refused unread: a refusal of
+        the same process within USE_TTL.  One that has lapsed is forgotten."""
+        when, start = self._refusing[owner]
+        if now - when < self.USE_TTL and self._producers.get(owner) == start:
+            return True
+        del self._refusing[owner]
+        return False
 
     @property
     def refused(self) -> int:
