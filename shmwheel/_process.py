@@ -11,13 +11,17 @@ driver would be declared dead.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import psutil
 
 __all__ = [
     "USE_LOCK_AT",
+    "after_fork",
     "alive",
+    "catch_up_fork",
     "describe_lock_holder",
+    "pid",
     "pid_namespace",
     "signal_disposition",
     "start_time",
@@ -118,13 +122,48 @@ def pid_namespace() -> int:
     return _pid_namespace
 
 
-def _forget_pid_namespace() -> None:
-    global _pid_namespace
-    _pid_namespace = None
-
-
 _pid_namespace: int | None = None
-os.register_at_fork(after_in_child=_forget_pid_namespace)
+
+
+# This process's pid, asked once and again in a forked child, and what else
+# the package must redo there: one fork hook runs every module's, in the
+# order they were registered.  The C request path (shmwheel._fast) keeps a
+# copy of its own, set by pthread_atfork, which runs at every fork.
+_pid = os.getpid()
+_in_child: list[Callable[[], None]] = []
+
+
+def pid() -> int:
+    """This process's pid, without a system call."""
+    return _pid
+
+
+def after_fork(hook: Callable[[], None]) -> Callable[[], None]:
+    """Run ``hook`` in every forked child, after the pid is set again."""
+    _in_child.append(hook)
+    return hook
+
+
+def _forked() -> None:
+    global _pid, _pid_namespace
+    _pid = os.getpid()
+    _pid_namespace = None
+    for hook in _in_child:
+        hook()
+
+
+def catch_up_fork() -> bool:
+    """Run the fork hooks now if this process was forked without them
+    (uWSGI forks its workers without Python's hooks unless told
+    ``py-call-osafterfork``); True if it was.  A system call: for the
+    moments a process attaches, and once a second."""
+    if _pid == os.getpid():
+        return False
+    _forked()
+    return True
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def uids(pid: int) -> tuple[int, int, int] | None:

@@ -73,6 +73,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
+from .._process import after_fork
 from ._calls import JUMPS, STATEMENT_ENDS, plain_call
 from ._stacks import real
 
@@ -398,7 +399,7 @@ class _Monitoring:
         # monkey-patching threading.get_ident() is the greenlet's instead.
         self._get_ident: Callable[[], int] = threading.get_ident
         self._misses = 0  # callbacks in threads not armed, since the last look for armed ones that are gone
-        os.register_at_fork(after_in_child=self._forget)
+        after_fork(self._forget)
 
     def available(self) -> bool:
         """Whether a tool id is ours or free (taken at the first arm, not before)."""
@@ -579,4 +580,4 @@ def _forget_checks() -> None:
     _checks.clear()
 
 
-os.register_at_fork(after_in_child=_forget_checks)
+after_fork(_forget_checks)

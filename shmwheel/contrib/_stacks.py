@@ -54,6 +54,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .._binding import lib
+from .._process import after_fork
 from ._door import Active
 from ._record import (
     AT_STACK_SIGNAL,
@@ -322,7 +323,7 @@ def _after_fork() -> None:
         lib.shmw_signal_to_fd(signum, _pipe[1], 0)  # its own, inherited: only the pipe changes
 
 
-os.register_at_fork(after_in_child=_after_fork)
+after_fork(_after_fork)
 
 
 def real(module: str, name: str) -> Any:

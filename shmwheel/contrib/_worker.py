@@ -23,9 +23,10 @@ import weakref
 from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
+from .. import _process
 from .._checks import check_flag, check_seconds
 from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, one_line
-from .._process import start_time
+from .._process import after_fork, catch_up_fork, start_time
 from .._segment import segment_name
 from .._wheel import Wheel, attach
 from ._body import file_wrapper_for, timed_file
@@ -83,21 +84,12 @@ timed_apps: weakref.WeakSet[object] = weakref.WeakSet()
 _request_timers: weakref.WeakSet[RequestTimer] = weakref.WeakSet()
 
 
-# This process's pid, kept here rather than asked for per request (a system
-# call): set again in a forked child, and checked whenever a RequestTimer
-# attaches and once a second besides (LOOK_INTERVAL_NS), since something may
-# fork without Python's fork hooks (uWSGI does, unless told otherwise).
-_pid = os.getpid()
-
-
-def _after_fork() -> None:
-    global _pid
-    _pid = os.getpid()
+@after_fork
+def _new_locks() -> None:
     for timer in list(_request_timers):
         timer._lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork)
 _monotonic_ns = time.monotonic_ns
 _pack = HEAD.pack
 
@@ -205,17 +197,19 @@ class RequestTimer:
 
     def prepare(self) -> bool:
         """Attach this process and register the traceback signal now rather
-        than on the first request; True if the wheel is there."""
+        than on the first request; True if the wheel is there.  Called from
+        a server's post-fork hook, it also sees a fork made without Python's
+        fork hooks (uWSGI's), which start() sees only within a second."""
+        catch_up_fork()
         return self._ready() is not None
 
     def _ready(self) -> Wheel | None:
-        pid = _pid
+        pid = _process.pid()
         wheel = self._wheel  # once: another thread may drop it meanwhile
         if self._pid == pid and wheel is not None:
             return wheel
-        if pid != os.getpid():  # forked without Python's fork hooks: uWSGI calls none unless told to
-            _after_fork()
-            pid = _pid
+        if catch_up_fork():
+            pid = _process.pid()
         with self._lock:
             if self._pid != pid:  # first use in this process: forked, or new
                 self._pid = pid
@@ -390,7 +384,7 @@ class RequestTimer:
         to attach, the lock held by another process (here the add releases
         the GIL while it waits), an error."""
         wheel = self._wheel
-        if wheel is None or self._pid != _pid:
+        if wheel is None or self._pid != _process.pid():
             wheel = self._ready()
             if wheel is None:
                 return None
@@ -438,10 +432,9 @@ class RequestTimer:
         this wheel, that its driver runs, and that this is the process that
         the pid kept names."""
         self._look_at = now + LOOK_INTERVAL_NS
-        if _pid != os.getpid():  # forked without Python's fork hooks
-            _after_fork()
+        if catch_up_fork():
             return
-        if self._pid != _pid:
+        if self._pid != _process.pid():
             return  # not attached in this process yet
         if self._stack_signal and self._stack_signal in keep_listening():
             with self._lock:  # its records must not name it: the traceback signal, if still ours; else none
@@ -536,7 +529,7 @@ class RequestTimer:
         attached again yet: its timer is still cancelled there, or a request
         that ended in time would be timed out by a driver that still drives
         the old wheel."""
-        if handle is None or self._pid != _pid:
+        if handle is None or self._pid != _process.pid():
             return
         fast = self._fast
         if fast is not None:  # True: cancelled; else as below, the lock held by another, say
@@ -653,7 +646,7 @@ class RequestTimer:
         """Give the request of ``handle`` ``seconds`` from now (None: no
         timeout at all); False if it has no timer, or has timed out."""
         active = self._active.get(handle)
-        if active is None or handle in self._interrupted or self._pid != _pid:
+        if active is None or handle in self._interrupted or self._pid != _process.pid():
             return False
         now = time.monotonic_ns()
         cancelled = self._cancel(active.handle)

@@ -41,6 +41,7 @@ from asyncio import CancelledError, current_task
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from .. import _process
 from .._checks import CAPACITIES, check_flag, check_int, check_seconds
 from .._segment import segment_name
 from ._autodriver import AutoDriver
@@ -162,7 +163,7 @@ class TimeoutMiddleware:
     @property
     def timer(self) -> RequestTimer:
         """This process's request timer, on the wheel it resolves to here."""
-        timer, pid = self._timer, os.getpid()
+        timer, pid = self._timer, _process.pid()
         if timer is not None and self._timer_pid == pid:
             return timer
         with self._lock:
