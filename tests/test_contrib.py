@@ -1310,8 +1310,8 @@ def test_uwsgi_settings_read_the_ini_options() -> None:
         "shmwheel-capacity": b"100",
     }
     s = uwsgi_settings(opts, 4321)
-    assert s.name == "uwsgi-4321" and s.timeout == 2.5 and s.capacity == 100
-    assert s.actions == TimeoutActions(kill=True, kill_signal=signal.SIGQUIT, tracebacks=True)
+    assert s.name == "uwsgi-4321" and s.timeouts.timeout == 2.5 and s.timeouts.capacity == 100
+    assert s.timeouts.actions == TimeoutActions(kill=True, kill_signal=signal.SIGQUIT, tracebacks=True)
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from shmwheel.contrib import (
     RequestTimer,
     TimeoutActions,
     TimeoutHandler,
+    TimeoutSettings,
     decode_request,
     encode_request,
     extend,
@@ -537,10 +538,11 @@ def test_uwsgi_reads_the_stages_and_the_routes() -> None:
         "shmwheel-x-request-start": True,
     }
     s = settings(opts, 1)
-    assert (s.warn_after, s.interrupt, s.x_request_start) == (10.0, True, True)
-    assert s.actions == TimeoutActions(tracebacks=False, interrupt_grace=2.5)
-    assert s.routes == {"/upload": 300.0, "POST /api/": 5.0, "/health": None}
-    assert s.traceback_signal == signal.SIGURG  # no stacks, but the driver still tells the worker to end a request
+    t = s.timeouts
+    assert (t.warn_after, t.interrupt, t.x_request_start) == (10.0, True, True)
+    assert t.actions == TimeoutActions(tracebacks=False, interrupt_grace=2.5)
+    assert t.routes == {"/upload": 300.0, "POST /api/": 5.0, "/health": None}
+    assert t.signal == signal.SIGURG  # no stacks, but the driver still tells the worker to end a request
     assert s.on_timeout == "sentry_on_timeout:report_to_sentry"
     with pytest.raises(ValueError, match="on-timeout must be module:function"):
         on_timeout_hook("report_to_sentry")
@@ -580,10 +582,8 @@ def test_gunicorn_says_at_boot_that_eventlet_requests_cannot_be_interrupted() ->
         server = SimpleNamespace(
             log=log, worker_class=EventletWorker, cfg=SimpleNamespace(timeout=30, worker_class_str="eventlet")
         )
-        settings = gunicorn._Settings(
-            name=None, timeout=5.0, actions=TimeoutActions(), traceback_signal=signal.SIGURG, capacity=10,
-            kill_signal_given=False, stages={"interrupt": interrupt}, x_request_start=False,
-        )  # fmt: skip
+        timeouts = TimeoutSettings(5.0, interrupt=interrupt, traceback_signal=signal.SIGURG, capacity=10)
+        settings = gunicorn._Settings(name=None, timeouts=timeouts, kill_signal_given=False)
         gunicorn._check_setup(server, settings, gunicorn.HOOKS)
     assert len(said) == 1 and said[0].startswith("shmwheel: interrupt=True cannot end a request of the eventlet")
 

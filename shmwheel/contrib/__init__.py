@@ -8,7 +8,8 @@ tools/imports.py`` checks it):
 
 1. what both sides share: the request record a timer carries
    (:mod:`~shmwheel.contrib._record`), the settings
-   (:mod:`~shmwheel.contrib._settings`: :class:`TimeoutActions`), the
+   (:mod:`~shmwheel.contrib._settings`: :class:`TimeoutSettings`, with
+   :class:`TimeoutActions`), the
    routes, the server's log as a driver writes to it, the calls a wake
    may end;
 2. the worker's side: stacks and the reporter thread
@@ -58,6 +59,7 @@ if TYPE_CHECKING:  # for type checkers; at run time __getattr__ loads each name'
     from ._settings import DEFAULT_INTERRUPT_GRACE as DEFAULT_INTERRUPT_GRACE
     from ._settings import DEFAULT_KILL_AFTER as DEFAULT_KILL_AFTER
     from ._settings import TimeoutActions as TimeoutActions
+    from ._settings import TimeoutSettings as TimeoutSettings
     from ._supervisor import DriverSupervisor as DriverSupervisor
     from ._supervisor import create_wheel as create_wheel
     from ._worker import RequestTimer as RequestTimer
@@ -86,7 +88,8 @@ _HOMES = {
         "_record",
     ),
     **dict.fromkeys(
-        ("DEFAULT_CAPACITY", "DEFAULT_INTERRUPT_GRACE", "DEFAULT_KILL_AFTER", "TimeoutActions"), "_settings"
+        ("DEFAULT_CAPACITY", "DEFAULT_INTERRUPT_GRACE", "DEFAULT_KILL_AFTER", "TimeoutActions", "TimeoutSettings"),
+        "_settings",
     ),
     **dict.fromkeys(("DriverSupervisor", "create_wheel"), "_supervisor"),
     **dict.fromkeys(("RequestTimer", "extend", "no_timeout"), "_worker"),

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from .. import _fast
 from .._binding import lib
 from .._wheel import Wheel
+from ._settings import TimeoutSettings
 
 if TYPE_CHECKING:
     from .._fast import ASGIMiddleware, HooksState, SlowHook, WSGIMiddleware
@@ -66,11 +67,11 @@ if _fast.HEAD_SIZE != lib.SHMW_REQ_HEAD_SIZE:
 from .._fast import ASGI, WSGI, Active, Body, Core, Coroutine, Hooks, Table, Timer, enter, here, leave  # noqa: E402
 
 
-def in_c(*, routes: object, x_request_start: bool, interrupt: bool = False) -> bool:
+def in_c(settings: TimeoutSettings) -> bool:
     """Whether an adapter's requests may take the C path: none of them
     needs Python of its own (a route's look-up, X-Request-Start, an
     interrupt in the middleware's own call)."""
-    return routes is None and not x_request_start and not interrupt
+    return settings.routes is None and not settings.x_request_start and not settings.interrupt
 
 
 def new_table() -> Table:

@@ -1,16 +1,21 @@
-"""The settings every side of request timeouts shares: what the driver does
-on a timeout (:class:`TimeoutActions`), carried to a driver process on its
-command line, and the request wheel's size and name.  The worker's side
-and the driver's side both import from here, and neither from the other.
+"""The settings every side of request timeouts shares: a request's timeout
+and its stages (:class:`TimeoutSettings`, which every adapter makes once
+from what it is given), what the driver does on a timeout
+(:class:`TimeoutActions`, carried to a driver process on its command
+line), and the request wheel's size and name.  The worker's side and the
+driver's side both import from here, and neither from the other.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from .._checks import check_flag, check_seconds, check_signal
+from .._checks import CAPACITIES, check_flag, check_int, check_seconds, check_signal
+from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
+from ._routes import Lookup, Routes, compile_routes
 
 __all__ = [
     "COMMAND",
@@ -19,6 +24,7 @@ __all__ = [
     "DEFAULT_KILL_AFTER",
     "WHEEL_ENV",
     "TimeoutActions",
+    "TimeoutSettings",
     "reserve_for",
 ]
 
@@ -98,3 +104,67 @@ class TimeoutActions:
         if self.kill:
             args.append("--kill")
         return args
+
+
+@dataclass(frozen=True)
+class TimeoutSettings:
+    """A request's timeout, its stages and what the driver does, checked
+    once, as every adapter takes them (the middlewares' and ``install()``'s
+    arguments of the same names; ``stacks`` is ``actions.tracebacks``).
+
+    ``traceback_signal`` is the signal the workers are asked on; None is
+    refused where something asks (the stacks or a stage), and where nothing
+    does, :attr:`signal` is None whatever was given: the workers listen on
+    no signal.  ``actions`` and ``capacity`` matter where the adapter
+    starts the driver and makes the wheel (``install()``, the ASGI
+    middleware, uWSGI's master); elsewhere the driver command has its own.
+    """
+
+    timeout: float
+    warn_after: float | None = None
+    interrupt: bool = False
+    routes: Routes | None = None
+    on_timeout: Callable[[RequestRecord, str], object] | None = None
+    x_request_start: bool = False
+    traceback_signal: int | str | None = DEFAULT_TRACEBACK_SIGNAL
+    actions: TimeoutActions = TimeoutActions()
+    capacity: int = DEFAULT_CAPACITY
+    #: The routes' look-up, made once (None: no routes).
+    lookup: Lookup | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        timeout = check_seconds(self.timeout, "timeout", positive=True)
+        object.__setattr__(self, "timeout", timeout)
+        check_flag(self.interrupt, "interrupt")
+        check_flag(self.x_request_start, "x_request_start")
+        if self.on_timeout is not None and not callable(self.on_timeout):
+            kind = type(self.on_timeout).__name__
+            raise TypeError(f"on_timeout must be a function of (request, stack), not {kind}")
+        if self.warn_after is not None:
+            warn = check_seconds(self.warn_after, "warn_after", positive=True)
+            if warn >= timeout:
+                raise ValueError(f"warn_after ({warn:g} s) must be shorter than the timeout ({timeout:g} s)")
+            object.__setattr__(self, "warn_after", warn)
+        if not isinstance(self.actions, TimeoutActions):
+            raise TypeError(f"actions must be TimeoutActions, not {type(self.actions).__name__}")
+        object.__setattr__(self, "capacity", check_int(self.capacity, "capacity", *CAPACITIES))
+        if self.traceback_signal is not None:
+            object.__setattr__(self, "traceback_signal", check_traceback_signal(self.traceback_signal))
+        elif self.staged:
+            raise ValueError(
+                "traceback_signal cannot be None with warn_after, interrupt or on_timeout: it is the signal on which "
+                "the driver tells the worker that a request of its is late"
+            )
+        object.__setattr__(self, "lookup", compile_routes(self.routes, round(timeout * 1e9)))
+
+    @property
+    def staged(self) -> bool:
+        """Whether a stage needs the worker's word: warn_after, interrupt, on_timeout."""
+        return self.interrupt or self.warn_after is not None or self.on_timeout is not None
+
+    @property
+    def signal(self) -> int | None:
+        """The signal the workers listen on: None where nothing asks for it
+        (no stacks, no stage)."""
+        asks = self.actions.tracebacks or self.staged
+        return self.traceback_signal if asks else None  # type: ignore[return-value]  # checked: an int

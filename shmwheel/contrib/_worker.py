@@ -24,7 +24,7 @@ from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
 from .. import _process
-from .._checks import check_flag, check_seconds
+from .._checks import check_seconds
 from .._errors import SegmentNotFoundError, SegmentRemovedError, ShmwheelError, one_line
 from .._process import after_fork, catch_up_fork, start_time
 from .._segment import segment_name
@@ -46,14 +46,14 @@ from ._record import (
     REQUEST_ID,
     WARN,
     RequestRecord,
-    check_traceback_signal,
     decode_request,
     due,
     encode_request,
     rearmed,
     with_kind,
 )
-from ._routes import Routes, compile_routes
+from ._routes import Routes
+from ._settings import TimeoutActions, TimeoutSettings
 from ._stacks import Active, ask_signal, keep_listening, listen, listening, real, server_log, server_logger
 
 if TYPE_CHECKING:
@@ -133,26 +133,37 @@ class RequestTimer:
         on_timeout: Callable[[RequestRecord, str], object] | None = None,
         stacks: bool = True,
     ) -> None:
+        settings = TimeoutSettings(
+            timeout, warn_after=warn_after, interrupt=interrupt, routes=routes, on_timeout=on_timeout,
+            traceback_signal=traceback_signal, actions=TimeoutActions(tracebacks=stacks),
+        )  # fmt: skip
+        self._set_up(name, settings, auto_driver, settings.traceback_signal)  # type: ignore[arg-type]  # an int
+
+    @classmethod
+    def of(cls, name: str, settings: TimeoutSettings, auto_driver: AutoDriver | None = None) -> RequestTimer:
+        """The timer of an adapter's ``settings`` (checked when they were
+        made) on wheel ``name``; the workers listen on ``settings.signal``."""
+        timer = cls.__new__(cls)
+        timer._set_up(name, settings, auto_driver, settings.signal)
+        return timer
+
+    def _set_up(
+        self, name: str, settings: TimeoutSettings, auto_driver: AutoDriver | None, traceback_signal: int | None
+    ) -> None:
         segment_name(name)  # a bad name fails here, not at the first request
         self.name = name
+        self.settings = settings
         #: Makes the wheel and starts its driver when there is none (the
         #: ASGI middleware's own wheel); without it both come from elsewhere.
         self.auto_driver = auto_driver
-        self.timeout = check_seconds(timeout, "timeout", positive=True)
-        self.warn_after = check_stages(self.timeout, warn_after, interrupt, on_timeout)
-        if traceback_signal is not None:
-            traceback_signal = check_traceback_signal(traceback_signal)
-        elif interrupt or warn_after is not None or on_timeout is not None:
-            raise ValueError(
-                "traceback_signal cannot be None with warn_after, interrupt or on_timeout: it is the signal on which "
-                "the driver tells the worker that a request of its is late"
-            )
+        self.timeout = settings.timeout
+        self.warn_after = settings.warn_after
         self.traceback_signal = traceback_signal
-        self.interrupt = interrupt
-        self.on_timeout = on_timeout
+        self.interrupt = settings.interrupt
+        self.on_timeout = settings.on_timeout
         #: Whether the worker writes a late request's stack to the server's log.
-        self.stacks = check_flag(stacks, "stacks")
-        self._routes = compile_routes(routes, round(self.timeout * 1e9))
+        self.stacks = settings.actions.tracebacks
+        self._routes = settings.lookup
         self._warn_ns = 0 if self.warn_after is None else round(self.warn_after * 1e9)
         self._interrupted: set[int] = set()  # handles of the requests interrupted
         # Requests that ended after their timer fired: record: when (tell_ended_again).
@@ -184,7 +195,7 @@ class RequestTimer:
         self._timeout_ns = round(self.timeout * 1e9)
         self._timeout_ms = -(-self._timeout_ns // 1_000_000)
         self._delay = (self._timeout_ns if self.warn_after is None else self._warn_ns) / 1e9  # to the first stage
-        self._flags = INTERRUPT if interrupt else 0  # the record's flags every request of this timer has
+        self._flags = INTERRUPT if settings.interrupt else 0  # the record's flags every request of this timer has
         self._stack_signal = 0  # the signals this process listens on, as its records name them
         self._dump_signal = 0
         self._active = new_table()  # handle: a request of this process in progress
@@ -793,16 +804,3 @@ def queued_ns(header: str, now_ns: int) -> int:
     scale = next((s for above, s in _UNITS if value > above), 1_000_000_000)
     queued = now_ns - int(value * scale)
     return queued if 0 <= queued <= MAX_QUEUED_NS else 0
-
-
-def check_stages(timeout: float, warn_after: float | None, interrupt: object, on_timeout: object) -> float | None:
-    """The stages' arguments, checked together; returns warn_after."""
-    check_flag(interrupt, "interrupt")
-    if on_timeout is not None and not callable(on_timeout):
-        raise TypeError(f"on_timeout must be a function of (request, stack), not {type(on_timeout).__name__}")
-    if warn_after is None:
-        return None
-    warn = check_seconds(warn_after, "warn_after", positive=True)
-    if warn >= timeout:
-        raise ValueError(f"warn_after ({warn:g} s) must be shorter than the timeout ({timeout:g} s)")
-    return warn

@@ -42,16 +42,23 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from .. import _process
-from .._checks import CAPACITIES, check_flag, check_int, check_seconds
+from .._checks import check_flag
 from .._segment import segment_name
 from ._autodriver import AutoDriver
 from ._door import asgi_in_c, in_c, wrap_asgi_call
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RequestTimeout, is_trio_task, trio_cancel_scope
-from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
-from ._routes import Routes, compile_routes
-from ._settings import DEFAULT_CAPACITY, DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, WHEEL_ENV, TimeoutActions
+from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
+from ._routes import Routes
+from ._settings import (
+    DEFAULT_CAPACITY,
+    DEFAULT_INTERRUPT_GRACE,
+    DEFAULT_KILL_AFTER,
+    WHEEL_ENV,
+    TimeoutActions,
+    TimeoutSettings,
+)
 from ._stacks import server_logger
-from ._worker import RequestTimer, check_stages, timed_apps
+from ._worker import RequestTimer, timed_apps
 
 __all__ = ["TIMED", "TimeoutMiddleware", "own_wheel_name"]
 
@@ -122,39 +129,47 @@ class TimeoutMiddleware:
         on_timeout: Callable[[RequestRecord, str], object] | None = None,
         x_request_start: bool = False,
     ) -> None:
+        settings = TimeoutSettings(
+            timeout, warn_after=warn_after, interrupt=interrupt, routes=routes, on_timeout=on_timeout,
+            x_request_start=x_request_start, traceback_signal=traceback_signal, capacity=capacity,
+            actions=TimeoutActions(
+                log=log, tracebacks=tracebacks, kill=kill, kill_signal=kill_signal,  # type: ignore[arg-type]
+                kill_after=kill_after, interrupt_grace=interrupt_grace,
+            ),
+        )  # fmt: skip
+        self._set_up(app, settings, name, websocket)
+
+    @classmethod
+    def of(
+        cls, app: ASGIApp, settings: TimeoutSettings, *, name: str | None = None, websocket: bool = False
+    ) -> TimeoutMiddleware:
+        """The middleware of an adapter's ``settings``, checked when they were made."""
+        middleware = cls.__new__(cls)
+        middleware._set_up(app, settings, name, websocket)
+        return middleware
+
+    def _set_up(self, app: ASGIApp, settings: TimeoutSettings, name: str | None, websocket: bool) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI application, not {type(app).__name__}")
         check_flag(websocket, "websocket")
         if name is not None:
             segment_name(name)
         self.app = app
-        self.timeout = check_seconds(timeout, "timeout", positive=True)
+        self.settings = settings
         self.name = name
         self.websocket = websocket
-        self.actions = TimeoutActions(
-            log=log,
-            tracebacks=tracebacks,
-            kill=kill,
-            kill_signal=kill_signal,  # type: ignore[arg-type]
-            kill_after=kill_after,
-            interrupt_grace=interrupt_grace,
-        )
-        self.warn_after = check_stages(self.timeout, warn_after, interrupt, on_timeout)
-        self.interrupt = interrupt
-        self.routes = routes
-        compile_routes(routes, 0)  # a bad route fails here, not in a worker
-        self.on_timeout = on_timeout
-        self.x_request_start = check_flag(x_request_start, "x_request_start")
-        # The signal is the driver's word to a late request's worker: needed
-        # by the stages even without the stacks.
-        asks = tracebacks or interrupt or warn_after is not None or on_timeout is not None
-        self.traceback_signal = check_traceback_signal(traceback_signal) if asks else None
-        self.capacity = check_int(capacity, "capacity", *CAPACITIES)
+        self.timeout = settings.timeout
+        self.actions = settings.actions
+        self.warn_after = settings.warn_after
+        self.interrupt = settings.interrupt
+        self.routes = settings.routes
+        self.on_timeout = settings.on_timeout
+        self.x_request_start = settings.x_request_start
+        self.traceback_signal = settings.signal
+        self.capacity = settings.capacity
         # An HTTP request that needs no Python of its own (no interrupt,
         # X-Request-Start or route) takes the way in C: shmwheel._fast.ASGI.
-        self._in_c: Callable[[Scope, Receive, Send], Awaitable[None] | None] | None = asgi_in_c(
-            self, in_c(routes=routes, x_request_start=self.x_request_start, interrupt=interrupt)
-        )
+        self._in_c: Callable[[Scope, Receive, Send], Awaitable[None] | None] | None = asgi_in_c(self, in_c(settings))
         self._lock = threading.Lock()
         self._timer: RequestTimer | None = None
         self._timer_pid = 0
@@ -173,10 +188,7 @@ class TimeoutMiddleware:
             return self._timer
 
     def _timer_on(self, name: str, auto: AutoDriver | None = None) -> RequestTimer:
-        return RequestTimer(
-            name, self.timeout, traceback_signal=self.traceback_signal, auto_driver=auto, warn_after=self.warn_after,
-            interrupt=self.interrupt, routes=self.routes, on_timeout=self.on_timeout, stacks=self.actions.tracebacks,
-        )  # fmt: skip
+        return RequestTimer.of(name, self.settings, auto)
 
     def _resolve(self) -> RequestTimer:
         name = self.name or os.environ.get(WHEEL_ENV)

@@ -52,12 +52,19 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import check_flag, check_seconds, check_signal
+from .._segment import segment_name
 from ._door import gunicorn_hooks, in_c
 from ._logs import LogTarget
-from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
+from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
 from ._routes import Routes
-from ._settings import DEFAULT_CAPACITY, DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, WHEEL_ENV, TimeoutActions
+from ._settings import (
+    DEFAULT_CAPACITY,
+    DEFAULT_INTERRUPT_GRACE,
+    DEFAULT_KILL_AFTER,
+    WHEEL_ENV,
+    TimeoutActions,
+    TimeoutSettings,
+)
 from ._supervisor import DriverSupervisor
 from ._worker import RequestTimer, timed_apps
 from .asgi import TimeoutMiddleware
@@ -88,16 +95,11 @@ _ASGI_WORKERS = _UVICORN_WORKERS | {"gunicorn.workers.gasgi.ASGIWorker"}
 HOOKS, WRAP, NONE = "hooks", "wrap", "none"  # how a worker class's requests are timed
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Settings:
     name: str | None
-    timeout: float
-    actions: TimeoutActions
-    traceback_signal: int | None  # the workers': the signal they write a request's stack on
-    capacity: int
+    timeouts: TimeoutSettings  # every request's, and the driver's actions
     kill_signal_given: bool  # False: the worker class's own (see _actions_for)
-    stages: dict[str, Any]  # the workers' RequestTimer's: warn_after, interrupt, routes, on_timeout
-    x_request_start: bool
 
 
 class _State:
@@ -146,27 +148,17 @@ def install(
     the earlier call."""
     if not isinstance(config, MutableMapping):
         raise TypeError(f"install() takes the config's namespace, globals(), not {type(config).__name__}")
-    check_flag(x_request_start, "x_request_start")
-    asks = tracebacks or interrupt or warn_after is not None or on_timeout is not None
-    settings = _Settings(
-        name=name,
-        timeout=check_seconds(timeout, "timeout", positive=True),
+    if name is not None:
+        segment_name(name)  # a bad name fails now, not in a worker
+    timeouts = TimeoutSettings(
+        timeout, warn_after=warn_after, interrupt=interrupt, routes=routes, on_timeout=on_timeout,
+        x_request_start=x_request_start, traceback_signal=traceback_signal, capacity=capacity,
         actions=TimeoutActions(
-            log=log,
-            tracebacks=tracebacks,
-            kill=kill,
-            kill_signal=signal.SIGABRT if kill_signal is None else check_signal(kill_signal, "kill_signal"),
-            kill_after=kill_after,
-            interrupt_grace=interrupt_grace,
+            log=log, tracebacks=tracebacks, kill=kill, kill_after=kill_after, interrupt_grace=interrupt_grace,
+            kill_signal=signal.SIGABRT if kill_signal is None else kill_signal,  # type: ignore[arg-type]
         ),
-        traceback_signal=check_traceback_signal(traceback_signal) if asks else None,
-        capacity=capacity,
-        kill_signal_given=kill_signal is not None,
-        stages={"warn_after": warn_after, "interrupt": interrupt, "routes": routes, "on_timeout": on_timeout},
-        x_request_start=x_request_start,
-    )
-    # Bad stages or routes, or a bad name, fail now rather than in a worker.
-    _timer(name or "gunicorn-check", settings)
+    )  # fmt: skip
+    settings = _Settings(name=name, timeouts=timeouts, kill_signal_given=kill_signal is not None)
     with _state.lock:
         reload = _state.supervisor is not None
         _state.settings = settings
@@ -206,7 +198,7 @@ def install(
     # The two hooks every request runs: what can be decided once is, here.
     earlier_pre = earlier["pre_request"] if callable(earlier["pre_request"]) else None
     earlier_post = earlier["post_request"] if callable(earlier["post_request"]) else None
-    wanted = (_REQUEST_ID_HEADER, _REQUEST_START_HEADER) if settings.x_request_start else (_REQUEST_ID_HEADER,)
+    wanted = (_REQUEST_ID_HEADER, _REQUEST_START_HEADER) if timeouts.x_request_start else (_REQUEST_ID_HEADER,)
 
     def timer_pre(worker: Any, req: Any, *, declined: bool = False) -> None:
         """The request's timer from its start.  ``declined``: the C hook
@@ -239,7 +231,7 @@ def install(
 
     # Every request's timer from its start in C where it can be, with no
     # frame of ours (the Python hook above takes what the C one does not).
-    plain = in_c(routes=settings.stages["routes"], x_request_start=settings.x_request_start)
+    plain = in_c(timeouts)
     hooks = gunicorn_hooks(_state, timer_pre, _REQUEST_ID_HEADER, plain)
     start: Callable[[Any, Any], None] = timer_pre if hooks is None else hooks.pre_request
     end: Callable[[Any, Any, Any, Any], None] = timer_post if hooks is None else hooks.post_request
@@ -280,13 +272,7 @@ def _call(hook: Any, *args: Any) -> None:
 
 
 def _timer(name: str, settings: _Settings) -> RequestTimer:
-    return RequestTimer(
-        name,
-        settings.timeout,
-        traceback_signal=settings.traceback_signal,
-        stacks=settings.actions.tracebacks,
-        **settings.stages,
-    )
+    return RequestTimer.of(name, settings.timeouts)
 
 
 def _use_server_log(server: Any) -> None:
@@ -333,9 +319,10 @@ def how_timed(worker_class: type) -> str:
 
 def _actions_for(settings: _Settings, worker_class: type) -> TimeoutActions:
     """The settings' actions, with the worker class's kill_signal unless one was given."""
+    actions = settings.timeouts.actions
     if settings.kill_signal_given or not _ancestry(worker_class) & _UVICORN_WORKERS:
-        return settings.actions
-    return dataclasses.replace(settings.actions, kill_signal=signal.SIGTERM)
+        return actions
+    return dataclasses.replace(actions, kill_signal=signal.SIGTERM)
 
 
 def _wrap(worker: Any, settings: _Settings) -> None:
@@ -344,15 +331,7 @@ def _wrap(worker: Any, settings: _Settings) -> None:
     attr = "asgi" if getattr(worker, "asgi", None) is not None else "wsgi"
     app = getattr(worker, attr)
     if not isinstance(app, TimeoutMiddleware):
-        app = TimeoutMiddleware(
-            app,
-            settings.timeout,
-            name=os.environ[WHEEL_ENV],
-            tracebacks=settings.actions.tracebacks,
-            traceback_signal=settings.traceback_signal or DEFAULT_TRACEBACK_SIGNAL,
-            x_request_start=settings.x_request_start,
-            **settings.stages,
-        )
+        app = TimeoutMiddleware.of(app, settings.timeouts, name=os.environ[WHEEL_ENV])
         setattr(worker, attr, app)
     app.timer.prepare()
 
@@ -374,7 +353,7 @@ def _check_setup(server: Any, settings: _Settings, how: str) -> None:
             "shmwheel.contrib.wsgi.TimeoutMiddleware or shmwheel.contrib.asgi.TimeoutMiddleware",
             _class_name(worker_class),
         )
-    actions = settings.actions
+    actions = settings.timeouts.actions
     if (
         actions.kill
         and settings.kill_signal_given
@@ -385,7 +364,7 @@ def _check_setup(server: Any, settings: _Settings, how: str) -> None:
             "shmwheel: kill_signal SIGABRT ends a Uvicorn worker with a core dump (it sets SIGABRT back to its "
             "default action): leave kill_signal out, and SIGTERM is sent"
         )
-    if settings.stages["interrupt"] and "gunicorn.workers.geventlet.EventletWorker" in _ancestry(worker_class):
+    if settings.timeouts.interrupt and "gunicorn.workers.geventlet.EventletWorker" in _ancestry(worker_class):
         server.log.warning(
             "shmwheel: interrupt=True cannot end a request of the eventlet worker (only gevent's greenlets can be "
             "interrupted from another thread): its timed-out requests are logged, and with kill=True killed; use "
@@ -393,14 +372,14 @@ def _check_setup(server: Any, settings: _Settings, how: str) -> None:
         )
     heartbeat = float(cfg.timeout)
     kind = str(cfg.worker_class_str)
-    if (kind == "sync" or kind.endswith("SyncWorker")) and 0 < heartbeat <= settings.timeout:
+    if (kind == "sync" or kind.endswith("SyncWorker")) and 0 < heartbeat <= settings.timeouts.timeout:
         # A sync worker in a request does not notify the master, which
         # kills it after Gunicorn's own timeout: before the request's timer
         # fires, with no request named and no tracebacks.
         server.log.warning(
             "shmwheel: the request timeout (%g s) is not below Gunicorn's timeout (%g s): the master kills a "
             "sync worker stuck in a request first, and the request is never reported; make it shorter than %g s",
-            settings.timeout,
+            settings.timeouts.timeout,
             heartbeat,
             heartbeat,
         )
@@ -416,7 +395,8 @@ def _start(server: Any, settings: _Settings) -> None:
     actions = _actions_for(settings, worker_class)
     # The driver writes to Gunicorn's error log, in its format, as the workers do.
     log_target = LogTarget.of(server.log.error_log)
-    supervisor = DriverSupervisor(name, actions, capacity=settings.capacity, owner=owner, log_target=log_target)
+    capacity = settings.timeouts.capacity
+    supervisor = DriverSupervisor(name, actions, capacity=capacity, owner=owner, log_target=log_target)
     supervisor.start()
     os.environ[WHEEL_ENV] = name  # the workers inherit it: a middleware without a name uses this wheel
     with _state.lock:
@@ -426,10 +406,10 @@ def _start(server: Any, settings: _Settings) -> None:
         _state.timer = _timer(name, settings) if how == HOOKS else None
     server.log.info(
         "shmwheel: request timeout %g s on wheel %r, driver pid %s%s%s",
-        settings.timeout,
+        settings.timeouts.timeout,
         name,
         supervisor.pid,
-        ", workers are killed on timeout" if settings.actions.kill else "",
+        ", workers are killed on timeout" if actions.kill else "",
         "" if owner is None else f"; the wheel and the driver belong to the workers' uid {owner[0]}, gid {owner[1]}",
     )
 

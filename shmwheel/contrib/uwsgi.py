@@ -63,6 +63,7 @@ creates the wheel instead, and leaves the same process behind to remove it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -82,7 +83,7 @@ from .._process import alive, start_time
 from .._wheel import observe, unlink
 from ._handler import TimeoutHandler
 from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
-from ._settings import DEFAULT_CAPACITY, DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
+from ._settings import DEFAULT_CAPACITY, DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions, TimeoutSettings
 from ._stacks import writes_somewhere
 from ._supervisor import LOG_FORMAT, create_wheel, watch_parent
 from .wsgi import TimeoutMiddleware, WSGIApp
@@ -102,15 +103,10 @@ class Settings:
     """The ``shmwheel-*`` options of a uWSGI config."""
 
     name: str
-    timeout: float
-    actions: TimeoutActions
-    traceback_signal: int | None  # the workers': the signal they write a request's stack on
-    capacity: int
-    warn_after: float | None = None
-    interrupt: bool = False
-    routes: dict[str, float | None] | None = None
+    #: Every request's, and the driver's actions; ``on_timeout`` left out:
+    #: the function is imported where requests are served, never in the mule.
+    timeouts: TimeoutSettings
     on_timeout: str | None = None  # module:function
-    x_request_start: bool = False
 
 
 def _option(opts: Mapping[str, Any], key: str, prefix: str = _PREFIX) -> str | None:
@@ -186,12 +182,17 @@ def on_timeout_hook(spec: str | None) -> Any:
 def settings(opts: Mapping[str, Any], master_pid: int) -> Settings:
     """Read the ``shmwheel-*`` options (``uwsgi.opt``); ValueError names a bad one."""
     try:
-        warn_after = _number(opts, "warn-after", 0.0)
-        interrupt = _flag(opts, "interrupt", False)
-        asks = _flag(opts, "tracebacks", True) or interrupt or bool(warn_after) or _option(opts, "on-timeout")
-        return Settings(
-            name=_option(opts, "name") or f"uwsgi-{master_pid}",
-            timeout=check_seconds(_number(opts, "timeout", None), f"{_PREFIX}timeout", positive=True),
+        on_timeout = _option(opts, "on-timeout")
+        timeouts = TimeoutSettings(
+            check_seconds(_number(opts, "timeout", None), f"{_PREFIX}timeout", positive=True),
+            warn_after=_number(opts, "warn-after", 0.0) or None,
+            interrupt=_flag(opts, "interrupt", False),
+            routes=_routes(opts),
+            x_request_start=_flag(opts, "x-request-start", False),
+            traceback_signal=check_traceback_signal(
+                _option(opts, "traceback-signal") or DEFAULT_TRACEBACK_SIGNAL, f"{_PREFIX}traceback-signal"
+            ),
+            capacity=_number(opts, "capacity", DEFAULT_CAPACITY, int),
             actions=TimeoutActions(
                 log=_flag(opts, "log", True),
                 tracebacks=_flag(opts, "tracebacks", True),
@@ -200,20 +201,8 @@ def settings(opts: Mapping[str, Any], master_pid: int) -> Settings:
                 kill_after=_number(opts, "kill-after", DEFAULT_KILL_AFTER),
                 interrupt_grace=_number(opts, "interrupt-grace", DEFAULT_INTERRUPT_GRACE),
             ),
-            traceback_signal=(
-                check_traceback_signal(
-                    _option(opts, "traceback-signal") or DEFAULT_TRACEBACK_SIGNAL, f"{_PREFIX}traceback-signal"
-                )
-                if asks
-                else None
-            ),
-            capacity=_number(opts, "capacity", DEFAULT_CAPACITY, int),
-            warn_after=warn_after or None,
-            interrupt=interrupt,
-            routes=_routes(opts),
-            on_timeout=_option(opts, "on-timeout"),
-            x_request_start=_flag(opts, "x-request-start", False),
         )
+        return Settings(name=_option(opts, "name") or f"uwsgi-{master_pid}", timeouts=timeouts, on_timeout=on_timeout)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"shmwheel: {exc}") from None
 
@@ -254,16 +243,15 @@ def request_timeouts(app: WSGIApp) -> WSGIApp:
         )
     if in_master and config.name not in _created:
         owner = _workers_owner(uwsgi.opt)
-        create_wheel(config.name, capacity=config.capacity, owner=owner)
+        create_wheel(config.name, capacity=config.timeouts.capacity, owner=owner)
         _created.add(config.name)
         _remove_when_master_exits(config.name, os.getpid(), owner)
     elif not in_master:
         _created.add(config.name)  # reported once
-    middleware = TimeoutMiddleware(
-        app, config.name, config.timeout, traceback_signal=config.traceback_signal, warn_after=config.warn_after,
-        interrupt=config.interrupt, routes=config.routes, on_timeout=on_timeout_hook(config.on_timeout),
-        x_request_start=config.x_request_start, stacks=config.actions.tracebacks,
-    )  # fmt: skip
+    timeouts = config.timeouts
+    if config.on_timeout is not None:
+        timeouts = dataclasses.replace(timeouts, on_timeout=on_timeout_hook(config.on_timeout))
+    middleware = TimeoutMiddleware.of(app, config.name, timeouts)
 
     def after_fork() -> None:
         if uwsgi.worker_id() > 0:  # a worker, not a mule
@@ -401,7 +389,7 @@ def driver() -> None:
     uwsgi = _uwsgi()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
     config = _settings()
-    run = Driver(config.name, TimeoutHandler(config.name, config.actions))
+    run = Driver(config.name, TimeoutHandler(config.name, config.timeouts.actions))
     master = uwsgi.masterpid()
     stopped_by: int | None = None
 
@@ -421,7 +409,7 @@ def driver() -> None:
         try:
             observe(config.name).close()
         except SegmentNotFoundError:  # lazy-apps: no master made it
-            create_wheel(config.name, capacity=config.capacity)
+            create_wheel(config.name, capacity=config.timeouts.capacity)
             _remove_when_master_exits(config.name, master)
         run.run()
     except DriverRunningError as exc:

@@ -25,6 +25,7 @@ from ._door import closing_body, in_c, wsgi_in_c
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RESPONSE_STATUS, RequestTimeout
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
 from ._routes import Routes
+from ._settings import TimeoutActions, TimeoutSettings
 from ._worker import RequestTimer, timed_apps
 
 __all__ = ["InterruptibleApp", "TimeoutMiddleware"]
@@ -69,16 +70,30 @@ class TimeoutMiddleware:
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be a WSGI application, not {type(app).__name__}")
-        check_flag(x_request_start, "x_request_start")
-        self.app = app
-        self.timer = RequestTimer(
-            name, timeout, traceback_signal=traceback_signal, warn_after=warn_after, interrupt=interrupt,
-            routes=routes, on_timeout=on_timeout, stacks=stacks,
+        check_flag(stacks, "stacks")
+        settings = TimeoutSettings(
+            timeout, warn_after=warn_after, interrupt=interrupt, routes=routes, on_timeout=on_timeout,
+            x_request_start=x_request_start, traceback_signal=traceback_signal,
+            actions=TimeoutActions(tracebacks=stacks),
         )  # fmt: skip
-        self.x_request_start = x_request_start
+        self._set_up(app, name, settings)
+
+    @classmethod
+    def of(cls, app: WSGIApp, name: str, settings: TimeoutSettings) -> TimeoutMiddleware:
+        """The middleware of an adapter's ``settings``, checked when they were made."""
+        if not callable(app):
+            raise TypeError(f"app must be a WSGI application, not {type(app).__name__}")
+        middleware = cls.__new__(cls)
+        middleware._set_up(app, name, settings)
+        return middleware
+
+    def _set_up(self, app: WSGIApp, name: str, settings: TimeoutSettings) -> None:
+        self.app = app
+        self.timer = RequestTimer.of(name, settings)
+        self.x_request_start = settings.x_request_start
         # Whether every request takes the whole call in C when it can
         # (shmwheel._fast's Timer.wsgi): not with what needs Python per request.
-        self._plain = in_c(routes=routes, x_request_start=x_request_start, interrupt=interrupt)
+        self._plain = in_c(settings)
         timed_apps.add(self)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
