@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from typing import Any
 
 import pytest
@@ -105,3 +106,24 @@ def test_a_request_the_c_path_gives_back_takes_the_waiting_path_without_trying_c
     elif way != "asgi":
         body.close()  # type: ignore[attr-defined]
     assert len(wheel) == 0 and not timer._active
+
+
+def test_every_adapter_takes_the_c_path_only_as_the_door_says(make_wheel, monkeypatch, path: str) -> None:
+    """Each adapter asks the door (in_c) once, as it is made, whether its
+    requests may take the C path: the ``path`` fixture, which answers
+    there, decides the way of the WSGI middleware and its direct() call,
+    of the ASGI middleware and of Gunicorn's hooks alike."""
+    from shmwheel.contrib import asgi as contrib_asgi
+
+    wheel = make_wheel(payload_size=256)
+    in_c = path == "c"
+    wsgi = TimeoutMiddleware(lambda e, s: [b""], wheel.name, 30.0, traceback_signal=None)
+    assert wsgi._plain is in_c and (type(wsgi.direct()) is _fast.WSGI) is in_c
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        pass
+
+    asgi = contrib_asgi.TimeoutMiddleware(app, name=wheel.name, timeout=30.0, tracebacks=False)
+    assert (type(asgi._in_c) is _fast.ASGI) is in_c
+    hooks, _ = _gunicorn_hooks(wheel, monkeypatch)
+    assert isinstance(hooks["pre_request"], types.BuiltinMethodType) is in_c
