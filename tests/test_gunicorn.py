@@ -16,7 +16,7 @@ from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib._record import decode_request
 
 
-def test_gunicorn_install_defines_hooks_gunicorn_accepts_and_keeps_earlier_ones() -> None:
+def test_gunicorn_install_defines_hooks_gunicorn_accepts_and_keeps_earlier_ones(path: str) -> None:
     from gunicorn.config import Config
 
     calls: list[str] = []
@@ -91,13 +91,12 @@ def test_gunicorns_c_hook_leaves_headers_of_another_shape_to_the_python_hook(
     assert len(wheel) == 0
 
 
-@pytest.mark.parametrize("kw", [{}, {"x_request_start": True}], ids=["c", "python"])
-def test_gunicorns_hook_that_cannot_keep_the_handle_leaves_no_timer(make_wheel, monkeypatch, kw) -> None:
+def test_gunicorns_hook_that_cannot_keep_the_handle_leaves_no_timer(make_wheel, monkeypatch, path: str) -> None:
     class Req:
         __slots__ = ("method", "path", "headers")
 
     wheel = make_wheel()
-    hooks, timer = _gunicorn_hooks(wheel, monkeypatch, **kw)
+    hooks, timer = _gunicorn_hooks(wheel, monkeypatch)
     req = Req()
     req.method, req.path, req.headers = "GET", "/x", []
     with pytest.raises(AttributeError, match="shmwheel_timer"):
@@ -106,7 +105,9 @@ def test_gunicorns_hook_that_cannot_keep_the_handle_leaves_no_timer(make_wheel, 
     hooks["post_request"](None, req, {}, None)  # no handle: nothing
 
 
-def test_gunicorns_hooks_call_the_configs_own_and_end_the_timer_if_theirs_fails(make_wheel, monkeypatch) -> None:
+def test_gunicorns_hooks_call_the_configs_own_and_end_the_timer_if_theirs_fails(
+    make_wheel, monkeypatch, path: str
+) -> None:
     calls: list[str] = []
 
     def theirs_post(worker: object, req: object, environ: object, resp: object) -> None:

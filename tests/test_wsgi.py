@@ -50,7 +50,7 @@ def test_middleware_times_the_whole_response_and_cancels_on_close(make_wheel) ->
     assert len(wheel) == 0 and wheel.stats().cancelled == 1
 
 
-def test_middleware_cancels_when_the_body_is_closed_or_the_app_raises(make_wheel) -> None:
+def test_middleware_cancels_when_the_body_is_closed_or_the_app_raises(make_wheel, path: str) -> None:
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
     closed: list[bool] = []
 
@@ -59,6 +59,7 @@ def test_middleware_cancels_when_the_body_is_closed_or_the_app_raises(make_wheel
             closed.append(True)
 
     mw = TimeoutMiddleware(lambda e, s: Body([b"x"]), wheel.name, 30.0, traceback_signal=None)
+    assert mw.timer.prepare()  # attached: the first request may take the C path too
     body = mw({"REQUEST_METHOD": "GET", "PATH_INFO": "/"}, lambda *a: None)
     assert len(wheel) == 1
     body.close()  # type: ignore[attr-defined]
@@ -67,8 +68,10 @@ def test_middleware_cancels_when_the_body_is_closed_or_the_app_raises(make_wheel
     def broken(environ, start_response):
         raise RuntimeError("boom")
 
+    raising = TimeoutMiddleware(broken, wheel.name, 30.0, traceback_signal=None)
+    assert raising.timer.prepare()
     with pytest.raises(RuntimeError, match="boom"):
-        TimeoutMiddleware(broken, wheel.name, 30.0, traceback_signal=None)({}, lambda *a: None)
+        raising({}, lambda *a: None)
     assert len(wheel) == 0
     with pytest.raises(TypeError, match="WSGI application"):
         TimeoutMiddleware("app", wheel.name, 1.0)  # type: ignore[arg-type]
