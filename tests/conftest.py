@@ -201,6 +201,23 @@ def wheel(make_wheel: Callable[..., shmwheel.Wheel]) -> shmwheel.Wheel:
     return make_wheel()
 
 
+@pytest.fixture(params=["c", "python"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The way the adapters made during the test serve a request: "c", in
+    shmwheel._fast wherever their settings allow (the WSGI and ASGI
+    middlewares' calls, Gunicorn's hooks); "python", their own Python for
+    every request, as where their settings need it (a route, X-Request-Start,
+    an interrupt).  Each adapter asks shmwheel.contrib._door.in_c once, when
+    it is made, under the name it imported; for "python" each of those names
+    answers no.  The worker's timer below them is the same either way."""
+    if request.param == "python":
+        from shmwheel.contrib import _door, asgi, gunicorn, wsgi
+
+        for module in (_door, wsgi, asgi, gunicorn):
+            monkeypatch.setattr(module, "in_c", lambda *settings, **named: False)
+    return str(request.param)
+
+
 # Besides the fixtures' names: the wheels that the servers under test
 # (Gunicorn, uWSGI, the ASGI middleware's own) and the demo name after a pid.
 OTHER_NAMES = ("gunicorn-*", "uwsgi-*", "asgi-*", "shmwheel-demo-*")

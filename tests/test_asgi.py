@@ -440,7 +440,7 @@ def test_a_forked_child_times_its_requests_on_a_timer_of_its_own_and_the_c_way_a
     assert len(wheel) == 0 and wheel.stats().cancelled == 4
 
 
-def test_a_cancelled_last_send_reaches_the_server_and_ends_the_timer(make_wheel) -> None:
+def test_a_cancelled_last_send_reaches_the_server_and_ends_the_timer(make_wheel, path: str) -> None:
     """A task cancelled while the server sends the last body: the server's
     send sees the cancellation (Then.throw), and the timer ends."""
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
@@ -519,7 +519,7 @@ def test_a_loop_run_inside_another_in_one_thread_gets_its_own_tasks_named(make_w
     assert len(wheel) == 0 and wheel.stats().cancelled == 3
 
 
-def test_a_cancellation_reaches_the_app_through_a_send_whose_awaitable_has_no_throw(make_wheel) -> None:
+def test_a_cancellation_reaches_the_app_through_a_send_whose_awaitable_has_no_throw(make_wheel, path: str) -> None:
     """A server's send may give back any awaitable: one whose iterator has
     no throw() gets the cancellation raised at the await, as a coroutine
     awaiting it would."""
@@ -644,8 +644,7 @@ class _Message(dict):  # type: ignore[type-arg]
     ],
     ids=lambda m: f"{type(m).__name__}-{m['type']!s}-{m.get('more_body', '')}",
 )
-@pytest.mark.parametrize("way", ["c", "own"])
-def test_the_timer_ends_at_the_message_that_completes_the_response(make_wheel, message: Message, way: str) -> None:
+def test_the_timer_ends_at_the_message_that_completes_the_response(make_wheel, message: Message, path: str) -> None:
     """The C way and the middleware's own agree with asgi._completes."""
     from shmwheel.contrib.asgi import _completes
 
@@ -659,9 +658,7 @@ def test_the_timer_ends_at_the_message_that_completes_the_response(make_wheel, m
 
     mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
     assert mw.timer.prepare()
-    if way == "own":
-        mw._in_c = None
-    else:
+    if path == "c":
         mw._call = None  # type: ignore[assignment,method-assign]  # the request must take the C way
     run(mw, http("/x"))
     assert pending == [0 if _completes(message) else 1]
@@ -769,12 +766,11 @@ class _AwaitsACoroutine:
         return _generated_coroutine()
 
 
-@pytest.mark.parametrize("way", ["c", "own"])
 @pytest.mark.parametrize(
     ("gives", "match"),
     [("a plain generator", "generator"), ("an __await__ that returns a coroutine", "coroutine")],
 )
-def test_what_await_refuses_of_an_application_is_refused(make_wheel, way: str, gives: str, match: str) -> None:
+def test_what_await_refuses_of_an_application_is_refused(make_wheel, path: str, gives: str, match: str) -> None:
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
 
     class Generating:
@@ -787,15 +783,12 @@ def test_what_await_refuses_of_an_application_is_refused(make_wheel, way: str, g
     app = Generating() if gives == "a plain generator" else awaits_a_coroutine
     mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
     assert mw.timer.prepare()
-    if way == "own":
-        mw._in_c = None
     with pytest.raises(TypeError, match=match):
         run(mw, http("/x"))
     assert len(wheel) == 0 and wheel.stats().added == wheel.stats().cancelled == 1
 
 
-@pytest.mark.parametrize("way", ["c", "own"])
-def test_a_request_on_a_loop_dropped_unclosed_is_collected_and_its_timer_ends(make_wheel, way: str) -> None:
+def test_a_request_on_a_loop_dropped_unclosed_is_collected_and_its_timer_ends(make_wheel, path: str) -> None:
     """The C way keeps asyncio's running-loop holder, which the GC does not
     see and which holds its loop: dropped with the middleware (whose table
     of requests holds the task), at an interpreter's exit say, the loop,
@@ -815,8 +808,6 @@ def test_a_request_on_a_loop_dropped_unclosed_is_collected_and_its_timer_ends(ma
 
     mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
     assert mw.timer.prepare()
-    if way == "own":
-        mw._in_c = None
     loop = asyncio.new_event_loop()
     task = loop.create_task(mw(http("/x"), receive, receive))
     loop.run_until_complete(asyncio.sleep(0.01))
@@ -836,9 +827,8 @@ class _EndFailed(Exception):
     pass
 
 
-@pytest.mark.parametrize("way", ["c", "own"])
 @pytest.mark.parametrize("end", ["raises", "closed"])
-def test_an_end_of_the_timer_that_fails_chains_as_a_finally_would(make_wheel, way: str, end: str) -> None:
+def test_an_end_of_the_timer_that_fails_chains_as_a_finally_would(make_wheel, path: str, end: str) -> None:
     """The application raises (or its coroutine is closed) and ending the
     timer raises too, from within an except block of its own: the error
     that comes out has that block's exception, then the application's (or
@@ -872,8 +862,6 @@ def test_an_end_of_the_timer_that_fails_chains_as_a_finally_would(make_wheel, wa
 
     mw = TimeoutMiddleware(app, 30.0, name=wheel.name, tracebacks=False)
     assert mw.timer.prepare()
-    if way == "own":
-        mw._in_c = None
 
     async def main() -> BaseException:
         call = mw(http("/x"), app, app)

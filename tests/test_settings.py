@@ -1,8 +1,10 @@
-"""One settings object for every adapter (shmwheel.contrib._settings):
+"""The settings every side shares (shmwheel.contrib._settings).
 TimeoutSettings checks a request's timeout, its stages and the driver's
 actions once, says once which signal the workers listen on, and every
 adapter (both middlewares, Gunicorn's install(), uWSGI's options) makes
-the same object from the same arguments."""
+the same object from the same arguments.  TimeoutActions, the driver's
+part, refuses bad values and goes through the driver's command line.
+(test_stages.py has the stages at work.)"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from shmwheel.contrib import TimeoutActions, TimeoutSettings, _settings
+from shmwheel.contrib import TimeoutActions, TimeoutSettings, _settings, timeouts
 from shmwheel.contrib import asgi as contrib_asgi
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import wsgi as contrib_wsgi
@@ -107,3 +109,27 @@ def test_every_adapter_makes_the_same_settings_from_the_same_arguments_and_check
         "shmwheel-x-request-start": True,
     }
     assert uwsgi_settings(opts, 1).timeouts == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"kill": 1}, TypeError, "kill must be True or False"),
+        ({"kill_signal": "NOPE"}, ValueError, "no signal named 'NOPE'"),
+        ({"kill_signal": 999}, ValueError, "999 is not a signal"),
+        ({"kill_signal": 1.5}, TypeError, "signal number or name"),
+        ({"kill_after": 0}, ValueError, "positive"),
+        ({"kill_after": float("nan")}, ValueError, "positive"),
+        ({"kill_after": "5"}, TypeError, "number of seconds"),
+    ],
+)
+def test_actions_refuse_bad_settings(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        TimeoutActions(**kwargs)  # type: ignore[arg-type]
+
+
+def test_actions_take_signal_names_and_round_trip_through_the_command_line() -> None:
+    actions = TimeoutActions(kill=True, kill_signal="abrt", tracebacks=False, kill_after=2.5, log=False)
+    assert actions.kill_signal == signal.SIGABRT
+    again = TimeoutActions.from_args(timeouts._parser("shmwheel timeouts").parse_args(["w", *actions.as_args()]))
+    assert again == actions
