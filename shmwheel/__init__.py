@@ -20,7 +20,7 @@ from ._errors import (
     ShmwheelError,
     WheelFullError,
 )
-from ._records import Fire, Producer, WheelStats
+from ._results import Fire, Producer, WheelStats
 from ._wheel import Wheel, attach, create, unlink
 
 __version__ = "0.1.0"

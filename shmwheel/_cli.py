@@ -33,7 +33,7 @@ from ._demo import demo
 from ._driver import Driver, Handler, OutputFailed, dedicated_process
 from ._errors import DriverRunningError, IncompatibleSegmentError, SegmentNotFoundError, ShmwheelError, one_line
 from ._process import alive
-from ._records import Fire, Producer, WheelStats
+from ._results import Fire, Producer, WheelStats
 from ._segment import SHM, bare_name, wheel_stat
 from ._wheel import create, observe, unlink
 from .contrib._record import decode_request

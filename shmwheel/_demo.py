@@ -13,7 +13,7 @@ import sys
 import time
 
 from ._driver import start_driver
-from ._records import Fire
+from ._results import Fire
 from ._wheel import Wheel, create, unlink
 
 __all__ = ["demo"]

@@ -52,7 +52,7 @@ from ._binding import ffi, lib
 from ._checks import LOCK_TIMEOUT, check_lock_timeout
 from ._errors import CorruptSegmentError, DriverStartError, LockTimeoutError
 from ._process import start_time
-from ._records import Fire, decode_records
+from ._results import Fire, decode_fires
 from ._wheel import Wheel, attach, observe
 
 __all__ = [
@@ -514,7 +514,7 @@ class Driver:
         while (n := take()) > 0:
             if sift is not None:
                 n = sift(n)
-            fires = decode_records(rec, view[: n * rec.size])
+            fires = decode_fires(rec, view[: n * rec.size])
             try:
                 errors = self.handle_batch(fires)
             except OutputFailed as exc:
@@ -603,7 +603,7 @@ def _read_batches(wheel: Wheel, fd: int) -> Iterator[list[Fire]]:
         have += n
         whole = have - have % rec.size
         if whole:
-            fires = decode_records(rec, view[:whole])
+            fires = decode_fires(rec, view[:whole])
             view[: have - whole] = view[whole:have]  # the start of a record, if any
             have -= whole
             yield fires

@@ -53,7 +53,7 @@ from ._errors import (
     WheelFullError,
 )
 from ._process import USE_LOCK_AT, alive, describe_lock_holder, pid_namespace, start_time
-from ._records import Fire, Payload, Producer, WheelStats, decode_records, record_struct
+from ._results import Fire, Payload, Producer, WheelStats, decode_fires, fire_struct
 from ._segment import SHM, SegmentFile, open_segment, segment_name, wheel_stat
 
 __all__ = ["Wheel", "attach", "create", "observe", "unlink"]
@@ -187,7 +187,7 @@ class Wheel:
         self._levels = st.levels
         self._wheel_size = st.wheel_size
         self._poll_buffers = []
-        self._record = record_struct(lib.shmw_record_size(self._w))
+        self._record = fire_struct(lib.shmw_record_size(self._w))
         self._producer = -1
         self._producer_retry_at = -math.inf
         self._fast = None
@@ -593,7 +593,7 @@ class Wheel:
                         return out
                     self._raise(n, "now", now)
                 if n:
-                    out += decode_records(rec, ffi.buffer(records, n * rec.size))
+                    out += decode_fires(rec, ffi.buffer(records, n * rec.size))
                 if not more[0]:
                     return out
         finally:

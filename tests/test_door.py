@@ -42,7 +42,7 @@ def test_a_request_the_c_path_gives_back_takes_the_waiting_path_without_trying_c
 ) -> None:
     """With the lock held by another process, each adapter's C path tries
     the request once and gives it back; the adapter's own path then waits
-    for the lock (the GIL let go), not trying C again: the Timer declined
+    for the lock (the GIL let go), not trying C again: the Clerk declined
     one request, and the request has its timer."""
     from shmwheel.contrib import asgi as contrib_asgi
 
@@ -50,7 +50,7 @@ def test_a_request_the_c_path_gives_back_takes_the_waiting_path_without_trying_c
     handles: list[int] = []
 
     def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
-        handles.append(environ["shmwheel.timer"])
+        handles.append(environ["shmwheel.handle"])
         return [b"ok"]
 
     if way == "gunicorn":
@@ -59,7 +59,7 @@ def test_a_request_the_c_path_gives_back_takes_the_waiting_path_without_trying_c
     elif way == "asgi":
 
         async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            handles.append(scope["shmwheel.timer"])
+            handles.append(scope["shmwheel.handle"])
 
         middleware = contrib_asgi.TimeoutMiddleware(asgi_app, name=wheel.name, timeout=30.0, tracebacks=False)
         timer = middleware.timer
@@ -79,7 +79,7 @@ def test_a_request_the_c_path_gives_back_takes_the_waiting_path_without_trying_c
     try:
         if way == "gunicorn":
             hooks["pre_request"](None, req)
-            handles.append(req.shmwheel_timer)
+            handles.append(req.shmwheel_handle)
         elif way == "asgi":
             scope = {"type": "http", "method": "GET", "path": "/x", "headers": []}
 

@@ -59,7 +59,7 @@ def test_gunicorns_hooks_in_c_file_what_the_python_hooks_file(make_wheel, monkey
         assert isinstance(pre, types.BuiltinMethodType) == (not kw)
         req: Any = _gunicorn_request(raw)
         pre(None, req)
-        handle = req.shmwheel_timer
+        handle = req.shmwheel_handle
         assert handle is not None and timer.current_handle() == handle and len(wheel) == 1
         records.append(timer._active[handle].payload)
         post(None, req, {}, None)
@@ -85,7 +85,7 @@ def test_gunicorns_c_hook_leaves_headers_of_another_shape_to_the_python_hook(
     hooks, timer = _gunicorn_hooks(wheel, monkeypatch)
     req: Any = types.SimpleNamespace(method="GET", path="/x", headers=headers)
     hooks["pre_request"](None, req)
-    record = decode_request(timer._active[req.shmwheel_timer].payload)
+    record = decode_request(timer._active[req.shmwheel_handle].payload)
     assert record is not None and record.request_id == request_id
     hooks["post_request"](None, req, {}, None)
     assert len(wheel) == 0
@@ -99,7 +99,7 @@ def test_gunicorns_hook_that_cannot_keep_the_handle_leaves_no_timer(make_wheel, 
     hooks, timer = _gunicorn_hooks(wheel, monkeypatch)
     req = Req()
     req.method, req.path, req.headers = "GET", "/x", []
-    with pytest.raises(AttributeError, match="shmwheel_timer"):
+    with pytest.raises(AttributeError, match="shmwheel_handle"):
         hooks["pre_request"](None, req)
     assert len(wheel) == 0 and not timer._active
     hooks["post_request"](None, req, {}, None)  # no handle: nothing
@@ -134,7 +134,7 @@ def test_gunicorns_c_hooks_do_nothing_where_the_worker_has_no_timer(make_wheel, 
     req: Any = _gunicorn_request(RAW_REQUESTS[0])
     hooks["pre_request"](None, req)
     hooks["post_request"](None, req, {}, None)
-    assert not hasattr(req, "shmwheel_timer") and len(wheel) == 0
+    assert not hasattr(req, "shmwheel_handle") and len(wheel) == 0
     with pytest.raises(TypeError, match=r"pre_request\(worker, req\)"):
         hooks["pre_request"](None)
     with pytest.raises(TypeError, match=r"post_request\(worker, req, environ, resp\)"):
@@ -156,7 +156,7 @@ def test_gunicorns_c_hook_keeps_the_request_id_that_python_run_meanwhile_drops(m
     req: Any = _gunicorn_request(b"GET /x HTTP/1.1\r\nX-Request-Id: " + b"a" * 40 + b"\r\n\r\n")
     held["req"] = req
     hooks["pre_request"](None, req)
-    record = decode_request(timer._active[req.shmwheel_timer].payload)
+    record = decode_request(timer._active[req.shmwheel_handle].payload)
     assert record is not None and record.request_id == "a" * 40
     hooks["post_request"](None, req, {}, None)
     assert len(wheel) == 0

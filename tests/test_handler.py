@@ -67,7 +67,7 @@ WORKER = textwrap.dedent(
         assert handle is not None
         if mode == "lost":  # something took the stack signal since its start's look: its default action ends it
             from shmwheel.contrib import decode_request
-            signal.signal(decode_request(timer.active()[handle].payload).stack_signal, signal.SIG_DFL)
+            signal.signal(decode_request(timer.in_progress()[handle].payload).stack_signal, signal.SIG_DFL)
         if mode in ("two", "stubborn"):
             assert timer.start("GET", "/slower", "r2") is not None
     else:

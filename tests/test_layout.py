@@ -40,8 +40,8 @@ def test_the_package_has_no_import_circle_and_contrib_imports_only_downward() ->
 def test_the_import_rules_catch_a_circle_an_upward_import_a_worker_that_loads_the_driver_and_a_second_door() -> None:
     imports = _tool()
     graph = imports.graph()
-    circle = {**graph, "shmwheel._records": graph["shmwheel._records"] | {"shmwheel._wheel"}}
-    assert any("circle" in p and "shmwheel._records" in p for p in imports.problems(circle))
+    circle = {**graph, "shmwheel._results": graph["shmwheel._results"] | {"shmwheel._wheel"}}
+    assert any("circle" in p and "shmwheel._results" in p for p in imports.problems(circle))
     upward = {**graph, "shmwheel.contrib._record": graph["shmwheel.contrib._record"] | {"shmwheel.contrib._stacks"}}
     assert any("not below it" in p for p in imports.problems(upward))
     worker = {**graph, "shmwheel.contrib._stacks": graph["shmwheel.contrib._stacks"] | {"shmwheel.contrib._handler"}}

@@ -18,7 +18,7 @@ from shmwheel.contrib import TimeoutActions, TimeoutSettings, _settings, timeout
 from shmwheel.contrib import asgi as contrib_asgi
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib import wsgi as contrib_wsgi
-from shmwheel.contrib.uwsgi import settings as uwsgi_settings
+from shmwheel.contrib.uwsgi import read_options
 
 
 def _report(request: object, stack: str) -> None:
@@ -108,7 +108,7 @@ def test_every_adapter_makes_the_same_settings_from_the_same_arguments_and_check
         "shmwheel-route": [b"/upload 60", b"POST /api/ 2"],
         "shmwheel-x-request-start": True,
     }
-    assert uwsgi_settings(opts, 1).timeouts == expected
+    assert read_options(opts, 1).timeouts == expected
 
 
 @pytest.mark.parametrize(

@@ -216,7 +216,7 @@ def test_no_stage_is_reported_a_nanosecond_before_its_deadline(make_wheel) -> No
     handle = timer.start("GET", "/almost")
     try:
         assert handle is not None
-        deadline = timer.active()[handle].timeout_ns
+        deadline = timer.in_progress()[handle].timeout_ns
         assert report_overdue(deadline - 1) == 0
         assert hooked == []
         assert report_overdue(deadline) == 1
@@ -525,7 +525,7 @@ def test_on_timeout_sends_the_stack_to_sentry_before_the_interrupt(driven) -> No
 
 
 def test_uwsgi_reads_the_stages_and_the_routes() -> None:
-    from shmwheel.contrib.uwsgi import on_timeout_hook, settings
+    from shmwheel.contrib.uwsgi import on_timeout_hook, read_options
 
     opts = {
         "shmwheel-timeout": b"30",
@@ -537,7 +537,7 @@ def test_uwsgi_reads_the_stages_and_the_routes() -> None:
         "shmwheel-on-timeout": b"sentry_on_timeout:report_to_sentry",
         "shmwheel-x-request-start": True,
     }
-    s = settings(opts, 1)
+    s = read_options(opts, 1)
     t = s.timeouts
     assert (t.warn_after, t.interrupt, t.x_request_start) == (10.0, True, True)
     assert t.actions == TimeoutActions(tracebacks=False, interrupt_grace=2.5)
@@ -549,9 +549,9 @@ def test_uwsgi_reads_the_stages_and_the_routes() -> None:
     with pytest.raises(ValueError, match="No module named 'no_such_module'"):
         on_timeout_hook("no_such_module:f")
     with pytest.raises(ValueError, match=r"shmwheel-route '/x soon': 'soon' is not a number of seconds"):
-        settings({"shmwheel-timeout": b"1", "shmwheel-route": b"/x soon"}, 1)
+        read_options({"shmwheel-timeout": b"1", "shmwheel-route": b"/x soon"}, 1)
     with pytest.raises(ValueError, match="shmwheel-route must be"):
-        settings({"shmwheel-timeout": b"1", "shmwheel-route": b"300"}, 1)
+        read_options({"shmwheel-timeout": b"1", "shmwheel-route": b"300"}, 1)
 
 
 def test_gunicorn_install_checks_the_stages_in_the_config() -> None:
@@ -583,7 +583,7 @@ def test_gunicorn_says_at_boot_that_eventlet_requests_cannot_be_interrupted() ->
             log=log, worker_class=EventletWorker, cfg=SimpleNamespace(timeout=30, worker_class_str="eventlet")
         )
         timeouts = TimeoutSettings(5.0, interrupt=interrupt, traceback_signal=signal.SIGURG, capacity=10)
-        settings = gunicorn._Settings(name=None, timeouts=timeouts, kill_signal_given=False)
+        settings = gunicorn._Installed(name=None, timeouts=timeouts, kill_signal_given=False)
         gunicorn._check_setup(server, settings, gunicorn.HOOKS)
     assert len(said) == 1 and said[0].startswith("shmwheel: interrupt=True cannot end a request of the eventlet")
 
@@ -606,7 +606,7 @@ try:
     a = timer.start("GET", "/a", "a")
     time.sleep(0.02)
     b = timer.start("GET", "/b", "b")
-    active = timer.active()
+    active = timer.in_progress()
     deadline = {h: active[h].deadline_ns for h in (a, b)}
     started = {h: decode_request(active[h].payload).started_ns for h in (a, b)}
     print("asked on", signal_name(decode_request(active[a].payload).stack_signal), flush=True)
@@ -665,7 +665,7 @@ try:
     timer = RequestTimer(name, 0.05, traceback_signal=signal.SIGURG)
     assert timer.prepare()
     handles = [timer.start("GET", path, path) for path in ("/a", "/b")]
-    records = [decode_request(timer.active()[h].payload) for h in handles]
+    records = [decode_request(timer.in_progress()[h].payload) for h in handles]
     values = {_stacks.asked_value(record.started_ns, True) for record in records}
     time.sleep(0.1)
     ask = records[0].stack_signal

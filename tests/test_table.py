@@ -139,11 +139,11 @@ def test_an_active_read_from_the_table_is_a_copy_of_the_request_at_that_moment(m
     timer = _timer(wheel)
     handle = timer.start("GET", "/x", "r")
     assert handle is not None
-    before = timer.active()[handle]
+    before = timer.in_progress()[handle]
     assert timer.rearm(handle, 60.0)
     after = timer._active[handle]
     assert before.handle == handle != after.handle and after.timeout_ns > before.timeout_ns
-    assert timer.active()[handle] == after != before
+    assert timer.in_progress()[handle] == after != before
     timer.finish(handle)
     assert len(wheel) == 0 and not timer._active
 

@@ -9,10 +9,10 @@ import signal
 import pytest
 
 from shmwheel.contrib import TimeoutActions
-from shmwheel.contrib.uwsgi import settings as uwsgi_settings
+from shmwheel.contrib.uwsgi import read_options
 
 
-def test_uwsgi_settings_read_the_ini_options() -> None:
+def test_uwsgi_options_are_read_from_the_ini() -> None:
     opts = {
         "shmwheel-timeout": b"2.5",
         "shmwheel-kill": [b"false", b"yes"],  # given twice: the last one counts
@@ -20,7 +20,7 @@ def test_uwsgi_settings_read_the_ini_options() -> None:
         "shmwheel-tracebacks": True,  # a bare flag
         "shmwheel-capacity": b"100",
     }
-    s = uwsgi_settings(opts, 4321)
+    s = read_options(opts, 4321)
     assert s.name == "uwsgi-4321" and s.timeouts.timeout == 2.5 and s.timeouts.capacity == 100
     assert s.timeouts.actions == TimeoutActions(kill=True, kill_signal=signal.SIGQUIT, tracebacks=True)
 
@@ -35,6 +35,6 @@ def test_uwsgi_settings_read_the_ini_options() -> None:
         ({"shmwheel-timeout": b"1", "shmwheel-kill-signal": b"NOPE"}, "no signal named"),
     ],
 )
-def test_uwsgi_settings_name_the_bad_option(opts: dict[str, object], match: str) -> None:
+def test_uwsgi_options_name_the_bad_one(opts: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        uwsgi_settings(opts, 1)
+        read_options(opts, 1)

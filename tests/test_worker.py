@@ -1,7 +1,7 @@
 """The worker's timer (shmwheel.contrib._worker's RequestTimer): its timers
 added and cancelled as the worker's; a wheel that is full, missing,
 replaced, removed or closed under it; threads and forks.  Its start and
-finish in C (shmwheel._fast's Timer): the record its own Python path
+finish in C (shmwheel._fast's Clerk): the record its own Python path
 packs, byte for byte, and the wheel's lock, held elsewhere, waited for
 with the GIL released.  Its stack signal after a fork, and what it tells
 a new driver."""
@@ -25,7 +25,7 @@ from _contrib import WAIT, _hold, _timer
 import shmwheel
 from shmwheel import _fast
 from shmwheel._binding import lib
-from shmwheel._fast import Timer
+from shmwheel._fast import Clerk
 from shmwheel.contrib import PAYLOAD_SIZE, RequestTimer, encode_request
 from shmwheel.contrib._record import HEAD, KIND_LATE, KIND_REQUEST, MAGIC, MAX_REQUEST_ID, decode_request
 
@@ -192,7 +192,7 @@ def test_request_timer_in_a_forked_child_is_the_childs(make_wheel) -> None:
     assert len(wheel) == 0
 
 
-# -- its start and finish in C (shmwheel._fast's Timer) --------------------------------------------
+# -- its start and finish in C (shmwheel._fast's Clerk) --------------------------------------------
 
 
 # method, path, request id: the plain case and every boundary the C path decides on.
@@ -372,7 +372,7 @@ def test_the_core_outlives_its_wheel_object_safely(make_wheel) -> None:
     active = _fast.Table()
     head = HEAD.pack(KIND_REQUEST, 0, 0, 0, os.getpid(), 0, 0, 0, 0, 0, 0, MAGIC, 30_000, 0)
     var: contextvars.ContextVar[object] = contextvars.ContextVar("request")
-    timer = Timer(core=core, head=head, due_ns=30 * 10**9, timeout_ns=30 * 10**9, size=wheel.payload_size,
+    timer = Clerk(core=core, head=head, due_ns=30 * 10**9, timeout_ns=30 * 10**9, size=wheel.payload_size,
                   table=active, interrupted=set(), var=var, owner=None, getcurrent=None, interrupt=False, warn_ns=0,
                   look_ns=10**9)  # fmt: skip
     timer.look_at = 2**62  # no RequestTimer here to have the first request's look
@@ -430,7 +430,7 @@ def test_a_timer_made_before_a_fork_leaves_the_child_to_its_own_path(make_wheel)
         ok = ok and fast.wsgi(lambda e, s: [b""], {}, lambda *a: None) is NotImplemented
         os._exit(0 if ok and len(wheel) == 0 else 1)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the parent's Timer served a request in the child"
+    assert os.waitstatus_to_exitcode(status) == 0, "the parent's Clerk served a request in the child"
     handle = fast.start(time.monotonic_ns(), "GET", "/x", None, None)
     assert handle is not None  # still the parent's
     timer.finish(handle)  # as a server finishes it: a later test's look at this process's requests finds none
@@ -490,7 +490,7 @@ def test_a_worker_tells_its_late_requests_to_each_new_driver_even_after_a_gap_wi
             return SimpleNamespace(driver_pid=pid, driver_start=start)
 
     timer._wheel = Wheel()  # type: ignore[assignment]
-    timer.active = lambda: {7: SimpleNamespace(payload=payload)}  # type: ignore[method-assign]
+    timer.in_progress = lambda: {7: SimpleNamespace(payload=payload)}  # type: ignore[method-assign]
     timer._tell = lambda p, kind: told.append((kind, seen[-1][0]))  # type: ignore[method-assign]
     for _ in range(5):
         timer.tell_again({(payload, True)})

@@ -28,7 +28,7 @@ def test_middleware_times_the_whole_response_and_cancels_on_close(make_wheel) ->
     seen: list[object] = []
 
     def app(environ, start_response):
-        seen.append(environ["shmwheel.timer"])
+        seen.append(environ["shmwheel.handle"])
         start_response("200 OK", [])
         yield b"a"
         yield b"b"
@@ -77,7 +77,7 @@ def test_middleware_cancels_when_the_body_is_closed_or_the_app_raises(make_wheel
         TimeoutMiddleware("app", wheel.name, 1.0)  # type: ignore[arg-type]
 
 
-# -- its call in C (Timer.wsgi), direct(), and its Body --------------------------------------------
+# -- its call in C (Clerk.wsgi), direct(), and its Body --------------------------------------------
 
 
 ENVIRONS = [
@@ -108,7 +108,7 @@ def _recording_middleware(wheel: shmwheel.Wheel) -> tuple[TimeoutMiddleware, lis
     handles: list[int] = []
 
     def app(env: dict[str, object], start_response: object) -> list[bytes]:
-        handles.append(env["shmwheel.timer"])  # type: ignore[arg-type]
+        handles.append(env["shmwheel.handle"])  # type: ignore[arg-type]
         return [b"ok"]
 
     return TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None), handles
@@ -198,7 +198,7 @@ def test_a_body_closes_the_applications_then_ends_the_timer_whatever_happens(mak
 
 @pytest.mark.parametrize("way", ["middleware", "direct"])
 def test_a_body_ends_a_timer_in_the_wheel_it_started_in_after_a_replacement(name: str, way: str) -> None:
-    """Also through direct(), which keeps the RequestTimer's Timer from one
+    """Also through direct(), which keeps the RequestTimer's Clerk from one
     request to the next: the one the replacement retires is not used again."""
     old = shmwheel.create(name, capacity=16, payload_size=256)
     mw = TimeoutMiddleware(lambda e, s: [b"x"], name, 30.0, traceback_signal=None)
@@ -206,7 +206,7 @@ def test_a_body_ends_a_timer_in_the_wheel_it_started_in_after_a_replacement(name
     detours = _count_detours(mw)
     try:
         assert mw.timer.prepare()
-        body = call({"PATH_INFO": "/before"}, lambda *a: None)  # made in C: its close ends it through its Timer
+        body = call({"PATH_INFO": "/before"}, lambda *a: None)  # made in C: its close ends it through its Clerk
         first = mw.timer._fast
         assert type(body) is _fast.Body and len(old) == 1 and first is not None
         shmwheel.unlink(name)
@@ -218,7 +218,7 @@ def test_a_body_ends_a_timer_in_the_wheel_it_started_in_after_a_replacement(name
             again = call({"PATH_INFO": "/again"}, lambda *a: None)
             assert (len(old), len(new)) == (1, 2)
             if way == "direct":
-                assert detours == ["/after"], "direct() went on calling the Timer the replacement retired"
+                assert detours == ["/after"], "direct() went on calling the Clerk the replacement retired"
             for each in (body, later, again):
                 each.close()  # type: ignore[attr-defined]
             assert (len(old), len(new)) == (0, 0), "a request's timer was left behind"
@@ -230,7 +230,7 @@ def test_a_body_ends_a_timer_in_the_wheel_it_started_in_after_a_replacement(name
 
 
 def test_a_direct_call_used_before_a_fork_serves_the_child_with_the_childs_timer(make_wheel) -> None:
-    """direct() keeps the Timer of its last request: in a forked child it is
+    """direct() keeps the Clerk of its last request: in a forked child it is
     the parent's, which must not file the child's requests."""
     wheel = make_wheel(payload_size=256)
     mw, handles = _recording_middleware(wheel)
@@ -243,7 +243,7 @@ def test_a_direct_call_used_before_a_fork_serves_the_child_with_the_childs_timer
     if pid == 0:  # pragma: no cover - the child
         pending.close()  # type: ignore[attr-defined]
         ok = len(wheel) == 1  # the parent's request is the parent's to end
-        for _ in range(3):  # the first takes the middleware's own path, the others the child's Timer
+        for _ in range(3):  # the first takes the middleware's own path, the others the child's Clerk
             body = direct({"PATH_INFO": "/child"}, lambda *a: None)
             record = decode_request(mw.timer._active[handles[-1]].payload)
             ok = ok and record is not None and record.pid == os.getpid() and len(wheel) == 2

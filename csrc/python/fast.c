@@ -23,16 +23,18 @@
  * Table    a RequestTimer's requests in progress in one process, with no
  *          object made per request; and beside it, here, the request a
  *          plain thread runs, in a thread-local slot.
- * Timer    one RequestTimer's constants in one process: start() packs the
- *          request record (shmwheel/contrib/_record.py, byte for byte:
- *          tests/test_fast.py compares), adds it, and files the request
+ * Clerk    files one RequestTimer's requests in one process, from its
+ *          constants (a clerk, not a timer: the timers are the wheel's,
+ *          named by their handles): start() packs the request record
+ *          (shmwheel/contrib/_record.py, byte for byte: the tests
+ *          compare), adds its timer, and files the request
  *          in the RequestTimer's table, and in its thread's slot or its
  *          context; finish() takes it out and cancels its timer; wsgi() is
  *          the WSGI middleware's call, from the environ to the Body.
  * WSGI     a plain TimeoutMiddleware as a C callable: the server's call
- *          reaches Timer.wsgi with no Python frame (uWSGI's application).
+ *          reaches Clerk.wsgi with no Python frame (uWSGI's application).
  * Body     a WSGI response body whose close() ends its request's timer
- *          through the RequestTimer's Timer of the moment, or its finish().
+ *          through the RequestTimer's Clerk of the moment, or its finish().
  * ASGI     a plain ASGI TimeoutMiddleware's HTTP request: the timer started
  *          from the scope, the application called with a timed copy of it
  *          and a Send, and its call given back in a Then.
@@ -45,13 +47,13 @@
  *          still take for a coroutine function: its call is a Then, so the
  *          middleware has no coroutine of its own.
  *
- * No request asks the kernel for anything but the core's lock: a Timer
+ * No request asks the kernel for anything but the core's lock: a Clerk
  * only serves the process that made it (the pid is kept here, set again in
  * a forked child by pthread_atfork); the clock is the vDSO's; an asyncio
  * task is found without asyncio.current_task(), whose get_running_loop()
  * calls getpid() on CPython 3.11, but for a thread's first request under
  * a loop.  At a request's start, on its first and then once a second, a
- * Timer gives the RequestTimer its look at the wheel (RequestTimer._look),
+ * Clerk gives the RequestTimer its look at the wheel (RequestTimer._look),
  * and goes on unless the look replaced it.
  *
  * Nothing runs under the segment's lock but the core's own code: the record
@@ -60,8 +62,8 @@
  * One compilation unit in parts, included here in order, each a file of
  * csrc/python/fast/: common.h (what they all share), core.c (Core),
  * table.c (Active, Table and this thread's slot), record.c (packing the
- * record), timer.c (Timer: start, finish, the look), held.c (what the
- * adapters' types share), wsgi.c (Timer.wsgi, WSGI, Body), hooks.c
+ * record), clerk.c (Clerk: start, finish, the look), held.c (what the
+ * adapters' types share), wsgi.c (Clerk.wsgi, WSGI, Body), hooks.c
  * (Gunicorn's Hooks), asgi.c (the task that runs a request, ASGI, Send,
  * Then, Coroutine); the module itself below.  As one unit the compiler
  * sees the hot path whole, as it did in one file: splitting it changed
@@ -73,7 +75,7 @@
 #include "fast/core.c"
 #include "fast/table.c"
 #include "fast/record.c"
-#include "fast/timer.c"
+#include "fast/clerk.c"
 #include "fast/held.c"
 #include "fast/wsgi.c"
 #include "fast/hooks.c"
@@ -149,12 +151,12 @@ static int fast_exec(PyObject *m)
         /* The rest: keys of the environ and the scope, a server's names, values compared with. */
         {&str_close, "close"}, {&str_empty, ""}, {&str_dash, "-"}, {&str_request_method, "REQUEST_METHOD"},
         {&str_script_name, "SCRIPT_NAME"}, {&str_path_info, "PATH_INFO"}, {&str_request_id, "HTTP_X_REQUEST_ID"},
-        {&str_environ_key, "shmwheel.timer"}, {&str_method, "method"}, {&str_path, "path"},
+        {&str_environ_key, "shmwheel.handle"}, {&str_method, "method"}, {&str_path, "path"},
         {&str_headers, "headers"}, {&str_type, "type"},
         {&str_running_loop, "__asyncio_running_event_loop__"}, {&str_more_body, "more_body"},
         {&str_body_type, "http.response.body"}, {&str_zerocopy_type, "http.response.zerocopysend"},
         {&str_pathsend_type, "http.response.pathsend"}, {&str_ws_close, "websocket.close"}, {&str_http, "http"},
-        {&str_req_key, "shmwheel_timer"}, {&str_file_wrapper, "wsgi.file_wrapper"},
+        {&str_req_key, "shmwheel_handle"}, {&str_file_wrapper, "wsgi.file_wrapper"},
     };
     size_t k;
 
@@ -173,14 +175,14 @@ static int fast_exec(PyObject *m)
         once = 1;
     }
     if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&ActiveType) < 0 || PyType_Ready(&TableType) < 0
-        || PyType_Ready(&TimerType) < 0 || PyType_Ready(&BodyType) < 0
+        || PyType_Ready(&ClerkType) < 0 || PyType_Ready(&BodyType) < 0
         || PyType_Ready(&SendType) < 0 || PyType_Ready(&ThenType) < 0 || PyType_Ready(&WSGIType) < 0
         || PyType_Ready(&ASGIType) < 0 || PyType_Ready(&HooksType) < 0 || PyType_Ready(&CoroutineType) < 0)
         return -1;
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0
         || PyModule_AddObjectRef(m, "Active", (PyObject *)&ActiveType) < 0
         || PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0
-        || PyModule_AddObjectRef(m, "Timer", (PyObject *)&TimerType) < 0
+        || PyModule_AddObjectRef(m, "Clerk", (PyObject *)&ClerkType) < 0
         || PyModule_AddObjectRef(m, "Body", (PyObject *)&BodyType) < 0
         || PyModule_AddObjectRef(m, "Send", (PyObject *)&SendType) < 0
         || PyModule_AddObjectRef(m, "WSGI", (PyObject *)&WSGIType) < 0

@@ -92,7 +92,7 @@ class TimingFileWrapper:
 
     __slots__ = ("wrapper", "timer")
 
-    #: The type of what it hands the server; shmwheel._fast's Timer.wsgi reads it.
+    #: The type of what it hands the server; shmwheel._fast's Clerk.wsgi reads it.
     file_type = TimedFile
 
     def __init__(self, wrapper: Callable[..., Any], timer: RequestTimer) -> None:

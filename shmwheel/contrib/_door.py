@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Active",
     "Table",
-    "Timer",
+    "Clerk",
     "asgi_in_c",
     "closing_body",
     "core_of",
@@ -64,7 +64,7 @@ if _fast.HEAD_SIZE != lib.SHMW_REQ_HEAD_SIZE:
         "build it again (pip install --force-reinstall shmwheel, or pip install -e . in a checkout)"
     )
 
-from .._fast import ASGI, WSGI, Active, Body, Core, Coroutine, Hooks, Table, Timer, enter, here, leave  # noqa: E402
+from .._fast import ASGI, WSGI, Active, Body, Clerk, Core, Coroutine, Hooks, Table, enter, here, leave  # noqa: E402
 
 
 def in_c(settings: TimeoutSettings) -> bool:

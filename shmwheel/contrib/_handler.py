@@ -73,7 +73,7 @@ from .._binding import lib
 from .._driver import KEEP_IN_FLIGHT
 from .._errors import ShmwheelError, WheelFullError, one_line
 from .._process import alive, signal_disposition, uids, uses_file
-from .._records import Fire
+from .._results import Fire
 from .._segment import segment_name
 from .._wheel import Wheel, attach
 from ._record import (

@@ -403,7 +403,7 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, sig
     look_again: int | None = None
     for timer in list(_timers()):
         timer.tell_again(_reported)
-        for handle, active in timer.active().items():
+        for handle, active in timer.in_progress().items():
             # Due exactly when its timer is: the driver fires no timer before
             # its deadline, and its follow-ups at the record's timeout, which
             # is never before this one (milliseconds, rounded up).  So a

@@ -34,7 +34,7 @@ from .._errors import (
     ShmwheelError,
 )
 from .._process import alive
-from .._records import WheelStats
+from .._results import WheelStats
 from .._segment import bare_name, segment_name, wheel_stat
 from .._wheel import Wheel, create, observe, unlink
 from ._logs import LogTarget

@@ -30,7 +30,7 @@ from .._process import after_fork, catch_up_fork, start_time
 from .._segment import segment_name
 from .._wheel import Wheel, attach
 from ._body import file_wrapper_for, timed_file
-from ._door import Timer, core_of, enter, here, leave, new_table
+from ._door import Clerk, core_of, enter, here, leave, new_table
 from ._interrupt import interrupt, listen_for_wake
 from ._record import (
     DEFAULT_TRACEBACK_SIGNAL,
@@ -186,7 +186,7 @@ class RequestTimer:
         # start() and finish() in C, on the wheel's lock tried with the GIL
         # kept (shmwheel._fast): made with each attach, dropped with its wheel.
         self._fast: Any = None
-        self._start = 0
+        self._start_time = 0
         self._size = PAYLOAD_SIZE
         self._retry_at = 0.0
         self._warned_at = -math.inf
@@ -235,7 +235,7 @@ class RequestTimer:
                 self.in_app = set()
                 self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
                 self._get_ident = real("_thread", "get_ident")
-                self._start = start_time(pid) or 0
+                self._start_time = start_time(pid) or 0
                 self._listen()
             if self._wheel is None and time.monotonic() >= self._retry_at:
                 try:
@@ -251,11 +251,11 @@ class RequestTimer:
                 self._size = wheel.payload_size
                 self._wheel = wheel
                 self._fast = self._make_fast(wheel)
-                wheel.show_use(self._start)  # what the driver checks before it signals this process
+                wheel.show_use(self._start_time)  # what the driver checks before it signals this process
             return self._wheel
 
     def _drop_fast(self) -> None:
-        """Let go of the C Timer (under self._lock): retired, so that the
+        """Let go of the C Clerk (under self._lock): retired, so that the
         WSGI callables and bodies that kept it ask for the next."""
         fast, self._fast = self._fast, None
         if fast is not None:
@@ -269,10 +269,10 @@ class RequestTimer:
             return None
         warn = 0 < self._warn_ns < self._timeout_ns
         head = _pack(
-            KIND_REQUEST, 0, 0, self._flags | (WARN if warn else 0), self._pid, self._start, 0, 0, 0,
+            KIND_REQUEST, 0, 0, self._flags | (WARN if warn else 0), self._pid, self._start_time, 0, 0, 0,
             self._stack_signal, self._dump_signal, MAGIC, self._timeout_ms, 0,
         )  # fmt: skip
-        return Timer(
+        return Clerk(
             core=core, head=head, due_ns=self._warn_ns if warn else self._timeout_ns, timeout_ns=self._timeout_ns,
             size=self._size, table=self._active, interrupted=self._interrupted, var=_current, owner=self,
             getcurrent=self._getcurrent, interrupt=self.interrupt, warn_ns=self._warn_ns, look_ns=LOOK_INTERVAL_NS,
@@ -329,19 +329,19 @@ class RequestTimer:
         path: str,
         request_id: str | None = None,
         task: Any = None,
-        request_start: str | None = None,
+        queued_since: str | None = None,
     ) -> int | None:
         """Add the request's timer; return its handle, or None if it has none.
 
         ``task`` is the asyncio or trio task that runs the request, if it
         runs in one; a request in a greenlet (gevent, eventlet) is found by
-        itself.  ``request_start`` is the proxy's ``X-Request-Start``
+        itself.  ``queued_since`` is the proxy's ``X-Request-Start``
         header, from which the request's time is counted when it is sane
         (see :func:`queued_ns`).  The handle stays the request's for
         :meth:`finish` even if :func:`extend` gives it another timer."""
         now = _monotonic_ns()
         fast = self._fast
-        plain = request_start is None and self._routes is None  # the timer's own timeout, from now
+        plain = queued_since is None and self._routes is None  # the timer's own timeout, from now
         if fast is None:
             if now >= self._look_at:
                 self._look(now)
@@ -351,7 +351,7 @@ class RequestTimer:
                 return handle
         if plain:
             return self._start_slow(now, method, path, request_id, task, self._timeout_ns, now)
-        times = self._times(now, method, path, request_start)
+        times = self._times(now, method, path, queued_since)
         if times is None:
             return None  # exempt by its route
         timeout_ns, started = times
@@ -369,7 +369,7 @@ class RequestTimer:
         now = _monotonic_ns()
         return self._start_slow(now, method, path, request_id, task, self._timeout_ns, now)
 
-    def _times(self, now: int, method: str, path: str, request_start: str | None) -> tuple[int, int] | None:
+    def _times(self, now: int, method: str, path: str, queued_since: str | None) -> tuple[int, int] | None:
         """The request's timeout by its route, and its start by the proxy's
         X-Request-Start, in ns; None if its route has no timeout."""
         timeout_ns = self._timeout_ns
@@ -382,7 +382,7 @@ class RequestTimer:
                 if route_ns is None:
                     return None
                 timeout_ns = route_ns
-        if request_start is not None and (queued := queued_ns(request_start, time.time_ns())):
+        if queued_since is not None and (queued := queued_ns(queued_since, time.time_ns())):
             # At most its whole timeout: a request that queued that long is
             # due as it starts.  The driver's kill counts from now all the same.
             return timeout_ns, now - min(queued, timeout_ns)
@@ -417,7 +417,7 @@ class RequestTimer:
                 task, kind = current, "greenlet"
         try:
             payload = encode_request(
-                KIND_REQUEST, self._pid, self._start, started, method, request_id or "", path, self._size,
+                KIND_REQUEST, self._pid, self._start_time, started, method, request_id or "", path, self._size,
                 thread=thread, task=0 if task is None else id(task), task_kind=kind,
                 stack_signal=self._stack_signal, dump_signal=self._dump_signal,
                 timeout_ms=-(-timeout_ns // 1_000_000), warn=warn, interrupt=self.interrupt,
@@ -462,7 +462,7 @@ class RequestTimer:
         if current is not None:
             # Again, and after _drive, which opens and closes the wheel's
             # file: closing any descriptor of it lets this process's go.
-            current.show_use(self._start)
+            current.show_use(self._start_time)
 
     def _add_again(self, wheel: Wheel, delay: float, payload: bytes) -> int | None:
         """The add of a request whose wheel was removed or replaced: on the name's wheel now, if any."""
@@ -482,7 +482,7 @@ class RequestTimer:
         except SegmentRemovedError:
             return self._add_again(wheel, delay, payload)
 
-    def active(self) -> dict[int, Active]:
+    def in_progress(self) -> dict[int, Active]:
         """A copy of this process's table of requests in progress, by handle."""
         return self._active.copy()
 
@@ -560,7 +560,7 @@ class RequestTimer:
         """The stand-in for a server's ``wsgi.file_wrapper`` that is a
         function (:func:`shmwheel.contrib._body.file_wrapper_for`), made once
         for the last one seen; None to leave it.  Also for shmwheel._fast's
-        Timer.wsgi."""
+        Clerk.wsgi."""
         seen, timing = self._file_wrapper
         if wrapper is not seen:
             timing = file_wrapper_for(wrapper, self)
@@ -568,7 +568,7 @@ class RequestTimer:
         return timing
 
     def _file_body(self, body: Any, wrapper: type, handle: int) -> Any:
-        """For shmwheel._fast's Timer.wsgi: :func:`shmwheel.contrib._body.timed_file`."""
+        """For shmwheel._fast's Clerk.wsgi: :func:`shmwheel.contrib._body.timed_file`."""
         return timed_file(body, wrapper, self, handle)
 
     def _finished(self, active: Active) -> None:
@@ -623,7 +623,7 @@ class RequestTimer:
             self._tell(payload, KIND_FINISHED)
         if first:
             return  # the driver that asked is the one seen now
-        for active in self.active().values():
+        for active in self.in_progress().values():
             if (active.payload, True) in asked:
                 self._tell(active.payload, KIND_LATE)
 
@@ -766,7 +766,7 @@ def _rearm_here(what: str, seconds: float | None) -> bool:
         return False
     me = real("_thread", "get_ident")()
     for timer in list(_request_timers):
-        for active in timer.active().values():
+        for active in timer.in_progress().values():
             if active.task is None and active.thread != me:
                 _told_none_here = True
                 server_logger().warning(

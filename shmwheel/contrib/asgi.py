@@ -24,7 +24,7 @@ that runs after the response is not timed.  Websocket connections are not
 timed unless ``websocket=True``, and then for as long as the connection
 lasts; ``lifespan`` and any other scope pass straight through.  A scope
 that an outer TimeoutMiddleware has timed already carries
-``"shmwheel.timer"`` (the handle, or None without a timer) and is passed
+``"shmwheel.handle"`` (the handle, or None without a timer) and is passed
 through, so wrapping an application twice times it once, by the outer one.
 """
 
@@ -71,7 +71,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 #: The scope key of a timed request: its timer's handle (None if it has none).
-TIMED = "shmwheel.timer"
+TIMED = "shmwheel.handle"
 _REQUEST_ID_HEADER = b"x-request-id"  # ASGI servers lower-case header names
 _REQUEST_START_HEADER = b"x-request-start"
 
@@ -227,12 +227,12 @@ class TimeoutMiddleware:
             return
         timer = self.timer
         task = _task()
-        request_start = _header(scope, _REQUEST_START_HEADER) if self.x_request_start else None
+        queued_since = _header(scope, _REQUEST_START_HEADER) if self.x_request_start else None
         method, path, request_id = scope.get("method", "WEBSOCKET"), _path(scope), _header(scope, _REQUEST_ID_HEADER)
         if declined:
             handle = timer.start_declined(method, path, request_id, task)
         else:
-            handle = timer.start(method, path, request_id, task, request_start)
+            handle = timer.start(method, path, request_id, task, queued_since)
         finished = False
         started = replaced = False
 

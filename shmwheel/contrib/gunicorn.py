@@ -96,7 +96,9 @@ HOOKS, WRAP, NONE = "hooks", "wrap", "none"  # how a worker class's requests are
 
 
 @dataclass(frozen=True)
-class _Settings:
+class _Installed:
+    """What install() was called with, checked."""
+
     name: str | None
     timeouts: TimeoutSettings  # every request's, and the driver's actions
     kill_signal_given: bool  # False: the worker class's own (see _actions_for)
@@ -108,7 +110,7 @@ class _State:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.settings: _Settings | None = None
+        self.settings: _Installed | None = None
         self.supervisor: DriverSupervisor | None = None
         self.timer: RequestTimer | None = None
         self.how = HOOKS  # how the worker class's requests are timed
@@ -158,7 +160,7 @@ def install(
             kill_signal=signal.SIGABRT if kill_signal is None else kill_signal,  # type: ignore[arg-type]
         ),
     )  # fmt: skip
-    settings = _Settings(name=name, timeouts=timeouts, kill_signal_given=kill_signal is not None)
+    settings = _Installed(name=name, timeouts=timeouts, kill_signal_given=kill_signal is not None)
     with _state.lock:
         reload = _state.supervisor is not None
         _state.settings = settings
@@ -207,19 +209,19 @@ def install(
         counts a hook's positional arguments."""
         timer = _state.timer
         if timer is not None:
-            request_id = start = None
+            request_id = queued_since = None
             for key, value in req.headers:
                 if key in wanted:
                     if key == _REQUEST_ID_HEADER:
                         request_id = request_id or str(value)  # the first that is not empty
                     else:
-                        start = start or str(value)
+                        queued_since = queued_since or str(value)
             if declined:
                 handle = timer.start_declined(req.method, req.path, request_id)
             else:
-                handle = timer.start(req.method, req.path, request_id, None, start)
+                handle = timer.start(req.method, req.path, request_id, None, queued_since)
             try:
-                req.shmwheel_timer = handle
+                req.shmwheel_handle = handle
             except BaseException:  # no timer outlives a request that cannot keep its handle
                 timer.finish(handle)
                 raise
@@ -227,7 +229,7 @@ def install(
     def timer_post(worker: Any, req: Any, environ: Any, resp: Any) -> None:
         timer = _state.timer
         if timer is not None:
-            timer.finish(getattr(req, "shmwheel_timer", None))
+            timer.finish(getattr(req, "shmwheel_handle", None))
 
     # Every request's timer from its start in C where it can be, with no
     # frame of ours (the Python hook above takes what the C one does not).
@@ -271,7 +273,7 @@ def _call(hook: Any, *args: Any) -> None:
         hook(*args)
 
 
-def _timer(name: str, settings: _Settings) -> RequestTimer:
+def _timer(name: str, settings: _Installed) -> RequestTimer:
     return RequestTimer.of(name, settings.timeouts)
 
 
@@ -317,7 +319,7 @@ def how_timed(worker_class: type) -> str:
     return NONE
 
 
-def _actions_for(settings: _Settings, worker_class: type) -> TimeoutActions:
+def _actions_for(settings: _Installed, worker_class: type) -> TimeoutActions:
     """The settings' actions, with the worker class's kill_signal unless one was given."""
     actions = settings.timeouts.actions
     if settings.kill_signal_given or not _ancestry(worker_class) & _UVICORN_WORKERS:
@@ -325,7 +327,7 @@ def _actions_for(settings: _Settings, worker_class: type) -> TimeoutActions:
     return dataclasses.replace(actions, kill_signal=signal.SIGTERM)
 
 
-def _wrap(worker: Any, settings: _Settings) -> None:
+def _wrap(worker: Any, settings: _Installed) -> None:
     """Wrap a worker's ASGI application (Gunicorn's asgi worker keeps it in
     ``worker.asgi``, Uvicorn's in ``worker.wsgi``) on the master's wheel."""
     attr = "asgi" if getattr(worker, "asgi", None) is not None else "wsgi"
@@ -336,7 +338,7 @@ def _wrap(worker: Any, settings: _Settings) -> None:
     app.timer.prepare()
 
 
-def _check_setup(server: Any, settings: _Settings, how: str) -> None:
+def _check_setup(server: Any, settings: _Installed, how: str) -> None:
     """Log what would make timeouts silently not happen, as far as the master can tell."""
     cfg = server.cfg
     worker_class = server.worker_class
@@ -385,7 +387,7 @@ def _check_setup(server: Any, settings: _Settings, how: str) -> None:
         )
 
 
-def _start(server: Any, settings: _Settings) -> None:
+def _start(server: Any, settings: _Installed) -> None:
     _use_server_log(server)
     worker_class = server.worker_class
     how = how_timed(worker_class)
@@ -414,7 +416,7 @@ def _start(server: Any, settings: _Settings) -> None:
     )
 
 
-def _reconfigure(settings: _Settings) -> None:
+def _reconfigure(settings: _Installed) -> None:
     supervisor = _state.supervisor
     assert supervisor is not None
     with _state.lock:

@@ -99,7 +99,7 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 @dataclass(frozen=True)
-class Settings:
+class Options:
     """The ``shmwheel-*`` options of a uWSGI config."""
 
     name: str
@@ -179,7 +179,7 @@ def on_timeout_hook(spec: str | None) -> Any:
     return hook
 
 
-def settings(opts: Mapping[str, Any], master_pid: int) -> Settings:
+def read_options(opts: Mapping[str, Any], master_pid: int) -> Options:
     """Read the ``shmwheel-*`` options (``uwsgi.opt``); ValueError names a bad one."""
     try:
         on_timeout = _option(opts, "on-timeout")
@@ -202,7 +202,7 @@ def settings(opts: Mapping[str, Any], master_pid: int) -> Settings:
                 interrupt_grace=_number(opts, "interrupt-grace", DEFAULT_INTERRUPT_GRACE),
             ),
         )
-        return Settings(name=_option(opts, "name") or f"uwsgi-{master_pid}", timeouts=timeouts, on_timeout=on_timeout)
+        return Options(name=_option(opts, "name") or f"uwsgi-{master_pid}", timeouts=timeouts, on_timeout=on_timeout)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"shmwheel: {exc}") from None
 
@@ -215,9 +215,9 @@ def _uwsgi() -> Any:
     return uwsgi
 
 
-def _settings() -> Settings:
+def _options() -> Options:
     uwsgi = _uwsgi()
-    return settings(uwsgi.opt, uwsgi.masterpid())
+    return read_options(uwsgi.opt, uwsgi.masterpid())
 
 
 _created: set[str] = set()  # wheels this master has created (an app may be wrapped twice)
@@ -228,7 +228,7 @@ def request_timeouts(app: WSGIApp) -> WSGIApp:
     (a :class:`~shmwheel.contrib.wsgi.TimeoutMiddleware`, called the way
     its ``direct()`` gives)."""
     uwsgi = _uwsgi()
-    config = _settings()
+    config = _options()
     in_master = os.getpid() == uwsgi.masterpid()
     mules = uwsgi.opt.get("mule") or []
     mules = [m.decode() if isinstance(m, bytes) else str(m) for m in (mules if isinstance(mules, list) else [mules])]
@@ -388,7 +388,7 @@ def driver() -> None:
     """The mule: ``mule = shmwheel.contrib.uwsgi:driver``."""
     uwsgi = _uwsgi()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
-    config = _settings()
+    config = _options()
     run = Driver(config.name, TimeoutHandler(config.name, config.timeouts.actions))
     master = uwsgi.masterpid()
     stopped_by: int | None = None

@@ -50,7 +50,7 @@ class TimeoutMiddleware:
 
     The request id in the timeout's log line is the client's
     ``X-Request-Id`` header if it has a sane one, else the worker's pid and
-    the request's start.  The timer's handle is in the environ as ``shmwheel.timer``
+    the request's start.  The timer's handle is in the environ as ``shmwheel.handle``
     (None if the request runs without one).
     """
 
@@ -92,7 +92,7 @@ class TimeoutMiddleware:
         self.timer = RequestTimer.of(name, settings)
         self.x_request_start = settings.x_request_start
         # Whether every request takes the whole call in C when it can
-        # (shmwheel._fast's Timer.wsgi): not with what needs Python per request.
+        # (shmwheel._fast's Clerk.wsgi): not with what needs Python per request.
         self._plain = in_c(settings)
         timed_apps.add(self)
 
@@ -106,7 +106,7 @@ class TimeoutMiddleware:
 
     def _serve(self, environ: Environ, start_response: StartResponse, declined: bool = False) -> Iterable[bytes]:
         """The request on the middleware's own path.  ``declined``: the C
-        path (shmwheel._fast's Timer.wsgi) tried it and gave it back, so its
+        path (shmwheel._fast's Clerk.wsgi) tried it and gave it back, so its
         timer takes the waiting path (RequestTimer.start_declined); else the
         C path could not read it, or does not serve this middleware."""
         timer = self.timer
@@ -114,9 +114,9 @@ class TimeoutMiddleware:
         if declined:
             handle = timer.start_declined(method, path, request_id)
         else:
-            request_start = environ.get("HTTP_X_REQUEST_START") if self.x_request_start else None
-            handle = timer.start(method, path, request_id, request_start=request_start)
-        environ["shmwheel.timer"] = handle
+            queued_since = environ.get("HTTP_X_REQUEST_START") if self.x_request_start else None
+            handle = timer.start(method, path, request_id, queued_since=queued_since)
+        environ["shmwheel.handle"] = handle
         try:
             if handle is not None:
                 timing_file_wrapper(environ, timer)

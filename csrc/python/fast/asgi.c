@@ -22,7 +22,7 @@ static int holds_loop(PyObject *holder, PyObject *loop)
  * stops running there; the holder and loop last found are kept, and while
  * that very holder is the thread's, that loop still runs in it.  New
  * reference; None outside asyncio; NULL with an exception. */
-static PyObject *asyncio_task(TimerObject *self)
+static PyObject *asyncio_task(ClerkObject *self)
 {
     PyObject *ts_dict = PyThreadState_GetDict(), *holder = NULL, *task;
 
@@ -64,13 +64,13 @@ static PyObject *asyncio_task(TimerObject *self)
 
 /* The ASGI middleware's start of an HTTP request: its timer started from
  * the scope (its method, path and X-Request-Id, and the asyncio task that
- * runs it), ``*timed_scope`` a copy of the scope with ``shmwheel.timer``
+ * runs it), ``*timed_scope`` a copy of the scope with ``shmwheel.handle``
  * (the ASGI spec: a middleware copies a scope it changes) and
  * ``*timed_send`` a Send around the server's.  Returns the handle; None,
  * having started nothing, where the middleware's own path takes the
  * request (what start() gives back None for, a scope that holds what it
  * does not expect, a task that is not asyncio's); NULL with an exception. */
-static PyObject *asgi_start(TimerObject *self, PyObject *scope, PyObject *send, PyObject **timed_scope,
+static PyObject *asgi_start(ClerkObject *self, PyObject *scope, PyObject *send, PyObject **timed_scope,
                             PyObject **timed_send)
 {
     PyObject *method, *path, *headers, *key, *task, *copy;
@@ -831,7 +831,7 @@ static PyTypeObject ThenType = {
  * awaitable in a Then, which ends the timer when the application returns,
  * raises or is closed, if the last message has not ended it before.  None,
  * having started nothing, for what the middleware's own path takes: any
- * other scope, one timed already, a process without its Timer yet. */
+ * other scope, one timed already, a process without its Clerk yet. */
 struct ASGIObject {
     PyObject_HEAD
     PyObject *middleware;       /* the TimeoutMiddleware, whose app is read at each call */
@@ -884,10 +884,10 @@ static int asgi_call(ASGIObject *self, PyObject *const *args, PyObject **inner, 
     }
     if (!(fast = PyObject_GetAttr(self->timer, str_fast)))
         return -1;
-    if (Py_IS_TYPE(fast, &TimerType)) {
-        declines = ((TimerObject *)fast)->declined;
-        key = asgi_start((TimerObject *)fast, scope, args[2], &timed_scope, &timed_send);
-        declines = ((TimerObject *)fast)->declined - declines;
+    if (Py_IS_TYPE(fast, &ClerkType)) {
+        declines = ((ClerkObject *)fast)->declined;
+        key = asgi_start((ClerkObject *)fast, scope, args[2], &timed_scope, &timed_send);
+        declines = ((ClerkObject *)fast)->declined - declines;
     } else {
         key = Py_NewRef(Py_None);
     }

@@ -26,7 +26,7 @@ _Static_assert(__builtin_types_compatible_p(add_at_fn, __typeof__(&shmw_add_at_n
 _Static_assert(__builtin_types_compatible_p(try_cancel_fn, __typeof__(&shmw_try_cancel)), "try_cancel_fn: shmw_try_cancel");
 
 /* The request record's head (csrc/record.h): the offsets of the fields that
- * change from one request to the next.  The others come from the Timer's
+ * change from one request to the next.  The others come from the Clerk's
  * template, packed by Python. */
 #define HEAD_SIZE     SHMW_REQ_HEAD_SIZE
 #define OFF_MLEN      offsetof(struct shmw_request_head, method_len)
@@ -80,7 +80,7 @@ static PyObject *declined_kwnames;  /* ("declined",): the Python pre_request's k
 static PyObject *str_handle, *str_for;
 
 /* What one part calls in a part included after it. */
-typedef struct TimerObject TimerObject;
-static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t nargs);   /* wsgi.c */
+typedef struct ClerkObject ClerkObject;
+static PyObject *Clerk_wsgi(ClerkObject *self, PyObject *const *args, Py_ssize_t nargs);   /* wsgi.c */
 static PyObject *Body_make(PyObject *body, PyObject *owner, PyObject *key);                  /* wsgi.c */
 static PyObject *Send_make(PyObject *send, PyObject *owner, PyObject *key);                  /* asgi.c */

@@ -59,14 +59,14 @@ static PyObject *header_of(PyObject *headers, PyObject *name)
 }
 
 /* pre_request(worker, req): the request's timer added, its handle kept as
- * req.shmwheel_timer; the Python pre_request takes what this does not:
+ * req.shmwheel_handle; the Python pre_request takes what this does not:
  * what it cannot read, as slow(worker, req), and what it tried and gave
  * back, as slow(worker, req, declined=True), which takes the waiting path
  * (a keyword, so that Gunicorn still counts two arguments). */
 static PyObject *Hooks_pre_request(HooksObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *timer, *fast = NULL, *req, *headers = NULL, *rid, *method = NULL, *path = NULL, *key = NULL, *call[3];
-    TimerObject *t;
+    ClerkObject *t;
     int64_t now;
     int r;
 
@@ -81,8 +81,8 @@ static PyObject *Hooks_pre_request(HooksObject *self, PyObject *const *args, Py_
         return timer;
     if (!(fast = PyObject_GetAttr(timer, str_fast)))
         goto done;
-    t = (TimerObject *)fast;
-    if (!Py_IS_TYPE(fast, &TimerType) || t->pid != current_pid)
+    t = (ClerkObject *)fast;
+    if (!Py_IS_TYPE(fast, &ClerkType) || t->pid != current_pid)
         goto slow;
     now = monotonic_ns();
     if ((r = ready(t, now)) <= 0) {
@@ -131,7 +131,7 @@ done:
     Py_RETURN_NONE;
 }
 
-/* post_request(worker, req, environ, resp): the timer of req.shmwheel_timer
+/* post_request(worker, req, environ, resp): the timer of req.shmwheel_handle
  * cancelled, as RequestTimer.finish cancels it. */
 static PyObject *Hooks_post_request(HooksObject *self, PyObject *const *args, Py_ssize_t nargs)
 {

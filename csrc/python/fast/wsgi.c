@@ -1,7 +1,7 @@
 /* ---- WSGI ----------------------------------------------------------------- */
 
 /* A TimeoutMiddleware as a C callable: the server's call goes straight to
- * the RequestTimer's Timer of the moment (Timer.wsgi) without a Python
+ * the RequestTimer's Clerk of the moment (Clerk.wsgi) without a Python
  * frame, and to the middleware itself for what that gives back. */
 typedef struct {
     PyObject_HEAD
@@ -9,7 +9,7 @@ typedef struct {
     PyObject *app;              /* its application */
     PyObject *timer;            /* its RequestTimer */
     vectorcallfunc vectorcall;
-    PyObject *fast;             /* the RequestTimer's Timer last seen, or NULL */
+    PyObject *fast;             /* the RequestTimer's Clerk last seen, or NULL */
 } WSGIObject;
 
 HELD_LAYOUT(WSGIObject, middleware, app, timer);
@@ -41,20 +41,20 @@ static PyObject *WSGI_vectorcall(WSGIObject *self, PyObject *const *args, size_t
     PyObject *fast, *r, *call[3], *tried;
 
     if (nargs == 2 && !kwnames && self->timer) {
-        /* The Timer kept from the last request, while it is current: the
+        /* The Clerk kept from the last request, while it is current: the
          * RequestTimer's attribute is not looked up for each. */
-        if (self->fast && current((TimerObject *)self->fast)) {
+        if (self->fast && current((ClerkObject *)self->fast)) {
             fast = Py_NewRef(self->fast);
         } else {
             if (!(fast = PyObject_GetAttr(self->timer, str_fast)))
                 return NULL;
-            Py_XSETREF(self->fast, Py_IS_TYPE(fast, &TimerType) ? Py_NewRef(fast) : NULL);
+            Py_XSETREF(self->fast, Py_IS_TYPE(fast, &ClerkType) ? Py_NewRef(fast) : NULL);
         }
-        if (Py_IS_TYPE(fast, &TimerType)) {
+        if (Py_IS_TYPE(fast, &ClerkType)) {
             call[0] = self->app;
             call[1] = args[0];
             call[2] = args[1];
-            r = Timer_wsgi((TimerObject *)fast, call, 3);
+            r = Clerk_wsgi((ClerkObject *)fast, call, 3);
             Py_DECREF(fast);
             if (r != Py_NotImplemented && r != Py_None)
                 return r;
@@ -131,7 +131,7 @@ static PyTypeObject WSGIType = {
  * that is a function, uWSGI's (RequestTimer._timing_file_wrapper, asked
  * once for the last one seen): the file goes to the server as a timed one.
  * 1 if it did, 0 if the wrapper is left as it is, -1 with an exception. */
-static int timing_file_wrapper(TimerObject *self, PyObject *environ)
+static int timing_file_wrapper(ClerkObject *self, PyObject *environ)
 {
     PyObject *wrapper = PyDict_GetItemWithError(environ, str_file_wrapper), *timing, *type = NULL, *old[3];
     int r;
@@ -170,7 +170,7 @@ static int timing_file_wrapper(TimerObject *self, PyObject *environ)
 /* Whether ``body`` is the timed file this request's stand-in wrapper handed
  * the server, which then ends the timer when closed (wsgi._is_timed_file):
  * 1, 0, or -1 with an exception. */
-static int is_timed_file(TimerObject *self, PyObject *body, PyObject *key)
+static int is_timed_file(ClerkObject *self, PyObject *body, PyObject *key)
 {
     PyObject *value;
     int r;
@@ -193,7 +193,7 @@ static int is_timed_file(TimerObject *self, PyObject *body, PyObject *key)
 
 /* wsgi(app, environ, start_response): TimeoutMiddleware's call, start to
  * body: the request's timer started from the environ, its handle put in it
- * as ``shmwheel.timer``, the application called, and its body given back
+ * as ``shmwheel.handle``, the application called, and its body given back
  * in a Body (a file handed to a server's wrapper that is a function: the
  * timed file that wrapper was given); the timer finished if the
  * application raises.
@@ -202,7 +202,7 @@ static int is_timed_file(TimerObject *self, PyObject *body, PyObject *key)
  * not an ASCII str.  None, having called nothing, for a request it tried
  * and gave back (what start() gives back None for): the middleware's
  * waiting path takes it (TimeoutMiddleware._serve with declined). */
-static PyObject *Timer_wsgi(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *Clerk_wsgi(ClerkObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *environ, *method, *script, *path, *rid, *key, *body, *wrapper, *result, *call[2];
     int64_t now;

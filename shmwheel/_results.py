@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from ._binding import ffi, lib
 
-__all__ = ["Fire", "Payload", "Producer", "WheelStats", "decode_records", "record_struct"]
+__all__ = ["Fire", "Payload", "Producer", "WheelStats", "decode_fires", "fire_struct"]
 
 #: What a payload may be; its bytes are copied into the timer's slot.
 Payload = bytes | bytearray | memoryview
@@ -67,17 +67,17 @@ _RECORD_FIELDS = ("handle", "deadline_ns", "fired_at_ns", "owner_pid", "payload_
 if struct.calcsize(_RECORD_HEAD) != ffi.sizeof("struct shmw_fire") or [
     ffi.offsetof("struct shmw_fire", f) for f in _RECORD_FIELDS
 ] != [0, 8, 16, 24, 28, 32]:  # pragma: no cover - a build for another ABI
-    raise ImportError("struct shmw_fire does not have the layout shmwheel/_records.py decodes")
+    raise ImportError("struct shmw_fire does not have the layout shmwheel/_results.py decodes")
 _REDELIVERED = lib.SHMW_REDELIVERED
 _KEPT = lib.SHMW_KEPT
 
 
-def record_struct(record_size: int) -> struct.Struct:
+def fire_struct(record_size: int) -> struct.Struct:
     """The struct that decodes one fire record of ``record_size`` bytes."""
     return struct.Struct(f"{_RECORD_HEAD}{record_size - struct.calcsize(_RECORD_HEAD)}s")
 
 
-def decode_records(rec: struct.Struct, data: bytes | bytearray | memoryview) -> list[Fire]:
+def decode_fires(rec: struct.Struct, data: bytes | bytearray | memoryview) -> list[Fire]:
     """Fires from whole records; ``len(data)`` must be a multiple of ``rec.size``."""
     return [
         _new_fire(

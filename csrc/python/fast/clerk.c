@@ -1,6 +1,6 @@
-/* ---- Timer ---------------------------------------------------------------- */
+/* ---- Clerk ---------------------------------------------------------------- */
 
-struct TimerObject {
+struct ClerkObject {
     PyObject_HEAD
     /* What every request reads, together: a few cache lines. */
     CoreObject *core;
@@ -15,7 +15,7 @@ struct TimerObject {
     int64_t     due_ns;         /* the first stage, after the start, for the default timeout */
     int64_t     timeout_ns;     /* the default timeout */
     int64_t     warn_ns;        /* warn_after, or 0 */
-    pid_t       pid;            /* the process this Timer serves */
+    pid_t       pid;            /* the process this Clerk serves */
     char        retired;        /* 1 once its RequestTimer has let go of it (retire()) */
     char        interrupt;      /* the Active's interrupt field */
     Py_ssize_t  size;           /* the wheel's payload size */
@@ -30,9 +30,9 @@ struct TimerObject {
     unsigned long long declined; /* requests it tried and gave back: each then took the waiting path */
 };
 
-static PyTypeObject TimerType;
+static PyTypeObject ClerkType;
 
-static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
+static int Clerk_traverse(ClerkObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->core);
     Py_VISIT(self->table);
@@ -49,15 +49,15 @@ static int Timer_traverse(TimerObject *self, visitproc visit, void *arg)
     Py_VISIT(self->timed_file_type);
     /* A 3.11 holder is not tracked by the GC, and holds self->loop (the two
      * are kept together, holds_loop).  Once its thread has let go of it,
-     * this Timer holds it alone, and its reference to the loop is this
-     * Timer's too: visited as such, so that a loop dropped unclosed, with
+     * this Clerk holds it alone, and its reference to the loop is this
+     * Clerk's too: visited as such, so that a loop dropped unclosed, with
      * the requests its tasks hold, can be collected. */
     if (self->holder && self->holder != self->loop && Py_REFCNT(self->holder) == 1)
         Py_VISIT(self->loop);
     return 0;
 }
 
-static int Timer_clear(TimerObject *self)
+static int Clerk_clear(ClerkObject *self)
 {
     Py_CLEAR(self->core);
     Py_CLEAR(self->table);
@@ -75,14 +75,14 @@ static int Timer_clear(TimerObject *self)
     return 0;
 }
 
-static void Timer_dealloc(TimerObject *self)
+static void Clerk_dealloc(ClerkObject *self)
 {
     PyObject_GC_UnTrack(self);
-    Timer_clear(self);
+    Clerk_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
+static int Clerk_init(ClerkObject *self, PyObject *args, PyObject *kwds)
 {
     /* Made in one place, with keywords (RequestTimer._make_fast). */
     static char *names[] = {"core", "head", "due_ns", "timeout_ns", "size", "table", "interrupted", "var",
@@ -94,7 +94,7 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     Py_ssize_t size;
     int interrupt;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SLLnO!O!OOOpLL|OO:Timer", names,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!SLLnO!O!OOOpLL|OO:Clerk", names,
                                      &CoreType, &core, &head, &due, &timeout, &size, &TableType, &table,
                                      &PySet_Type, &interrupted, &var, &owner, &getcurrent, &interrupt, &warn,
                                      &look, &current_tasks, &current_task))
@@ -109,10 +109,10 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     }
     if (size < HEAD_SIZE || size > (Py_ssize_t)SHMW_MAX_PAYLOAD || timeout <= 0 || due <= 0 || warn < 0
         || look <= 0) {
-        PyErr_SetString(PyExc_ValueError, "a Timer's sizes or times are out of range");
+        PyErr_SetString(PyExc_ValueError, "a Clerk's sizes or times are out of range");
         return -1;
     }
-    Timer_clear(self);
+    Clerk_clear(self);
     self->core = (CoreObject *)Py_NewRef(core);
     memcpy(self->head, PyBytes_AS_STRING(head), HEAD_SIZE);
     self->due_ns = due;
@@ -134,21 +134,21 @@ static int Timer_init(TimerObject *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
-/* Whether ``t`` is still its RequestTimer's Timer in this process, which
+/* Whether ``t`` is still its RequestTimer's Clerk in this process, which
  * a WSGI callable and a Body keep rather than ask the RequestTimer for
- * every request: a Timer is made for one process (the RequestTimer makes
+ * every request: a Clerk is made for one process (the RequestTimer makes
  * another in a forked child) and retired when the RequestTimer lets go of
  * it (RequestTimer._drop_fast: a wheel replaced, a fork). */
-static inline int current(const TimerObject *t)
+static inline int current(const ClerkObject *t)
 {
     return !t->retired && t->pid == current_pid;
 }
 
-/* Whether this Timer serves a request now: 1, yes; 0, no, the caller's own
- * path does (a closed wheel, a Timer made in another process, or one that
+/* Whether this Clerk serves a request now: 1, yes; 0, no, the caller's own
+ * path does (a closed wheel, a Clerk made in another process, or one that
  * the RequestTimer's look has just replaced); -1, the look failed.  The
  * look comes at the first request and then once a second. */
-static int ready(TimerObject *self, int64_t now)
+static int ready(ClerkObject *self, int64_t now)
 {
     PyObject *at, *r;
     int mine = self->pid == current_pid;
@@ -160,7 +160,7 @@ static int ready(TimerObject *self, int64_t now)
             return 1;
         self->look_at = now + self->look_ns;
     }
-    /* Not mine: a Timer made before a fork, which the look notices where
+    /* Not mine: a Clerk made before a fork, which the look notices where
      * Python's fork hooks did not run (uWSGI's), and the caller's own path
      * attaches this process. */
     if (!(at = PyLong_FromLongLong(now)))
@@ -172,7 +172,7 @@ static int ready(TimerObject *self, int64_t now)
     Py_DECREF(r);
     if (!mine)
         return 0;
-    /* Still the RequestTimer's Timer: the wheel it looked at is this one. */
+    /* Still the RequestTimer's Clerk: the wheel it looked at is this one. */
     if (!(r = PyObject_GetAttr(self->owner, str_fast)))
         return -1;
     Py_DECREF(r);
@@ -180,7 +180,7 @@ static int ready(TimerObject *self, int64_t now)
 }
 
 /* The request's timer added and the request filed: the record packed from
- * the Timer's head and the request's method, id and path (two pieces, the
+ * the Clerk's head and the request's method, id and path (two pieces, the
  * second may be empty), started at ``started`` and due ``timeout`` ns after
  * it, into the table's spare buffer, which becomes its slot's.  Returns the
  * handle; None, having changed nothing, for the caller's own path to take
@@ -189,7 +189,7 @@ static int ready(TimerObject *self, int64_t now)
  * anything but the plain case); NULL with an exception.  It may run Python
  * (greenlet's getcurrent) before it writes the record, so the caller holds
  * what the pieces' pointers and ``request_id`` point into. */
-static PyObject *start_request(TimerObject *self, int64_t now, int64_t started, int64_t timeout, PyObject *method,
+static PyObject *start_request(ClerkObject *self, int64_t now, int64_t started, int64_t timeout, PyObject *method,
                                const char *p1, Py_ssize_t l1, const char *p2, Py_ssize_t l2, PyObject *request_id,
                                PyObject *task)
 {
@@ -349,7 +349,7 @@ static int ns_arg(PyObject *o, int64_t otherwise, int64_t *out)
 
 /* ``key`` as start_request() or start_path() gave it back, counted in
  * self->declined if it is None: a request tried and given back. */
-static PyObject *declined(TimerObject *self, PyObject *key)
+static PyObject *declined(ClerkObject *self, PyObject *key)
 {
     if (key == Py_None)
         self->declined++;
@@ -359,7 +359,7 @@ static PyObject *declined(TimerObject *self, PyObject *key)
 /* start_request() for a str ``path``, as the record holds it: ASCII as it
  * is, else UTF-8 with the surrogates escaped.  None for a path or an id of
  * another type (the id a str or None, as RequestTimer.start takes it). */
-static PyObject *start_path(TimerObject *self, int64_t now, int64_t started, int64_t timeout, PyObject *method,
+static PyObject *start_path(ClerkObject *self, int64_t now, int64_t started, int64_t timeout, PyObject *method,
                             PyObject *path, PyObject *request_id, PyObject *task)
 {
     PyObject *encoded = NULL, *key;
@@ -386,9 +386,9 @@ static PyObject *start_path(TimerObject *self, int64_t now, int64_t started, int
 
 /* start(now_ns, method, path, request_id, task[, timeout_ns[, started_ns]]):
  * the request's handle; or None, having changed nothing, for the caller's
- * own path (see start_request).  timeout_ns (None: the Timer's) and
+ * own path (see start_request).  timeout_ns (None: the Clerk's) and
  * started_ns (None: now) are a request's own: a route's, a proxy's start. */
-static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *Clerk_start(ClerkObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     int64_t now, timeout, started;
     int r;
@@ -409,7 +409,7 @@ static PyObject *Timer_start(TimerObject *self, PyObject *const *args, Py_ssize_
  * None if the table has no such request; True once its timer is cancelled;
  * else its Active, for the caller's own path to cancel (the lock held by
  * another, a timer in a wheel replaced since, one that has fired). */
-static PyObject *finish_request(TimerObject *self, PyObject *key)
+static PyObject *finish_request(ClerkObject *self, PyObject *key)
 {
     TableObject *table = self->table;
     PyObject *active;
@@ -443,7 +443,7 @@ static PyObject *finish_request(TimerObject *self, PyObject *key)
 }
 
 /* finish(handle): as finish_request. */
-static PyObject *Timer_finish(TimerObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *Clerk_finish(ClerkObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 1) {
         PyErr_SetString(PyExc_TypeError, "finish(handle)");
@@ -453,10 +453,10 @@ static PyObject *Timer_finish(TimerObject *self, PyObject *const *args, Py_ssize
 }
 
 /* RequestTimer.finish(key) without its frame: through the RequestTimer's
- * Timer of the moment (a wheel attached again since the start has a new
+ * Clerk of the moment (a wheel attached again since the start has a new
  * one), the rest of the way in RequestTimer._finished; or finish() itself
- * where no Timer of this process serves.  ``owner`` is the RequestTimer,
- * or the Timer that started the request (a Body's), which ends it itself
+ * where no Clerk of this process serves.  ``owner`` is the RequestTimer,
+ * or the Clerk that started the request (a Body's), which ends it itself
  * while it is current.  0, or -1 with an exception. */
 static int end_request(PyObject *owner, PyObject *key)
 {
@@ -464,8 +464,8 @@ static int end_request(PyObject *owner, PyObject *key)
 
     if (key == Py_None)
         return 0;
-    if (Py_IS_TYPE(owner, &TimerType)) {
-        TimerObject *t = (TimerObject *)owner;
+    if (Py_IS_TYPE(owner, &ClerkType)) {
+        ClerkObject *t = (ClerkObject *)owner;
 
         if (!(owner = t->owner))
             return 0;           /* cleared by the collector: nothing left to end it with */
@@ -475,8 +475,8 @@ static int end_request(PyObject *owner, PyObject *key)
     }
     if (!fast)
         return -1;
-    if (Py_IS_TYPE(fast, &TimerType) && ((TimerObject *)fast)->pid == current_pid) {
-        r = finish_request((TimerObject *)fast, key);
+    if (Py_IS_TYPE(fast, &ClerkType) && ((ClerkObject *)fast)->pid == current_pid) {
+        r = finish_request((ClerkObject *)fast, key);
         Py_DECREF(fast);
         if (!r)
             return -1;
@@ -532,47 +532,47 @@ static void end_raising(PyObject *owner, PyObject *key)
     }
 }
 
-static PyObject *Timer_retire(TimerObject *self, PyObject *Py_UNUSED(ignored))
+static PyObject *Clerk_retire(ClerkObject *self, PyObject *Py_UNUSED(ignored))
 {
     self->retired = 1;
     Py_RETURN_NONE;
 }
 
-static PyMethodDef Timer_methods[] = {
-    {"start", (PyCFunction)(void (*)(void))Timer_start, METH_FASTCALL,
+static PyMethodDef Clerk_methods[] = {
+    {"start", (PyCFunction)(void (*)(void))Clerk_start, METH_FASTCALL,
      "start(now_ns, method, path, request_id, task[, timeout_ns[, started_ns]]): the handle, or None for the "
      "caller's own path."},
-    {"finish", (PyCFunction)(void (*)(void))Timer_finish, METH_FASTCALL,
+    {"finish", (PyCFunction)(void (*)(void))Clerk_finish, METH_FASTCALL,
      "finish(handle): None if not in the table, True if cancelled, else the Active taken out."},
-    {"wsgi", (PyCFunction)(void (*)(void))Timer_wsgi, METH_FASTCALL,
+    {"wsgi", (PyCFunction)(void (*)(void))Clerk_wsgi, METH_FASTCALL,
      "wsgi(app, environ, start_response): the application's body in a Body, or NotImplemented for the "
      "middleware's own path."},
-    {"retire", (PyCFunction)Timer_retire, METH_NOARGS,
-     "retire(): the RequestTimer has let go of this Timer; whoever kept it asks the RequestTimer again."},
+    {"retire", (PyCFunction)Clerk_retire, METH_NOARGS,
+     "retire(): the RequestTimer has let go of this Clerk; whoever kept it asks the RequestTimer again."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyMemberDef Timer_members[] = {
-    {"look_at", T_LONGLONG, offsetof(TimerObject, look_at), 0,
+static PyMemberDef Clerk_members[] = {
+    {"look_at", T_LONGLONG, offsetof(ClerkObject, look_at), 0,
      "time.monotonic_ns() of the RequestTimer's next look at its wheel, which the next start() after it has."},
-    {"retired", T_BOOL, offsetof(TimerObject, retired), READONLY, "Whether retire() has been called."},
-    {"declined", T_ULONGLONG, offsetof(TimerObject, declined), READONLY,
+    {"retired", T_BOOL, offsetof(ClerkObject, retired), READONLY, "Whether retire() has been called."},
+    {"declined", T_ULONGLONG, offsetof(ClerkObject, declined), READONLY,
      "Requests it tried and gave back (the lock held elsewhere, a record to cut, an error), each of which "
      "then took the waiting path, not this one again."},
     {NULL, 0, 0, 0, NULL},
 };
 
-static PyTypeObject TimerType = {
+static PyTypeObject ClerkType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmwheel._fast.Timer",
-    .tp_basicsize = sizeof(TimerObject),
+    .tp_name = "shmwheel._fast.Clerk",
+    .tp_basicsize = sizeof(ClerkObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "A RequestTimer's constants in one process, and its start and finish on the GIL-keeping path.",
     .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Timer_init,
-    .tp_traverse = (traverseproc)Timer_traverse,
-    .tp_clear = (inquiry)Timer_clear,
-    .tp_dealloc = (destructor)Timer_dealloc,
-    .tp_methods = Timer_methods,
-    .tp_members = Timer_members,
+    .tp_init = (initproc)Clerk_init,
+    .tp_traverse = (traverseproc)Clerk_traverse,
+    .tp_clear = (inquiry)Clerk_clear,
+    .tp_dealloc = (destructor)Clerk_dealloc,
+    .tp_methods = Clerk_methods,
+    .tp_members = Clerk_members,
 };
