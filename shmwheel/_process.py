@@ -129,13 +129,10 @@ _pid_namespace: int | None = None
 # the package must redo there: one fork hook runs every module's, in the
 # order they were registered.  The C request path (shmwheel._fast) keeps a
 # copy of its own, set by pthread_atfork, which runs at every fork.
-_pid = os.getpid()
+#: This process's pid, without a system call.  Read it as ``_process.pid``:
+#: a name imported from here would keep the pid it had at the import.
+pid = os.getpid()
 _in_child: list[Callable[[], None]] = []
-
-
-def pid() -> int:
-    """This process's pid, without a system call."""
-    return _pid
 
 
 def after_fork(hook: Callable[[], None]) -> Callable[[], None]:
@@ -145,8 +142,8 @@ def after_fork(hook: Callable[[], None]) -> Callable[[], None]:
 
 
 def _forked() -> None:
-    global _pid, _pid_namespace
-    _pid = os.getpid()
+    global pid, _pid_namespace
+    pid = os.getpid()
     _pid_namespace = None
     for hook in _in_child:
         hook()
@@ -157,7 +154,7 @@ def catch_up_fork() -> bool:
     (uWSGI forks its workers without Python's hooks unless told
     ``py-call-osafterfork``); True if it was.  A system call: for the
     moments a process attaches, and once a second."""
-    if _pid == os.getpid():
+    if pid == os.getpid():
         return False
     _forked()
     return True

@@ -32,10 +32,10 @@ _CHILD = textwrap.dedent(
     pid = fork()
     if pid == 0:
         try:
-            before = _process.pid()
+            before = _process.pid
             timer.prepare()  # a server's post-fork hook
             handle = timer.start("GET", "/in-the-child")
-            print(parent, os.getpid(), before, _process.pid(), ran, handle is not None, flush=True, sep=" ")
+            print(parent, os.getpid(), before, _process.pid, ran, handle is not None, flush=True, sep=" ")
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
@@ -75,5 +75,5 @@ def _fires(wheel: shmwheel.Wheel) -> list[tuple[shmwheel.Fire, RequestRecord]]:
 
 
 def test_the_pid_is_cached_and_a_fork_without_hooks_is_caught_up_once() -> None:
-    assert _process.pid() > 0
+    assert _process.pid > 0
     assert _process.catch_up_fork() is False  # this process: nothing to catch up

@@ -215,12 +215,12 @@ class RequestTimer:
         return self._ready() is not None
 
     def _ready(self) -> Wheel | None:
-        pid = _process.pid()
+        pid = _process.pid
         wheel = self._wheel  # once: another thread may drop it meanwhile
         if self._pid == pid and wheel is not None:
             return wheel
         if catch_up_fork():
-            pid = _process.pid()
+            pid = _process.pid
         with self._lock:
             if self._pid != pid:  # first use in this process: forked, or new
                 self._pid = pid
@@ -395,7 +395,7 @@ class RequestTimer:
         to attach, the lock held by another process (here the add releases
         the GIL while it waits), an error."""
         wheel = self._wheel
-        if wheel is None or self._pid != _process.pid():
+        if wheel is None or self._pid != _process.pid:
             wheel = self._ready()
             if wheel is None:
                 return None
@@ -445,7 +445,7 @@ class RequestTimer:
         self._look_at = now + LOOK_INTERVAL_NS
         if catch_up_fork():
             return
-        if self._pid != _process.pid():
+        if self._pid != _process.pid:
             return  # not attached in this process yet
         if self._stack_signal and self._stack_signal in keep_listening():
             with self._lock:  # its records must not name it: the traceback signal, if still ours; else none
@@ -540,7 +540,7 @@ class RequestTimer:
         attached again yet: its timer is still cancelled there, or a request
         that ended in time would be timed out by a driver that still drives
         the old wheel."""
-        if handle is None or self._pid != _process.pid():
+        if handle is None or self._pid != _process.pid:
             return
         fast = self._fast
         if fast is not None:  # True: cancelled; else as below, the lock held by another, say
@@ -657,7 +657,7 @@ class RequestTimer:
         """Give the request of ``handle`` ``seconds`` from now (None: no
         timeout at all); False if it has no timer, or has timed out."""
         active = self._active.get(handle)
-        if active is None or handle in self._interrupted or self._pid != _process.pid():
+        if active is None or handle in self._interrupted or self._pid != _process.pid:
             return False
         now = time.monotonic_ns()
         cancelled = self._cancel(active.handle)

@@ -178,7 +178,7 @@ class TimeoutMiddleware:
     @property
     def timer(self) -> RequestTimer:
         """This process's request timer, on the wheel it resolves to here."""
-        timer, pid = self._timer, _process.pid()
+        timer, pid = self._timer, _process.pid
         if timer is not None and self._timer_pid == pid:
             return timer
         with self._lock:
