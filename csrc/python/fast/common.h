@@ -8,6 +8,17 @@
 #include <Python.h>
 #include <structmember.h>
 
+/* Every object this module shares between a worker's threads (a Clerk's
+ * table, this thread's slot, a Body, the interned names) is guarded by the
+ * GIL and nothing else.  A free-threaded CPython (3.13t, 3.14t) would turn
+ * the GIL back on for the whole process as it imported the module, or,
+ * with PYTHON_GIL=0, run it unguarded: neither is a request timeout worth
+ * having, so the build stops here instead (README.md, "Supported
+ * Pythons"). */
+#ifdef Py_GIL_DISABLED
+#error "shmwheel does not support free-threaded CPython: its C request path relies on the GIL (use a CPython built with the GIL, e.g. python3.13 rather than python3.13t)"
+#endif
+
 #include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
