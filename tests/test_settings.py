@@ -36,7 +36,7 @@ def _report(request: object, stack: str) -> None:
         ({"timeout": 5, "on_timeout": "module:function"}, TypeError, "on_timeout must be a function"),
         ({"timeout": 5, "interrupt": True, "traceback_signal": None}, ValueError, "traceback_signal cannot be None"),
         ({"timeout": 5, "traceback_signal": "SIGNOPE"}, ValueError, "SIGNOPE"),
-        ({"timeout": 5, "routes": {"no-slash": 1}}, ValueError, "not a path prefix"),
+        ({"timeout": 5, "routes": {"no-slash": 1}}, ValueError, "is not a path"),
         ({"timeout": 5, "capacity": 0}, ValueError, "capacity"),
         ({"timeout": 5, "actions": {"kill": True}}, TypeError, "actions must be TimeoutActions"),
     ],

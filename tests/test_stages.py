@@ -58,8 +58,21 @@ def test_routes_pick_the_longest_prefix_and_a_method_before_none() -> None:
     assert lookup("GET", "/api/x") == 2 * S
     assert lookup("POST", "/api/x") == 9 * S  # as long a prefix, with a method: it wins
     assert lookup("GET", "/api/health") is None  # no timeout
-    assert lookup("GET", "/upload") == 60 * S
-    assert lookup("PUT", "/upload") == 5 * S  # the method does not match: "/" does
+    assert lookup("GET", "/up/load") == 60 * S
+    assert lookup("PUT", "/up/load") == 5 * S  # the method does not match: "/" does
+
+
+def test_a_route_covers_whole_segments_and_its_method_any_case() -> None:
+    """What a raw string prefix got wrong: "/report" covered "/reportage"
+    and "post" never matched POST."""
+    lookup = compile_routes({"/report": 6, "/api/": 2, "post /upload": 5, "/": 1}, 30 * S)
+    assert lookup is not None
+    assert [lookup("GET", p) for p in ("/report", "/report/", "/report/2024")] == [6 * S] * 3
+    assert lookup("GET", "/reportage") == S  # not a segment of /report: "/" covers it
+    assert [lookup("GET", p) for p in ("/api", "/api/", "/api/keys", "/apikeys")] == [2 * S, 2 * S, 2 * S, S]
+    assert lookup("POST", "/upload") == lookup("post", "/upload/x") == 5 * S
+    assert lookup("PUT", "/upload") == S
+    assert compile_routes({"/x": 3}, 30 * S)("GET", "/") == 30 * S  # type: ignore[misc]
     assert compile_routes({"/api/": 2}, 30 * S)("GET", "/other") == 30 * S  # type: ignore[misc]
     assert compile_routes(lambda method, path: 3 if path == "/x" else None, 30 * S)("GET", "/x") == 3 * S  # type: ignore[misc]
     assert compile_routes(None, 30 * S) is None
@@ -68,11 +81,11 @@ def test_routes_pick_the_longest_prefix_and_a_method_before_none() -> None:
 @pytest.mark.parametrize(
     ("routes", "error", "match"),
     [
-        ({"api/": 2}, ValueError, "is not a path prefix"),
-        ({"GET  /x": 2}, ValueError, "is not a path prefix"),
+        ({"api/": 2}, ValueError, "is not a path, or a method and a path"),
+        ({"GET  /x": 2}, ValueError, "is not a path, or a method and a path"),
         ({"/x": 0}, ValueError, "positive"),
         ({"/x": "2"}, TypeError, "number of seconds"),
-        ([("/x", 2)], TypeError, "mapping of path prefixes or a callable"),
+        ([("/x", 2)], TypeError, "mapping of paths or a callable"),
     ],
 )
 def test_bad_routes_fail_when_made(routes: Any, error: type[Exception], match: str) -> None:
@@ -559,7 +572,7 @@ def test_gunicorn_install_checks_the_stages_in_the_config() -> None:
 
     with pytest.raises(ValueError, match="warn_after .* must be shorter than the timeout"):
         gunicorn.install({}, 5.0, warn_after=10.0)
-    with pytest.raises(ValueError, match="is not a path prefix"):
+    with pytest.raises(ValueError, match="is not a path, or a method and a path"):
         gunicorn.install({}, 5.0, routes={"upload": 60})
     with pytest.raises(TypeError, match="x_request_start must be True or False"):
         gunicorn.install({}, 5.0, x_request_start="yes")  # type: ignore[arg-type]

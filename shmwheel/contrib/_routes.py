@@ -1,11 +1,15 @@
 """Timeouts by route: which timeout a request gets, by its method and path.
 
-``routes`` is either a mapping or a callable.  A mapping's keys are path
-prefixes, each optionally after a method (``"/upload"``, ``"POST /api/"``),
-its values seconds or None (no timeout); the longest prefix that matches
-wins, and of two equally long the one with a method.  A request no key
-matches gets the default timeout.  A callable ``routes(method, path)``
-returns the seconds itself, or None for no timeout.
+``routes`` is either a mapping or a callable.  A mapping's keys are paths,
+each optionally after a method (``"/upload"``, ``"POST /api"``), its
+values seconds or None (no timeout).  A key's path covers itself and what
+lies below it, whole segments at a time: ``"/report"`` (or ``"/report/"``)
+covers ``/report`` and ``/report/2024``, not ``/reportage``; ``"/"``
+covers every path.  A method matches whatever its case.  The longest path
+that covers the request's wins, and of two equally long the one with a
+method.  A request no key covers gets the default timeout.  A callable
+``routes(method, path)`` returns the seconds itself, or None for no
+timeout.
 """
 
 from __future__ import annotations
@@ -32,20 +36,21 @@ def compile_routes(routes: Routes | None, default_ns: int) -> Lookup | None:
     if callable(routes):
         return _calling(routes)
     if not isinstance(routes, Mapping):
-        raise TypeError(f"routes must be a mapping of path prefixes or a callable, not {type(routes).__name__}")
+        raise TypeError(f"routes must be a mapping of paths or a callable, not {type(routes).__name__}")
     table: list[tuple[int, int, str | None, str, int | None]] = []
     for key, seconds in routes.items():
         if not isinstance(key, str) or not (match := _KEY.fullmatch(key)):
-            raise ValueError(f"routes: {key!r} is not a path prefix, or a method and a path prefix ('POST /api/')")
-        method, prefix = match.groups()
+            raise ValueError(f"routes: {key!r} is not a path, or a method and a path ('POST /api')")
+        method, path = match.groups()
         ns = None if seconds is None else round(check_seconds(seconds, f"routes[{key!r}]", positive=True) * 1e9)
-        table.append((-len(prefix), method is None, method, prefix, ns))
+        below = path.rstrip("/") + "/"  # "/report/" and "/report" alike: what lies below "/report"
+        table.append((-len(below), method is None, None if method is None else method.upper(), below, ns))
     table.sort(key=lambda row: row[:2])
-    rows = [(method, prefix, ns) for _, _, method, prefix, ns in table]
+    rows = [(method, below, below[:-1], ns) for _, _, method, below, ns in table]
 
     def lookup(method: str, path: str) -> int | None:
-        for m, prefix, ns in rows:
-            if path.startswith(prefix) and (m is None or m == method):
+        for m, below, itself, ns in rows:
+            if (path.startswith(below) or path == itself) and (m is None or m == method.upper()):
                 return ns
         return default_ns
 

@@ -33,8 +33,9 @@ The ``shmwheel-*`` options (uWSGI hands every process the whole config):
                             ``false``)
 ``shmwheel-interrupt-grace``  seconds an interrupted request has to end
                             before the kill stage (default 1)
-``shmwheel-route``          ``[METHOD] PREFIX SECONDS``, or ``none`` for no
-                            timeout; once a route (the longest prefix wins)
+``shmwheel-route``          ``[METHOD] PATH SECONDS``, or ``none`` for no
+                            timeout; once a route (a path covers what lies
+                            below it; the longest that covers wins)
 ``shmwheel-on-timeout``     ``module:function``, called in the worker with
                             the request record and its stack at its timeout
 ``shmwheel-x-request-start``  ``true``: count a request's time from the
@@ -144,7 +145,7 @@ def _number(opts: Mapping[str, Any], key: str, default: float | None, cast: Call
 
 
 def _routes(opts: Mapping[str, Any]) -> dict[str, float | None] | None:
-    """``shmwheel-route = [METHOD] PREFIX SECONDS|none``, once a route."""
+    """``shmwheel-route = [METHOD] PATH SECONDS|none``, once a route."""
     given = opts.get(_PREFIX + "route")
     if given is None:
         return None
@@ -153,9 +154,7 @@ def _routes(opts: Mapping[str, Any]) -> dict[str, float | None] | None:
         text = value.decode() if isinstance(value, bytes) else str(value)
         key, _, seconds = text.strip().rpartition(" ")
         if not key:
-            raise ValueError(
-                f"{_PREFIX}route must be '[METHOD] PREFIX SECONDS' or '[METHOD] PREFIX none', not {text!r}"
-            )
+            raise ValueError(f"{_PREFIX}route must be '[METHOD] PATH SECONDS' or '[METHOD] PATH none', not {text!r}")
         try:
             routes[key.strip()] = None if seconds.lower() == "none" else float(seconds)
         except ValueError:
