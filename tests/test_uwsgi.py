@@ -1,15 +1,19 @@
-"""uWSGI's settings (shmwheel.contrib.uwsgi): the shmwheel-* options of its
-ini file read, and a bad one named.  (test_stages.py reads the stages and
-routes there; test_servers.py runs real uWSGI servers.)"""
+"""uWSGI's options (shmwheel.contrib.uwsgi): the shmwheel-* options of its
+ini file read, a bad one named, and an option given more than once read
+whole, in a real uWSGI too.  (test_stages.py reads the stages and routes
+there; test_servers.py runs real uWSGI servers.)"""
 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
+from _servers import BIN, assert_nothing_left, free_port, get, serve, timed_out_line, uwsgi_ini
 
 from shmwheel.contrib import TimeoutActions
-from shmwheel.contrib.uwsgi import read_options
+from shmwheel.contrib import uwsgi as contrib_uwsgi
+from shmwheel.contrib.uwsgi import read_options, repeated
 
 
 def test_uwsgi_options_are_read_from_the_ini() -> None:
@@ -38,3 +42,69 @@ def test_uwsgi_options_are_read_from_the_ini() -> None:
 def test_uwsgi_options_name_the_bad_one(opts: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         read_options(opts, 1)
+
+
+# -- options given more than once ----------------------------------------------
+
+
+def test_every_line_of_a_repeated_option_is_read_from_the_ini_uwsgi_was_given(tmp_path: Path) -> None:
+    """uWSGI 2.0 on Python 3 keeps only the last of a repeated option in
+    uwsgi.opt: the others are read again from its ini file, in its
+    section, as its parser reads them."""
+    ini = tmp_path / "server.ini"
+    ini.write_text(
+        "[other]\nshmwheel-route = /elsewhere 9\n"
+        "[uwsgi]\n; a comment\nshmwheel-route = /report 6\n# another\n  shmwheel-route=POST /upload 5\n"
+        "mule = shmwheel.contrib.uwsgi:driver\nmule = app:other_mule\nshmwheel-route = /health none\n"
+    )
+    opts = {"ini": str(ini).encode(), "shmwheel-route": b"/health none", "mule": b"app:other_mule"}
+    assert repeated(opts, "shmwheel-route") == ["/report 6", "POST /upload 5", "/health none"]
+    assert repeated(opts, "mule") == ["shmwheel.contrib.uwsgi:driver", "app:other_mule"]
+    assert repeated({**opts, "ini": f"{ini}:other".encode(), "shmwheel-route": b"/elsewhere 9"}, "shmwheel-route") == [
+        "/elsewhere 9"
+    ]
+    assert repeated({**opts, "shmwheel-route": [b"/a 1", b"/b 2"]}, "shmwheel-route") == ["/a 1", "/b 2"]  # a list
+    assert repeated({"shmwheel-route": b"/a 1"}, "shmwheel-route") == ["/a 1"]  # no ini: what uWSGI has
+    assert repeated(opts, "shmwheel-timeout") == []
+    routes = read_options({**opts, "shmwheel-timeout": b"10"}, 1).timeouts.routes
+    assert routes == {"/report": 6.0, "POST /upload": 5.0, "/health": None}
+
+
+def test_repeated_lines_uwsgi_expanded_otherwise_leave_its_value_and_say_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A placeholder in the file's last line: the file and uWSGI disagree,
+    so uWSGI's own value counts alone, and a warning says what is left out."""
+    ini = tmp_path / "server.ini"
+    ini.write_text("[uwsgi]\nshmwheel-route = /a 1\nshmwheel-route = %(prefix)/b 2\n")
+    monkeypatch.setattr(contrib_uwsgi, "_warned", set())
+    assert repeated({"ini": str(ini), "shmwheel-route": b"/api/b 2"}, "shmwheel-timeout-x") == []
+    assert repeated({"ini": str(ini), "shmwheel-route": b"/api/b 2"}, "shmwheel-route") == ["/api/b 2"]
+    assert repeated({"ini": str(ini), "shmwheel-route": b"/api/b 2"}, "shmwheel-route") == ["/api/b 2"]
+    said = [r.getMessage() for r in caplog.records if "lines in the uWSGI config" in r.getMessage()]
+    assert len(said) == 1  # once a server
+    assert "2 'shmwheel-route' lines in the uWSGI config" in said[0] and "only '/api/b 2' applies" in said[0]
+
+
+OTHER_MULE = "import time\n\ndef idle():\n    time.sleep(3600)\n"
+
+
+def test_uwsgi_applies_every_route_line_and_finds_the_driver_among_several_mules(tmp_path: Path) -> None:
+    """Three shmwheel-route lines and a second mule after the driver's, in
+    a real uWSGI: the first route times its path out (only the last line
+    applied before), and no false "no driver runs" is said."""
+    (tmp_path / "other_mule.py").write_text(OTHER_MULE)
+    port = free_port()
+    ini = uwsgi_ini(tmp_path, port, **{"shmwheel-timeout": "30", "shmwheel-kill": "false"})
+    with ini.open("a") as f:
+        f.write(f"pythonpath = {tmp_path}\nmule = other_mule:idle\n")
+        f.write("shmwheel-route = /sleep 0.5\nshmwheel-route = POST /upload 5\nshmwheel-route = /health none\n")
+    with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
+        server.wait_for(r"driver \d+: running on wheel 'uwsgi-\d+'")
+        status, body = get(server.port, "/sleep?s=1.5")
+        assert status == 200
+        pid = int(server.wait_for(timed_out_line("/sleep")).group(1))
+        assert body == f"done by pid {pid}\n"
+        assert "no driver runs on wheel" not in server.log()
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left(server)

@@ -110,15 +110,100 @@ class Options:
     on_timeout: str | None = None  # module:function
 
 
+def _text(value: object) -> str:
+    if value is True:  # a bare flag
+        return "true"
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _option(opts: Mapping[str, Any], key: str, prefix: str = _PREFIX) -> str | None:
     value = opts.get(prefix + key)
     if isinstance(value, list):  # given more than once: the last one counts
         value = value[-1]
-    if value is None:
-        return None
-    if value is True:  # a bare flag
-        return "true"
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return None if value is None else _text(value)
+
+
+def repeated(opts: Mapping[str, Any], key: str) -> list[str]:
+    """Every value of option ``key``, in the order given: uWSGI repeats an
+    option by giving it again (``shmwheel-route``, ``mule``).
+
+    ``uwsgi.opt`` lists them where uWSGI's Python plugin builds the list,
+    but uWSGI 2.0 on Python 3 keeps only the last (it looks a key up as
+    bytes and stores it as str), so the lines of ``key`` are read again
+    from the ini files uWSGI was given.  They are taken where the last of
+    them is the value uWSGI has; where it is not (a placeholder the file's
+    line leaves unexpanded), only uWSGI's value counts, and a warning says
+    what is left out."""
+    given = opts.get(key)
+    if isinstance(given, list):
+        return [_text(value) for value in given]
+    if given is None:
+        return []
+    last = _text(given)
+    found = _ini_lines(opts, key)
+    if len(found) > 1:
+        if found[-1] == last:
+            return found
+        if key in _warned:
+            return [last]
+        _warned.add(key)  # once a server: its workers and mules are forked from the master that said it
+        _report(
+            logging.WARNING,
+            "shmwheel: %d %r lines in the uWSGI config, whose last reads %r where uWSGI has %r (a placeholder?): only "
+            "%r applies; write them without placeholders",
+            len(found),
+            key,
+            found[-1],
+            last,
+            last,
+        )
+    return [last]
+
+
+_warned: set[str] = set()
+
+
+def _ini_lines(opts: Mapping[str, Any], key: str) -> list[str]:
+    """The values of ``key`` in the ini files uWSGI read (``--ini FILE`` or
+    ``FILE:SECTION``), as its ini parser reads them: the lines ``key =
+    value`` of the section (``[uwsgi]`` by default), ``;`` and ``#``
+    beginning comments."""
+    inis = opts.get("ini")
+    values: list[str] = []
+    for given in inis if isinstance(inis, list) else [] if inis is None else [inis]:
+        path, section = _text(given), "uwsgi"
+        head, colon, tail = path.rpartition(":")
+        if colon and head and "/" not in tail:
+            path, section = head, tail
+        text = _read_ini(path)
+        here = None
+        for line in text.splitlines():
+            line = line.strip()
+            if not line or line[0] in ";#":
+                continue
+            if line.startswith("[") and line.endswith("]"):
+                here = line[1:-1].strip()
+            elif here == section and "=" in line:
+                name, _, value = line.partition("=")
+                if name.strip() == key:
+                    values.append(value.strip())
+    return values
+
+
+def _read_ini(path: str) -> str:
+    """An ini file uWSGI was given, read where it was: the path as given, or
+    one relative to the directory uWSGI started in, should it have changed
+    directory since (``chdir``)."""
+    candidates = [path]
+    if not os.path.isabs(path) and os.environ.get("PWD"):
+        candidates.append(os.path.join(os.environ["PWD"], path))
+    for candidate in candidates:
+        try:
+            with open(candidate, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            continue
+    return ""
 
 
 def _flag(opts: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -146,12 +231,11 @@ def _number(opts: Mapping[str, Any], key: str, default: float | None, cast: Call
 
 def _routes(opts: Mapping[str, Any]) -> dict[str, float | None] | None:
     """``shmwheel-route = [METHOD] PATH SECONDS|none``, once a route."""
-    given = opts.get(_PREFIX + "route")
-    if given is None:
+    given = repeated(opts, _PREFIX + "route")
+    if not given:
         return None
     routes: dict[str, float | None] = {}
-    for value in given if isinstance(given, list) else [given]:
-        text = value.decode() if isinstance(value, bytes) else str(value)
+    for text in given:
         key, _, seconds = text.strip().rpartition(" ")
         if not key:
             raise ValueError(f"{_PREFIX}route must be '[METHOD] PATH SECONDS' or '[METHOD] PATH none', not {text!r}")
@@ -229,8 +313,7 @@ def request_timeouts(app: WSGIApp) -> WSGIApp:
     uwsgi = _uwsgi()
     config = _options()
     in_master = os.getpid() == uwsgi.masterpid()
-    mules = uwsgi.opt.get("mule") or []
-    mules = [m.decode() if isinstance(m, bytes) else str(m) for m in (mules if isinstance(mules, list) else [mules])]
+    mules = repeated(uwsgi.opt, "mule")
     # Once: in the master, or with lazy-apps (no app in the master) in worker 1.
     if _DRIVER not in mules and (in_master or uwsgi.worker_id() == 1) and config.name not in _created:
         _report(
