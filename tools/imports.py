@@ -42,6 +42,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("_safepoint", "_autodriver"),
     ("_interrupt",),
     ("_worker",),  # the request's timer
+    ("_views",),  # a view's own timeout, on the request's timer
     ("_handler",),  # the driver's side
     ("_supervisor",),
     ("wsgi", "asgi", "timeouts"),  # the adapters, and the driver command
@@ -50,7 +51,7 @@ FLOORS: list[tuple[str, ...]] = [
 ]
 
 #: What a worker loads, and what it must never load.
-WORKER = ("shmwheel.contrib._worker", "shmwheel.contrib.wsgi", "shmwheel.contrib.asgi")
+WORKER = ("shmwheel.contrib._worker", "shmwheel.contrib._views", "shmwheel.contrib.wsgi", "shmwheel.contrib.asgi")
 DRIVER = ("shmwheel.contrib._handler", "shmwheel.contrib._supervisor", "shmwheel.contrib.timeouts")
 
 

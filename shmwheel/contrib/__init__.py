@@ -15,8 +15,9 @@ tools/imports.py`` checks it):
 2. the worker's side: stacks and the reporter thread
    (:mod:`~shmwheel.contrib._stacks`), safe points and interrupts, the
    WSGI body, the driver a worker starts itself
-   (:mod:`~shmwheel.contrib._autodriver`), and a timer per request
-   (:mod:`~shmwheel.contrib._worker`: :class:`RequestTimer`);
+   (:mod:`~shmwheel.contrib._autodriver`), a timer per request
+   (:mod:`~shmwheel.contrib._worker`: :class:`RequestTimer`) and a view's
+   own timeout (:mod:`~shmwheel.contrib._views`: :class:`request_timeout`);
 3. the driver's side, which no worker loads: what it does when a timer
    fires and whom it may signal (:mod:`~shmwheel.contrib._handler`:
    :class:`TimeoutHandler`), and the wheel and the driver process's
@@ -29,9 +30,11 @@ tools/imports.py`` checks it):
    the driver command, ``shmwheel timeouts NAME`` (the same as ``python -m
    shmwheel.contrib.timeouts NAME``).
 
-What a request's own code may use: :func:`extend` and :func:`no_timeout`
-change the timeout of the request in progress, and :class:`RequestTimeout`
-is what ends one that ran past it (``interrupt=True``).
+What a request's own code may use: :class:`request_timeout` gives a view
+a timeout of its own (a decorator on a view of any framework, or a
+FastAPI dependency), :func:`extend` and :func:`no_timeout` change the
+timeout of the request in progress, and :class:`RequestTimeout` is what
+ends one that ran past it (``interrupt=True``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ if TYPE_CHECKING:  # for type checkers; at run time __getattr__ loads each name'
     from ._settings import TimeoutSettings as TimeoutSettings
     from ._supervisor import DriverSupervisor as DriverSupervisor
     from ._supervisor import create_wheel as create_wheel
+    from ._views import request_timeout as request_timeout
     from ._worker import RequestTimer as RequestTimer
     from ._worker import extend as extend
     from ._worker import no_timeout as no_timeout
@@ -92,6 +96,7 @@ _HOMES = {
         "_settings",
     ),
     **dict.fromkeys(("DriverSupervisor", "create_wheel"), "_supervisor"),
+    "request_timeout": "_views",
     **dict.fromkeys(("RequestTimer", "extend", "no_timeout"), "_worker"),
 }
 

@@ -59,7 +59,16 @@ from ._stacks import Active, ask_signal, keep_listening, listen, listening, real
 if TYPE_CHECKING:
     from ._autodriver import AutoDriver
 
-__all__ = ["RequestTimer", "extend", "no_timeout", "queued_ns", "timed_apps"]
+__all__ = [
+    "RequestTimer",
+    "extend",
+    "in_progress_here",
+    "no_timeout",
+    "queued_ns",
+    "rearm_here",
+    "timed_apps",
+    "times_requests",
+]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
@@ -653,9 +662,10 @@ class RequestTimer:
         except ShmwheelError:
             pass  # the wheel is gone: so is the fire
 
-    def rearm(self, handle: int, seconds: float | None) -> bool:
-        """Give the request of ``handle`` ``seconds`` from now (None: no
-        timeout at all); False if it has no timer, or has timed out."""
+    def rearm(self, handle: int, seconds: float | None, *, from_start: bool = False) -> bool:
+        """Give the request of ``handle`` ``seconds`` from now, or with
+        ``from_start`` from its start (None: no timeout at all); False if it
+        has no timer, or has timed out."""
         active = self._active.get(handle)
         if active is None or handle in self._interrupted or self._pid != _process.pid:
             return False
@@ -679,6 +689,9 @@ class RequestTimer:
         if record is None or wheel is None:
             self._active.pop(handle, None)
             return False
+        if from_start:
+            ns = max(record.started_ns + ns - now, 0)
+            seconds = ns / 1e9
         payload = rearmed(active.payload, -(-(now + ns - record.started_ns) // 1_000_000))
         try:
             new = self._add(wheel, seconds, payload)
@@ -740,20 +753,33 @@ def extend(seconds: float) -> bool:
     dropped.  Returns False, changing nothing, if this request has no timer
     (none is in progress here, its route has none, it was exempted) or if
     it has timed out already: too late."""
-    return _rearm_here("extend", check_seconds(seconds, "seconds", positive=True))
+    return rearm_here("extend", check_seconds(seconds, "seconds", positive=True))
 
 
 def no_timeout() -> bool:
     """Exempt the request in progress from its timeout; False if it had no
     timer, or has timed out already (too late)."""
-    return _rearm_here("no_timeout", None)
+    return rearm_here("no_timeout", None)
 
 
 _told_none_here = False
 
 
-def _rearm_here(what: str, seconds: float | None) -> bool:
-    """extend() and no_timeout() on the request in progress here.  Where
+def in_progress_here() -> bool:
+    """Whether a request of this process's timers is in progress here (this
+    thread's, task's or greenlet's)."""
+    return _here() is not None
+
+
+def times_requests() -> bool:
+    """Whether anything in this process times requests: a RequestTimer, or
+    an adapter that makes one at its first request."""
+    return bool(_request_timers) or bool(timed_apps)
+
+
+def rearm_here(what: str, seconds: float | None, from_start: bool = False) -> bool:
+    """extend(), no_timeout() and request_timeout on the request in
+    progress here (``from_start``: ``seconds`` counted from its start).  Where
     none is, said once a process in the server's log if a request that a
     plain thread runs is in progress in another thread, which only that
     thread reaches (the call may come from code the request handed to a
@@ -761,7 +787,7 @@ def _rearm_here(what: str, seconds: float | None) -> bool:
     global _told_none_here
     current = _here()
     if current is not None:
-        return current[0].rearm(current[1], seconds)
+        return current[0].rearm(current[1], seconds, from_start=from_start)
     if _told_none_here:
         return False
     me = real("_thread", "get_ident")()

@@ -1,0 +1,65 @@
+"""A Django project in one file, whose views take timeouts of their own
+(shmwheel.contrib.request_timeout): under Gunicorn, ``views_django:application``.
+
+    GET /             answers at once
+    GET /short?s=N    request_timeout(0.5): a function view, time.sleep(N)
+    GET /long?s=N     request_timeout(60), through method_decorator on a class-based view
+    GET /none?s=N     request_timeout(None) on a class-based view, directly
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import django
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from django.urls import path
+from django.utils.decorators import method_decorator
+from django.views import View
+
+from shmwheel.contrib import request_timeout
+
+settings.configure(DEBUG=False, ROOT_URLCONF=__name__, ALLOWED_HOSTS=["*"], SECRET_KEY="a test project's")
+django.setup()
+
+
+def _done(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(f"done by pid {os.getpid()}\n", content_type="text/plain")
+
+
+def _seconds(request: HttpRequest) -> float:
+    return float(request.GET.get("s", "0"))
+
+
+@request_timeout(0.5)
+def short(request: HttpRequest) -> HttpResponse:
+    time.sleep(_seconds(request))
+    return _done(request)
+
+
+@method_decorator(request_timeout(60), name="dispatch")
+class Long(View):
+    def get(self, request: HttpRequest) -> HttpResponse:
+        time.sleep(_seconds(request))
+        return _done(request)
+
+
+@request_timeout(None)
+class Untimed(View):
+    def get(self, request: HttpRequest) -> HttpResponse:
+        time.sleep(_seconds(request))
+        return _done(request)
+
+
+urlpatterns = [
+    path("", _done),
+    path("short", short),
+    path("long", Long.as_view()),
+    path("none", Untimed.as_view()),
+]
+
+from django.core.wsgi import get_wsgi_application  # noqa: E402 - once the settings are made
+
+application = get_wsgi_application()
