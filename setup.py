@@ -6,10 +6,9 @@ import glob
 from setuptools import Extension, setup
 
 setup(
-    cffi_modules=[
-        "csrc/build_shmwheel.py:ffibuilder",  # the core the package ships
-        "csrc/build_shmwheel.py:testing_ffibuilder",  # the same, with the test hooks, for the suite
-    ],
+    # The core the package ships.  The same with the test hooks,
+    # shmwheel._shmwheel_testing, is not shipped: tests/conftest.py builds it.
+    cffi_modules=["csrc/build_shmwheel.py:ffibuilder"],
     ext_modules=[
         # The worker's request timer on a path that keeps the GIL.  It links
         # none of the core: it calls the cffi module's, by the addresses that

@@ -2,10 +2,14 @@
 """How long the repair after a lock holder's death takes, by capacity.
 
 A child process is stopped (by a crash point of the core built for the
-tests, shmwheel._shmwheel_testing) in the middle of an add, holding the lock, on a wheel with the given number of timers
-pending; the time of the parent's next lock, which finds EOWNERDEAD and
-rebuilds the free list, buckets, heap and counters, is the repair time.
-Best of --repeat runs; the segment is removed whatever happens.
+tests, shmwheel._shmwheel_testing) in the middle of an add, holding the
+lock, on a wheel with the given number of timers pending; the time of the
+parent's next lock, which finds EOWNERDEAD and rebuilds the free list,
+buckets, heap and counters, is the repair time.  Best of --repeat runs;
+the segment is removed whatever happens.
+
+That module is not shipped: a run of the test suite builds it beside the
+package's sources, or ``python csrc/build_shmwheel.py --testing`` does.
 
 Usage: python bench/recovery.py [--capacity N ...] [--repeat N]
 """
@@ -15,10 +19,15 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import sys
 import time
 
 import shmwheel
-from shmwheel import _shmwheel_testing as testing
+
+try:
+    from shmwheel import _shmwheel_testing as testing
+except ImportError:
+    sys.exit("bench/recovery.py: no shmwheel._shmwheel_testing: build it with python csrc/build_shmwheel.py --testing")
 
 
 def crash_mid_add(name: str) -> None:

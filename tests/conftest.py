@@ -5,6 +5,12 @@ the C invariant checker on it after the test and removes its segment; a
 session hook fails the run if a segment named like the fixtures' wheels,
 or like the wheels the servers and the demo under test make, is left in
 /dev/shm anyway.
+
+The suite runs on the core built with the test hooks,
+shmwheel._shmwheel_testing, which the package does not ship: this file
+builds it into the package's directory when it is missing or stale.
+Where it cannot (an installed package's read-only directory), the suite
+runs on the shipped core and the tests that need a hook skip.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import importlib.machinery
 import importlib.util
 import itertools
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import uuid
@@ -47,7 +55,41 @@ class _TestingCore(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-sys.meta_path.insert(0, _TestingCore())
+def _build_testing_core() -> str | None:
+    """Build shmwheel._shmwheel_testing into the package's directory if it
+    is not there for this CPython or is older than a source of it; return
+    why it cannot be had, or None.  It is not shipped (setup.py builds only
+    the shipped core): it is built here, beside the package's modules, so
+    that the processes the tests start import it too, once per CPython: a
+    later run finds it (csrc/build_shmwheel.py)."""
+    spec = importlib.util.find_spec("shmwheel")  # found, not imported: the finder is not in place yet
+    assert spec is not None and spec.origin is not None, "the shmwheel package is not importable"
+    package = Path(spec.origin).parent
+    script = Path(__file__).resolve().parent.parent / "csrc" / "build_shmwheel.py"
+    if not script.exists():
+        return f"no {script} to build it from"
+    build_spec = importlib.util.spec_from_file_location("build_shmwheel", script)
+    assert build_spec is not None and build_spec.loader is not None
+    build = importlib.util.module_from_spec(build_spec)
+    build_spec.loader.exec_module(build)
+    module = package / f"_shmwheel_testing{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    if module.exists() and module.stat().st_mtime >= build.newest_source():
+        return None
+    if not os.access(package, os.W_OK):
+        return f"{package} is not writable (an installed package?)"
+    compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    if shutil.which(compiler.split()[0]) is None:
+        return f"no C compiler ({compiler.split()[0]}) to build it with"
+    build.build_in_place(build.testing_ffibuilder, package)
+    return None
+
+
+#: Why the suite runs on the shipped core, without the test hooks (then
+#: every test that reaches for one skips, see pytest_runtest_makereport);
+#: None when it runs on the tests' core, as it should.
+TESTING_CORE_MISSING = _build_testing_core()
+if TESTING_CORE_MISSING is None:
+    sys.meta_path.insert(0, _TestingCore())
 
 import shmwheel  # noqa: E402  (after the finder: the package binds the core it imports)
 from shmwheel._binding import ffi, lib  # noqa: E402
@@ -62,6 +104,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the torture tests at full length (10,000 kills) instead of the CI length",
     )
+
+
+def _names_a_test_hook(exc: BaseException) -> bool:
+    """Whether ``exc`` is the shipped core's answer to a name only the
+    tests' core has: a test hook, a constant or a struct of the segment."""
+    if isinstance(exc, BaseExceptionGroup):  # Hypothesis's, for several failures
+        return all(_names_a_test_hook(e) for e in exc.exceptions)
+    if isinstance(exc, AttributeError):
+        return str(exc).startswith("cffi library 'shmwheel._shmwheel' has no ")
+    return isinstance(exc, ffi.error) and str(exc).startswith("undefined struct/union name")
+
+
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
+    """A test, or a fixture of it, that reached for a test hook is reported
+    as skipped where the tests' core could not be built, whichever test it
+    is (a unittest-style one such as Hypothesis's state machines included:
+    here, after pytest's unittest support has put its error on ``call``,
+    and before the report is made of it)."""
+    if TESTING_CORE_MISSING is None or call.excinfo is None or not _names_a_test_hook(call.excinfo.value):
+        return
+    try:
+        pytest.skip(f"needs shmwheel._shmwheel_testing: {TESTING_CORE_MISSING}")
+    except pytest.skip.Exception:
+        call.excinfo = pytest.ExceptionInfo.from_current()
 
 
 @pytest.fixture

@@ -279,9 +279,9 @@ def test_repair_of_a_million_slot_segment(make_wheel, capacity: int) -> None:
     for _ in range(9):
         w.add_many([3600.0 + i * 0.01 for i in range(100_000)])
     pid = os.fork()
-    if pid == 0:
-        lib.shmw_test_crash_after(5)
+    if pid == 0:  # the child: never returns, whatever it raises
         try:
+            lib.shmw_test_crash_after(5)
             w.add(1)
         finally:
             os._exit(0)

@@ -15,7 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include <sys/random.h>
+#include <sys/syscall.h>
+#include <linux/random.h> /* GRND_NONBLOCK */
 
 /* ---- process identity ----------------------------------------------------- */
 
@@ -125,8 +126,10 @@ int shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t no
     shmw__pid_init();
     h->creator_pid = shmw__pid;
     /* Not secret, only different from wheel to wheel: without getrandom
-     * (before Linux 3.17) the creation time and pid will do. */
-    if (getrandom(&h->handle_key, sizeof(h->handle_key), GRND_NONBLOCK) != (ssize_t)sizeof(h->handle_key))
+     * (before Linux 3.17) the creation time and pid will do.  The system
+     * call itself, not glibc's getrandom(), which only glibc 2.25 has: the
+     * wheels are built for glibc 2.17 (tools/build-wheels). */
+    if (syscall(SYS_getrandom, &h->handle_key, sizeof(h->handle_key), GRND_NONBLOCK) != (long)sizeof(h->handle_key))
         h->handle_key = (uint64_t)now_ns * 0x9e3779b97f4a7c15ULL ^ (uint64_t)shmw__pid;
 
     h->elapsed = shmw_ticks_ceil(now_ns, p->tick_ns);
