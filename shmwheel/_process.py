@@ -10,7 +10,9 @@ driver would be declared dead.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Callable
 
 import psutil
@@ -142,24 +144,35 @@ def after_fork(hook: Callable[[], None]) -> Callable[[], None]:
 
 
 def _forked() -> None:
+    """The hooks, each whatever the others do (one that raises is logged:
+    a lock another skipped hook would have made anew could deadlock the
+    child), then the pid, so that nothing sees the child's pid before its
+    hooks have run."""
     global pid, _pid_namespace
-    pid = os.getpid()
     _pid_namespace = None
     for hook in _in_child:
-        hook()
+        try:
+            hook()
+        except Exception:
+            logging.getLogger("shmwheel").exception("shmwheel: a fork hook failed: %r", hook)
+    pid = os.getpid()
 
 
 def catch_up_fork() -> bool:
     """Run the fork hooks now if this process was forked without them
     (uWSGI forks its workers without Python's hooks unless told
-    ``py-call-osafterfork``); True if it was.  A system call: for the
-    moments a process attaches, and once a second."""
-    if pid == os.getpid():
+    ``py-call-osafterfork``); True if this call ran them.  Of threads that
+    see it at once, the first to claim the new pid runs them (a lock could
+    not be trusted: the fork may have copied it held).  A system call: for
+    the moments a process attaches, and once a second."""
+    me = os.getpid()
+    if pid == me or _catching_up.setdefault(me, threading.get_ident()) != threading.get_ident():
         return False
     _forked()
     return True
 
 
+_catching_up: dict[int, int] = {}  # pid: the thread that runs its late hooks (setdefault is atomic)
 os.register_at_fork(after_in_child=_forked)
 
 

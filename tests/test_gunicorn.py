@@ -33,6 +33,26 @@ def test_gunicorn_install_defines_hooks_gunicorn_accepts_and_keeps_earlier_ones(
     assert calls == ["theirs"]
 
 
+def test_gunicorns_hooks_take_the_c_path_with_interrupt_and_not_with_what_needs_python(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupted request is answered by the application's wrapper, not
+    by the hooks: interrupt=True keeps them in C; routes and X-Request-Start,
+    which each request's Python reads, do not."""
+    monkeypatch.setattr(contrib_gunicorn, "_state", contrib_gunicorn._State())  # this test's own
+    kinds = {}
+    for name, kw in {
+        "plain": {},
+        "interrupt": {"interrupt": True},
+        "routes": {"routes": {"/x": 1}},
+        "x_request_start": {"x_request_start": True},
+    }.items():
+        namespace: dict[str, Any] = {}
+        contrib_gunicorn.install(namespace, 5.0, **kw)
+        kinds[name] = isinstance(namespace["pre_request"], types.BuiltinFunctionType)
+    assert kinds == {"plain": True, "interrupt": True, "routes": False, "x_request_start": False}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [({"timeout": 0}, ValueError), ({"timeout": "5"}, TypeError), ({"timeout": 5, "kill_signal": "X"}, ValueError)],

@@ -83,6 +83,10 @@ def test_a_route_covers_whole_segments_and_its_method_any_case() -> None:
     [
         ({"api/": 2}, ValueError, "is not a path, or a method and a path"),
         ({"GET  /x": 2}, ValueError, "is not a path, or a method and a path"),
+        ({"//": 2}, ValueError, "is not a path, or a method and a path"),
+        ({"/api//x": 2}, ValueError, "is not a path, or a method and a path"),
+        ({"/report": 3, "/report/": 4}, ValueError, "'/report' and '/report/' are the same route"),
+        ({"post /x": 5, "POST /x": 6}, ValueError, "'post /x' and 'POST /x' are the same route"),
         ({"/x": 0}, ValueError, "positive"),
         ({"/x": "2"}, TypeError, "number of seconds"),
         ([("/x", 2)], TypeError, "mapping of paths or a callable"),

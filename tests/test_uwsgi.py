@@ -5,6 +5,7 @@ there; test_servers.py runs real uWSGI servers.)"""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -70,20 +71,44 @@ def test_every_line_of_a_repeated_option_is_read_from_the_ini_uwsgi_was_given(tm
     assert routes == {"/report": 6.0, "POST /upload": 5.0, "/health": None}
 
 
-def test_repeated_lines_uwsgi_expanded_otherwise_leave_its_value_and_say_so(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("lines", "why"),
+    [
+        ("shmwheel-route = /a 1\nshmwheel-route = %(prefix)/b 2\n", "placeholders"),
+        ("shmwheel-route = /x $(SLOW)\nshmwheel-route = /api/b 2\n", "placeholders"),
+        ("if-env = STAGING\nshmwheel-route = / none\nendif =\nshmwheel-route = /api/b 2\n", "config logic"),
+        ("shmwheel-route = /a 1\nshmwheel-route = /b 2\n", "last reads '/b 2'"),
+    ],
+)
+def test_repeated_lines_uwsgi_made_something_else_of_leave_its_own_value_and_say_so(
+    lines: str, why: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A placeholder in the file's last line: the file and uWSGI disagree,
-    so uWSGI's own value counts alone, and a warning says what is left out."""
+    """Lines inside uWSGI's config logic, or with a placeholder, or whose
+    last is not what uWSGI has: the file cannot be trusted, so uWSGI's own
+    value counts alone (never a route uWSGI skipped, which could exempt
+    every path), and one WARNING says what may be left out."""
     ini = tmp_path / "server.ini"
-    ini.write_text("[uwsgi]\nshmwheel-route = /a 1\nshmwheel-route = %(prefix)/b 2\n")
+    ini.write_text("[uwsgi]\n" + lines)
     monkeypatch.setattr(contrib_uwsgi, "_warned", set())
-    assert repeated({"ini": str(ini), "shmwheel-route": b"/api/b 2"}, "shmwheel-timeout-x") == []
-    assert repeated({"ini": str(ini), "shmwheel-route": b"/api/b 2"}, "shmwheel-route") == ["/api/b 2"]
-    assert repeated({"ini": str(ini), "shmwheel-route": b"/api/b 2"}, "shmwheel-route") == ["/api/b 2"]
-    said = [r.getMessage() for r in caplog.records if "lines in the uWSGI config" in r.getMessage()]
-    assert len(said) == 1  # once a server
-    assert "2 'shmwheel-route' lines in the uWSGI config" in said[0] and "only '/api/b 2' applies" in said[0]
+    opts = {"ini": str(ini), "shmwheel-route": b"/api/b 2", "shmwheel-timeout": b"10"}
+    for _ in range(2):
+        assert repeated(opts, "shmwheel-route") == ["/api/b 2"]
+    assert read_options(opts, 1).timeouts.routes == {"/api/b": 2.0}
+    said = [r.getMessage() for r in caplog.records if "hands the application only the last" in r.getMessage()]
+    assert len(said) == 1, said  # once a server
+    assert "only '/api/b 2' applies" in said[0] and why in said[0]
+
+
+def test_an_option_of_a_config_that_is_not_an_ini_file_is_uwsgis_own_value_with_a_warning(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(contrib_uwsgi, "_warned", set())
+    assert repeated({"yaml": b"server.yaml", "shmwheel-route": b"/a 1"}, "shmwheel-route") == ["/a 1"]
+    fifo = tmp_path / "fifo.ini"
+    os.mkfifo(fifo)  # read as an ini file it would block the master: not a regular file, so not read
+    assert repeated({"ini": str(fifo), "mule": b"m"}, "mule") == ["m"]
+    said = [r.getMessage() for r in caplog.records if "hands the application only the last" in r.getMessage()]
+    assert len(said) == 2 and "this config is not an ini file" in said[0]
 
 
 OTHER_MULE = "import time\n\ndef idle():\n    time.sleep(3600)\n"

@@ -158,12 +158,22 @@ def test_class_based_views_of_each_framework_take_it_directly_and_through_method
         with app.test_request_context("/"):
             assert FlaskView.as_view("v")() == "flask"
 
+    @request_timeout(8)
+    class Child(Direct):  # its own timeout, over its base class's 3 s, whose dispatch its own calls
+        pass
+
+    @method_decorator(request_timeout(9), name="dispatch")
+    class Grandchild(Child):
+        pass
+
     seen = [
         _deadline_from_start(timer, lambda: Direct.as_view()(request)),
         _deadline_from_start(timer, lambda: Decorated.as_view()(request)),
         _deadline_from_start(timer, flask_view),
+        _deadline_from_start(timer, lambda: Child.as_view()(request)),
+        _deadline_from_start(timer, lambda: Grandchild.as_view()(request)),
     ]
-    assert seen == [pytest.approx(s, abs=0.005) for s in (3, 4, 5)]
+    assert seen == [pytest.approx(s, abs=0.005) for s in (3, 4, 5, 8, 9)]
 
 
 def test_a_view_no_adapter_times_runs_unchanged_and_says_so_once(

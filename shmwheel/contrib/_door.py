@@ -67,11 +67,13 @@ if _fast.HEAD_SIZE != lib.SHMW_REQ_HEAD_SIZE:
 from .._fast import ASGI, WSGI, Active, Body, Clerk, Core, Coroutine, Hooks, Table, enter, here, leave  # noqa: E402
 
 
-def in_c(settings: TimeoutSettings) -> bool:
+def in_c(settings: TimeoutSettings, *, ends_in_call: bool = True) -> bool:
     """Whether an adapter's requests may take the C path: none of them
     needs Python of its own (a route's look-up, X-Request-Start, an
-    interrupt in the middleware's own call)."""
-    return settings.routes is None and not settings.x_request_start and not settings.interrupt
+    interrupt answered in the adapter's own call: ``ends_in_call``, the
+    middlewares'; Gunicorn's hooks leave that to the application's
+    wrapper, and take the C path with ``interrupt`` all the same)."""
+    return settings.routes is None and not settings.x_request_start and not (settings.interrupt and ends_in_call)
 
 
 def new_table() -> Table:

@@ -38,13 +38,18 @@ def compile_routes(routes: Routes | None, default_ns: int) -> Lookup | None:
     if not isinstance(routes, Mapping):
         raise TypeError(f"routes must be a mapping of paths or a callable, not {type(routes).__name__}")
     table: list[tuple[int, int, str | None, str, int | None]] = []
+    seen: dict[tuple[str | None, str], str] = {}
     for key, seconds in routes.items():
-        if not isinstance(key, str) or not (match := _KEY.fullmatch(key)):
+        if not isinstance(key, str) or not (match := _KEY.fullmatch(key)) or "//" in key:
             raise ValueError(f"routes: {key!r} is not a path, or a method and a path ('POST /api')")
         method, path = match.groups()
         ns = None if seconds is None else round(check_seconds(seconds, f"routes[{key!r}]", positive=True) * 1e9)
         below = path.rstrip("/") + "/"  # "/report/" and "/report" alike: what lies below "/report"
-        table.append((-len(below), method is None, None if method is None else method.upper(), below, ns))
+        method = None if method is None else method.upper()
+        same = seen.setdefault((method, below), key)
+        if same != key:
+            raise ValueError(f"routes: {same!r} and {key!r} are the same route")
+        table.append((-len(below), method is None, method, below, ns))
     table.sort(key=lambda row: row[:2])
     rows = [(method, below, below[:-1], ns) for _, _, method, below, ns in table]
 

@@ -112,10 +112,10 @@ class TimeoutSettings:
     once, as every adapter takes them (the middlewares' and ``install()``'s
     arguments of the same names; ``stacks`` is ``actions.tracebacks``).
 
-    ``traceback_signal`` is the signal the workers are asked on; None is
-    refused where something asks (the stacks or a stage), and where nothing
-    does, :attr:`signal` is None whatever was given: the workers listen on
-    no signal.  ``actions`` and ``capacity`` matter where the adapter
+    ``traceback_signal`` is the signal the workers are asked on: None is
+    refused where a stage needs it, and means no stacks otherwise; where
+    nothing asks (no stacks, no stage) :attr:`signal` is None whatever was
+    given, and the servers' workers listen on no signal.  ``actions`` and ``capacity`` matter where the adapter
     starts the driver and makes the wheel (``install()``, the ASGI
     middleware, uWSGI's master); elsewhere the driver command has its own.
     """

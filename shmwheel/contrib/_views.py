@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any, TypeVar, cast, overload
 
 from .._checks import check_seconds
@@ -30,6 +31,9 @@ C = TypeVar("C", bound=type)
 _DISPATCH = ("dispatch_request", "dispatch")
 
 _said_untimed = False
+#: Whether a request_timeout further out on this call has given the request
+#: its timeout already.
+_applied: ContextVar[bool] = ContextVar("shmwheel_request_timeout_applied", default=False)
 
 
 class request_timeout:  # noqa: N801 - a decorator, named as one is used
@@ -90,19 +94,33 @@ class request_timeout:  # noqa: N801 - a decorator, named as one is used
         return False
 
     def _on_function(self, view: F) -> F:
+        # Of two that wrap one call, the outer counts: a subclass's own
+        # timeout over its base class's, whose dispatch its own calls.
         if inspect.iscoroutinefunction(view):
 
             @functools.wraps(view)
             async def timed_async(*args: Any, **kwargs: Any) -> Any:
-                self.apply()
-                return await cast(Callable[..., Awaitable[Any]], view)(*args, **kwargs)
+                if _applied.get():
+                    return await cast(Callable[..., Awaitable[Any]], view)(*args, **kwargs)
+                token = _applied.set(True)
+                try:
+                    self.apply()
+                    return await cast(Callable[..., Awaitable[Any]], view)(*args, **kwargs)
+                finally:
+                    _applied.reset(token)
 
             return cast(F, timed_async)
 
         @functools.wraps(view)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            self.apply()
-            return view(*args, **kwargs)
+            if _applied.get():
+                return view(*args, **kwargs)
+            token = _applied.set(True)
+            try:
+                self.apply()
+                return view(*args, **kwargs)
+            finally:
+                _applied.reset(token)
 
         return cast(F, timed)
 

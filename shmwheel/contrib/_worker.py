@@ -149,11 +149,18 @@ class RequestTimer:
         self._set_up(name, settings, auto_driver, settings.traceback_signal)  # type: ignore[arg-type]  # an int
 
     @classmethod
-    def of(cls, name: str, settings: TimeoutSettings, auto_driver: AutoDriver | None = None) -> RequestTimer:
+    def of(
+        cls, name: str, settings: TimeoutSettings, auto_driver: AutoDriver | None = None, *, always_listen: bool = False
+    ) -> RequestTimer:
         """The timer of an adapter's ``settings`` (checked when they were
-        made) on wheel ``name``; the workers listen on ``settings.signal``."""
+        made) on wheel ``name``.  Its process listens on ``settings.signal``,
+        or with ``always_listen`` on ``settings.traceback_signal`` even where
+        nothing asks: as a RequestTimer made by hand does, so that an
+        operator's ``kill -SIGNAL`` of a custom signal never takes the
+        signal's default action."""
         timer = cls.__new__(cls)
-        timer._set_up(name, settings, auto_driver, settings.signal)
+        listen = settings.traceback_signal if always_listen else settings.signal
+        timer._set_up(name, settings, auto_driver, listen)  # type: ignore[arg-type]  # checked: an int or None
         return timer
 
     def _set_up(

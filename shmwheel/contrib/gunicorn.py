@@ -233,7 +233,7 @@ def install(
 
     # Every request's timer from its start in C where it can be, with no
     # frame of ours (the Python hook above takes what the C one does not).
-    plain = in_c(timeouts)
+    plain = in_c(timeouts, ends_in_call=False)  # an interrupted request is answered by InterruptibleApp
     hooks = gunicorn_hooks(_state, timer_pre, _REQUEST_ID_HEADER, plain)
     start: Callable[[Any, Any], None] = timer_pre if hooks is None else hooks.pre_request
     end: Callable[[Any, Any, Any, Any], None] = timer_post if hooks is None else hooks.post_request

@@ -68,8 +68,10 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -130,79 +132,110 @@ def repeated(opts: Mapping[str, Any], key: str) -> list[str]:
     ``uwsgi.opt`` lists them where uWSGI's Python plugin builds the list,
     but uWSGI 2.0 on Python 3 keeps only the last (it looks a key up as
     bytes and stores it as str), so the lines of ``key`` are read again
-    from the ini files uWSGI was given.  They are taken where the last of
-    them is the value uWSGI has; where it is not (a placeholder the file's
-    line leaves unexpanded), only uWSGI's value counts, and a warning says
-    what is left out."""
-    given = opts.get(key)
-    if isinstance(given, list):
-        return [_text(value) for value in given]
-    if given is None:
-        return []
-    last = _text(given)
-    found = _ini_lines(opts, key)
-    if len(found) > 1:
-        if found[-1] == last:
-            return found
-        if key in _warned:
-            return [last]
+    from the ini files uWSGI was given (:func:`_complete` says when they
+    can be trusted).  Where they cannot, only uWSGI's own value counts, and
+    a WARNING, once, says what may be left out."""
+    values, complete = _complete(opts, key)
+    if not complete and key not in _warned:
         _warned.add(key)  # once a server: its workers and mules are forked from the master that said it
         _report(
             logging.WARNING,
-            "shmwheel: %d %r lines in the uWSGI config, whose last reads %r where uWSGI has %r (a placeholder?): only "
-            "%r applies; write them without placeholders",
-            len(found),
+            "shmwheel: uWSGI hands the application only the last %r of its config (uWSGI 2.0 under Python 3), "
+            "and shmwheel cannot read the others back from an ini file it was given (%s): only %r applies",
             key,
-            found[-1],
-            last,
-            last,
+            _why_incomplete(opts, key),
+            values[-1],
         )
-    return [last]
+    return values
 
 
 _warned: set[str] = set()
+# What makes an ini file's lines differ from what uWSGI made of them: its
+# config logic (if-env, for, ...) and its placeholders and magic variables.
+_LOGIC = re.compile(r"(?:if-[\w-]+|for(?:-[\w-]+)?|else|endif|endfor|end)$")
+_EXPANDS = ("%", "$(", "@(", "{{")
+_MAX_INI = 1 << 20  # bytes of an ini file read back: a config, not a data file
 
 
-def _ini_lines(opts: Mapping[str, Any], key: str) -> list[str]:
+def _complete(opts: Mapping[str, Any], key: str) -> tuple[list[str], bool]:
+    """``key``'s values, and whether they are all of them: uWSGI's list; or
+    the lines of the ini files uWSGI read, where none is inside its config
+    logic or holds a placeholder, and the last is the value uWSGI has; or
+    uWSGI's one value where no ini file has more than one such line."""
+    given = opts.get(key)
+    if isinstance(given, list):
+        return [_text(value) for value in given], True
+    if given is None:
+        return [], True
+    last = _text(given)
+    found, plain = _ini_lines(opts, key)
+    if plain and found and found[-1] == last:
+        return found, True
+    return [last], False
+
+
+def _why_incomplete(opts: Mapping[str, Any], key: str) -> str:
+    if opts.get("ini") is None:
+        return "this config is not an ini file"
+    found, plain = _ini_lines(opts, key)
+    if not found:
+        return "none of its lines is in the ini file as shmwheel reads it"
+    if not plain:
+        return "its lines use uWSGI's config logic or placeholders, which shmwheel does not expand"
+    return f"the ini file's last reads {found[-1]!r}"
+
+
+def _ini_lines(opts: Mapping[str, Any], key: str) -> tuple[list[str], bool]:
     """The values of ``key`` in the ini files uWSGI read (``--ini FILE`` or
     ``FILE:SECTION``), as its ini parser reads them: the lines ``key =
     value`` of the section (``[uwsgi]`` by default), ``;`` and ``#``
-    beginning comments."""
+    beginning comments; and whether the section is plain: no config logic,
+    and no placeholder in those lines."""
     inis = opts.get("ini")
     values: list[str] = []
+    plain = True
     for given in inis if isinstance(inis, list) else [] if inis is None else [inis]:
         path, section = _text(given), "uwsgi"
         head, colon, tail = path.rpartition(":")
         if colon and head and "/" not in tail:
             path, section = head, tail
-        text = _read_ini(path)
         here = None
-        for line in text.splitlines():
+        for line in _read_ini(path).splitlines():
             line = line.strip()
             if not line or line[0] in ";#":
                 continue
-            if line.startswith("[") and line.endswith("]"):
-                here = line[1:-1].strip()
+            if line.startswith("["):
+                here = line[1:].partition("]")[0].strip()
             elif here == section and "=" in line:
                 name, _, value = line.partition("=")
-                if name.strip() == key:
-                    values.append(value.strip())
-    return values
+                name, value = name.strip(), value.strip()
+                if _LOGIC.match(name):
+                    plain = False
+                elif name == key:
+                    values.append(value)
+                    plain = plain and not any(mark in value for mark in _EXPANDS)
+    return values, plain
 
 
 def _read_ini(path: str) -> str:
-    """An ini file uWSGI was given, read where it was: the path as given, or
-    one relative to the directory uWSGI started in, should it have changed
-    directory since (``chdir``)."""
+    """An ini file uWSGI was given, read where it was: a relative path from
+    the directory uWSGI started in (its ``chdir`` may have moved it since),
+    else as given.  Only a regular file, and only its first MiB."""
     candidates = [path]
     if not os.path.isabs(path) and os.environ.get("PWD"):
-        candidates.append(os.path.join(os.environ["PWD"], path))
+        candidates.insert(0, os.path.join(os.environ["PWD"], path))
     for candidate in candidates:
         try:
-            with open(candidate, encoding="utf-8", errors="replace") as f:
-                return f.read()
+            fd = os.open(candidate, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return os.read(fd, _MAX_INI).decode("utf-8", errors="replace")
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return ""
 
 
@@ -313,9 +346,10 @@ def request_timeouts(app: WSGIApp) -> WSGIApp:
     uwsgi = _uwsgi()
     config = _options()
     in_master = os.getpid() == uwsgi.masterpid()
-    mules = repeated(uwsgi.opt, "mule")
-    # Once: in the master, or with lazy-apps (no app in the master) in worker 1.
-    if _DRIVER not in mules and (in_master or uwsgi.worker_id() == 1) and config.name not in _created:
+    mules, every_mule = _complete(uwsgi.opt, "mule")
+    # Once: in the master, or with lazy-apps (no app in the master) in worker 1.  Where
+    # uWSGI shows the last mule only, the driver may be another: nothing is said.
+    if _DRIVER not in mules and every_mule and (in_master or uwsgi.worker_id() == 1) and config.name not in _created:
         _report(
             logging.ERROR,
             "shmwheel: no driver runs on wheel %r, so request timeouts will never fire: "

@@ -89,7 +89,9 @@ class TimeoutMiddleware:
 
     def _set_up(self, app: WSGIApp, name: str, settings: TimeoutSettings) -> None:
         self.app = app
-        self.timer = RequestTimer.of(name, settings)
+        # Listening on its signal even with stacks=False, as it always has: an
+        # operator's kill -SIGNAL never kills a worker with the default action.
+        self.timer = RequestTimer.of(name, settings, always_listen=True)
         self.x_request_start = settings.x_request_start
         # Whether every request takes the whole call in C when it can
         # (shmwheel._fast's Clerk.wsgi): not with what needs Python per request.
