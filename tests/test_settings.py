@@ -56,6 +56,15 @@ def test_the_workers_listen_on_the_signal_only_where_something_asks_for_it() -> 
     assert TimeoutSettings(5, traceback_signal="SIGUSR2").signal == signal.SIGUSR2
 
 
+def test_a_wsgi_middleware_without_stacks_still_listens_on_its_signal(name: str) -> None:
+    """As a RequestTimer made by hand does: an operator's kill of a custom
+    traceback signal must never take the signal's default action (SIGUSR1's
+    ends the process) in a worker that was told to write no stacks."""
+    app = contrib_wsgi.TimeoutMiddleware(lambda e, s: [], name, 5.0, stacks=False, traceback_signal=signal.SIGUSR1)
+    assert app.timer.traceback_signal == signal.SIGUSR1
+    assert contrib_asgi.TimeoutMiddleware(lambda s, r, se: None, 5.0, tracebacks=False).traceback_signal is None
+
+
 @pytest.fixture
 def compiled(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[object]]:
     """Each routes table compiled, as _settings compiles it."""
