@@ -874,7 +874,14 @@ def test_the_shipped_core_has_no_test_entry_points() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     shipped, testing, shipped_structs, testing_structs = json.loads(out)
-    hooks = {"shmw_test_crash_after", "shmw_test_stop_after", "shmw_test_layout", "SHMW_CRASH_EXIT"}
+    hooks = {
+        "shmw_test_crash_after",
+        "shmw_test_stop_after",
+        "shmw_test_clock_cap",
+        "shmw_test_layout",
+        "SHMW_CRASH_EXIT",
+        "SHMW_TEST_CLOCK_CAP_MAX_NS",
+    }
     assert hooks <= set(testing), "the tests' core lost a hook"
     assert not hooks & set(shipped), "a test hook ships"
     assert set(shipped) < set(testing), "the tests' core lacks something the shipped one has"
