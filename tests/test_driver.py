@@ -469,9 +469,10 @@ def test_an_idle_driver_uses_almost_no_cpu(make_wheel, start) -> None:
     time.sleep(2.0)
     woke = _wake_ups(d.pid) - before
     # In 2 s: the clock every 100 ms (its sleep cap: 20) and the main
-    # thread's look for dead producers every second (2), give or take a
-    # few.  A tick of even 10 ms would be 200.
-    assert 15 <= woke <= 40, f"an idle driver woke {woke} times in 2 s"
+    # thread's look for dead producers every second (2); fewer on a busy
+    # machine, which wakes them late, but at least one, or the count sees
+    # nothing.  A tick of even 10 ms would be 200.
+    assert 1 <= woke <= 40, f"an idle driver woke {woke} times in 2 s"
     assert len(wheel) == 1_000_000
 
 

@@ -441,7 +441,7 @@ def test_a_jammed_lock_word_is_reported_not_waited_on_forever(make_wheel) -> Non
         ) as caught:
             jammed.add(1)
         took = time.monotonic() - started
-        assert 0.5 <= took < 0.5 + 1.5, f"reported after {took:.2f} s"
+        assert 0.5 <= took < 5.0, f"reported after {took:.2f} s"  # half the default 10 s it would wait otherwise
         assert isinstance(caught.value, TimeoutError) and caught.value.holder_pid is None
     finally:
         word[0] = 0
