@@ -3,8 +3,8 @@
 Every wheel a test makes itself goes through ``make_wheel``, which runs
 the C invariant checker on it after the test and removes its segment; a
 session hook fails the run if a segment named like the fixtures' wheels,
-or like the wheels the servers and the demo under test make, is left in
-/dev/shm anyway.
+or like the wheels the servers and the demo that this run started make,
+is left in /dev/shm anyway.
 """
 
 from __future__ import annotations
@@ -219,17 +219,49 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
 
 # Besides the fixtures' names: the wheels that the servers under test
-# (Gunicorn, uWSGI, the ASGI middleware's own) and the demo name after a pid.
+# (Gunicorn, uWSGI, the ASGI middleware's own) and the demo name after the
+# pid of their main process, which this run started (or is: an ASGI
+# middleware or a demo made in this process).  A wheel so named after any
+# other pid is another run's (a suite running beside this one): not ours to
+# judge.  So the run notes the pid of every process it starts, through
+# subprocess or a fork (multiprocessing's fork context among them).
 OTHER_NAMES = ("gunicorn-*", "uwsgi-*", "asgi-*", "shmwheel-demo-*")
+_started: set[int] = {os.getpid()}
 _there_before: set[str] = set()
+
+_popen_init = subprocess.Popen.__init__
+_fork = os.fork
+
+
+def _popen_init_noted(self: subprocess.Popen[bytes], *args: object, **kwargs: object) -> None:
+    _popen_init(self, *args, **kwargs)  # type: ignore[arg-type]
+    _started.add(self.pid)
+
+
+def _fork_noted() -> int:
+    pid = _fork()
+    if pid > 0:
+        _started.add(pid)
+    return pid
+
+
+subprocess.Popen.__init__ = _popen_init_noted  # type: ignore[method-assign]
+os.fork = _fork_noted
 
 
 def _ours() -> set[str]:
-    return {p.name for pattern in (f"{PREFIX}*", *OTHER_NAMES) for p in Path("/dev/shm").glob(pattern)}
+    shm = Path("/dev/shm")
+    ours = {p.name for p in shm.glob(f"{PREFIX}*")}
+    for pattern in OTHER_NAMES:
+        for p in shm.glob(pattern):
+            pid = p.name.rsplit("-", 1)[1]
+            if pid.isdigit() and int(pid) in _started:
+                ours.add(p.name)
+    return ours
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    _there_before.update(_ours())  # somebody else's, from before this run: not ours to judge
+    _there_before.update(_ours())  # made before this run by a process of a pid it has now: not its own
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
