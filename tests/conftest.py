@@ -4,7 +4,7 @@ Every wheel a test makes itself goes through ``make_wheel``, which runs
 the C invariant checker on it after the test and removes its segment; a
 session hook fails the run if a segment named like the fixtures' wheels,
 or like the wheels the servers and the demo that this run started make,
-is left in /dev/shm anyway.
+is left in /dev/shm anyway.  Tests marked ``long`` run only with --long.
 """
 
 from __future__ import annotations
@@ -60,8 +60,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--long",
         action="store_true",
-        help="run the torture tests at full length (10,000 kills) instead of the CI length",
+        help="run the tests marked long too, and the torture tests at full length (10,000 kills)",
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="long: run with --long")
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -536,6 +536,7 @@ WORKER_KILLS_TAKEN = 2
 NO_MERCY = re.compile(r"worker \d+ \(pid: (\d+)\) is taking too much time to die\.\.\.NO MERCY")
 
 
+@pytest.mark.long  # 30 s: twenty shutdowns in a row
 def test_uwsgi_group_shutdown_never_leaks_the_wheel(tmp_path: Path) -> None:
     """A signal to the whole process group (systemd's KillMode=control-group,
     timeout(1)) reaches the mule as well as the master, in any order; twenty
