@@ -1,8 +1,8 @@
 /*
- * testing.c - the test hooks (testing.h): crash points and the layout
- * probe.  Built only with SHMW_TESTING, which also puts a crash point
- * before every store of the core (core/core.h): off (0) by default, a
- * crash point costs one predictable branch.
+ * testing.c - the test hooks (testing.h): crash points, the clock's cap
+ * and the layout probe.  Built only with SHMW_TESTING, which also puts a
+ * crash point before every store of the core (core/core.h): off (0) by
+ * default, a crash point costs one predictable branch.
  */
 #include "testing.h"
 #include "core/core.h"
@@ -35,6 +35,17 @@ void shmw_test_stop_after(long n)
 {
     shmw__crash_countdown = n > 0 ? n : 0;
     crash_stops = 1;
+}
+
+int64_t shmw__clock_cap_ns = SHMW_MAX_SLEEP_NS;
+
+int64_t shmw_test_clock_cap(int64_t ns)
+{
+    int64_t before = __atomic_load_n(&shmw__clock_cap_ns, __ATOMIC_RELAXED);
+
+    if (ns > 0 && ns <= SHMW_TEST_CLOCK_CAP_MAX_NS)
+        __atomic_store_n(&shmw__clock_cap_ns, ns, __ATOMIC_RELAXED);
+    return before;
 }
 
 int shmw_test_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint64_t *lists_off,

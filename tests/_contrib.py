@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 from conftest import mutex_span
@@ -32,12 +33,19 @@ def _timer(wheel: shmwheel.Wheel, **kw: object) -> RequestTimer:
     return timer
 
 
-def _hold(wheel: shmwheel.Wheel, seconds: float, held: threading.Event) -> None:
-    """Hold the segment's lock from this thread, as another process would, for ``seconds``."""
+def _hold(wheel: shmwheel.Wheel, held: threading.Event, until: Callable[[], bool], linger: float = 0.0) -> None:
+    """Hold the segment's lock from this thread, as another process would,
+    until ``until()`` (looked at every millisecond) and ``linger`` seconds
+    more, or for WAIT seconds at most: a test that needs the lock held while
+    something happens waits for that something, not for a time a loaded
+    machine may overrun."""
     mutex = ctypes.c_void_p(int(ffi.cast("uintptr_t", wheel._buf)) + mutex_span()[0])
     assert _libc.pthread_mutex_lock(mutex) == 0
     held.set()
-    time.sleep(seconds)
+    give_up = time.monotonic() + WAIT
+    while not until() and time.monotonic() < give_up:
+        time.sleep(0.001)
+    time.sleep(linger)
     assert _libc.pthread_mutex_unlock(mutex) == 0
 
 

@@ -3,8 +3,8 @@
 Every wheel a test makes itself goes through ``make_wheel``, which runs
 the C invariant checker on it after the test and removes its segment; a
 session hook fails the run if a segment named like the fixtures' wheels,
-or like the wheels the servers and the demo under test make, is left in
-/dev/shm anyway.
+or like the wheels the servers and the demo that this run started make,
+is left in /dev/shm anyway.  Tests marked ``long`` run only with --long.
 
 The suite runs on the core built with the test hooks,
 shmwheel._shmwheel_testing, which the package does not ship: this file
@@ -102,7 +102,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--long",
         action="store_true",
-        help="run the torture tests at full length (10,000 kills) instead of the CI length",
+        help="run the tests marked long too, and the torture tests at full length (10,000 kills)",
     )
 
 
@@ -128,6 +128,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         pytest.skip(f"needs shmwheel._shmwheel_testing: {TESTING_CORE_MISSING}")
     except pytest.skip.Exception:
         call.excinfo = pytest.ExceptionInfo.from_current()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="long: run with --long")
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture
@@ -285,17 +294,49 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
 
 # Besides the fixtures' names: the wheels that the servers under test
-# (Gunicorn, uWSGI, the ASGI middleware's own) and the demo name after a pid.
+# (Gunicorn, uWSGI, the ASGI middleware's own) and the demo name after the
+# pid of their main process, which this run started (or is: an ASGI
+# middleware or a demo made in this process).  A wheel so named after any
+# other pid is another run's (a suite running beside this one): not ours to
+# judge.  So the run notes the pid of every process it starts, through
+# subprocess or a fork (multiprocessing's fork context among them).
 OTHER_NAMES = ("gunicorn-*", "uwsgi-*", "asgi-*", "shmwheel-demo-*")
+_started: set[int] = {os.getpid()}
 _there_before: set[str] = set()
+
+_popen_init = subprocess.Popen.__init__
+_fork = os.fork
+
+
+def _popen_init_noted(self: subprocess.Popen[bytes], *args: object, **kwargs: object) -> None:
+    _popen_init(self, *args, **kwargs)  # type: ignore[arg-type]
+    _started.add(self.pid)
+
+
+def _fork_noted() -> int:
+    pid = _fork()
+    if pid > 0:
+        _started.add(pid)
+    return pid
+
+
+subprocess.Popen.__init__ = _popen_init_noted  # type: ignore[method-assign]
+os.fork = _fork_noted
 
 
 def _ours() -> set[str]:
-    return {p.name for pattern in (f"{PREFIX}*", *OTHER_NAMES) for p in Path("/dev/shm").glob(pattern)}
+    shm = Path("/dev/shm")
+    ours = {p.name for p in shm.glob(f"{PREFIX}*")}
+    for pattern in OTHER_NAMES:
+        for p in shm.glob(pattern):
+            pid = p.name.rsplit("-", 1)[1]
+            if pid.isdigit() and int(pid) in _started:
+                ours.add(p.name)
+    return ours
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    _there_before.update(_ours())  # somebody else's, from before this run: not ours to judge
+    _there_before.update(_ours())  # made before this run by a process of a pid it has now: not its own
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 import types
 from typing import Any
 
@@ -71,11 +70,12 @@ def test_a_request_the_c_path_gives_back_takes_the_waiting_path_without_trying_c
     fast = timer._fast
     assert fast is not None and fast.declined == 0
 
+    # Held until the C path has given the request back, and 0.2 s more for
+    # the adapter's own path to wait in.
     held = threading.Event()
-    holder = threading.Thread(target=_hold, args=(wheel, 0.3, held))
+    holder = threading.Thread(target=_hold, args=(wheel, held, lambda: fast.declined > 0, 0.2))
     holder.start()
     held.wait()
-    t0 = time.monotonic()
     try:
         if way == "gunicorn":
             hooks["pre_request"](None, req)
@@ -95,10 +95,8 @@ def test_a_request_the_c_path_gives_back_takes_the_waiting_path_without_trying_c
         else:
             call = wsgi.direct() if way == "wsgi-direct" else wsgi
             body = call({"REQUEST_METHOD": "GET", "PATH_INFO": "/x"}, lambda *a: None)
-        waited = time.monotonic() - t0
     finally:
         holder.join()
-    assert waited >= 0.2, "the lock was not held: the test proves nothing"
     assert fast.declined == 1, f"the C path tried the request {fast.declined} times"
     assert len(handles) == 1 and handles[0] is not None, "the request took no timer"
     if way == "gunicorn":

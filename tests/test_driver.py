@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import entry, wait_for
+from conftest import entry, script_processes, wait_for
 
 import shmwheel
-from shmwheel._binding import lib
+from shmwheel._binding import ffi, lib
 from shmwheel._cli import _json_line, _JsonLinesDriver
 from shmwheel._driver import OutputFailed
 from shmwheel._process import start_time
@@ -182,40 +182,58 @@ def test_a_scribbled_generation_is_retired_and_the_driver_goes_on(make_wheel, st
     assert driver.stop() == 0
 
 
-def test_an_earlier_timer_wakes_a_driver_sleeping_for_an_hour(make_wheel, start, tmp_path: Path) -> None:
+# A driver on the tests' core, whose clock sleeps up to a day instead of its
+# 100 ms cap: then nothing but a producer's wake-up fires an earlier timer
+# within the minute a test gives it.  argv: the tests' folder, the wheel.
+_DRIVER_WITHOUT_CAP = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import conftest  # noqa: F401  (the tests' core, as in the suite's own process)
+import shmwheel
+from shmwheel._binding import lib
+lib.shmw_test_clock_cap(lib.SHMW_TEST_CLOCK_CAP_MAX_NS)
+shmwheel.Driver(sys.argv[2], lambda fire: None).run(on_ready=lambda: print("ready", flush=True))
+"""
+
+
+def test_an_earlier_timer_wakes_a_driver_sleeping_for_an_hour(make_wheel, tmp_path: Path) -> None:
+    """The driver's clock may sleep a day here (the tests' core lets a test
+    stretch its cap): each timer added while it sleeps on the hour's timer
+    fires within a minute only if the add woke it."""
     wheel = make_wheel(capacity=10)
-    out = tmp_path / "fires.jsonl"
     wheel.add(3600, b"later")
-    start(wheel.name, functools.partial(record, str(out)))
-    time.sleep(0.3)  # the driver is asleep until the 1 h timer
-    # Each time at another phase of the clock's capped sleep (100 ms): a
-    # clock that only the cap woke would fire each of these 25 ms late or
-    # more three times in four, and all five in time once in a thousand runs.
-    handles = []
-    for n in range(1, 6):
-        time.sleep(random.uniform(0, 0.1))
-        handles.append(wheel.add(0.010, b"soon"))
-        wait_for(lambda n=n: len(read_records(out)) == n, timeout=5)
-    fires = read_records(out)
-    assert [f["handle"] for f in fires] == handles
-    late = [(f["fired_at_ns"] - f["deadline_ns"]) / 1e6 for f in fires]
-    assert all(0 <= ms < 25 for ms in late), f"woken late: {late} ms"
+    hd, tick_ns = ffi.cast("struct shmw_header *", wheel._buf), round(wheel.tick * 1e9)
+    with script_processes(tmp_path, _DRIVER_WITHOUT_CAP, "driver") as run:
+        proc = run([str(Path(__file__).parent), wheel.name])
+        for n in range(1, 4):
+            # Asleep until the hour's timer: the tick it sleeps until is that far.
+            wait_for(lambda: hd.sleep_until * tick_ns > time.monotonic_ns() + 600 * 10**9, timeout=60)
+            wheel.add(0.010, b"soon")
+            wait_for(lambda n=n: wheel.stats().acked == n, timeout=60)
+        assert proc.poll() is None, proc.err.read()
     assert len(wheel) == 1
 
 
 def test_a_slow_handler_does_not_delay_the_clock(make_wheel, start, tmp_path: Path) -> None:
+    """The handler holds on to the first fire until the test lets it go:
+    the clock fires the seven behind it meanwhile, each stamped as it fired."""
     wheel = make_wheel(capacity=100)
-    out = tmp_path / "fires.jsonl"
-    start(wheel.name, functools.partial(record_slowly, str(out), 0.15))
-    for i in range(8):
-        wheel.add(0.05 + 0.02 * i, b"%d" % i)
+    out, gate = tmp_path / "fires.jsonl", tmp_path / "gate"
+    start(wheel.name, functools.partial(record_or_wait, str(out), str(gate)))
+    wheel.add(0.05, b"block")
+    for i in range(7):
+        wheel.add(0.07 + 0.02 * i, b"%d" % i)
+    # A clock that waited for the handler would stop at one fire, for good.
+    wait_for(lambda: wheel.stats().fired == 8)
+    assert [f["payload"] for f in read_records(out)] == ["block"], "the handler let go of the first fire"
+    let_go = time.monotonic_ns()
+    gate.touch()
     wait_for(lambda: len(read_records(out)) == 8)
     fires = read_records(out)
-    # The handler finished the last one long after it fired ...
-    assert fires[-1]["handled_ns"] - fires[-1]["fired_at_ns"] > 0.5e9
-    # ... but every fire was stamped when the clock fired it.
+    assert [f["payload"] for f in fires] == ["block", *(str(i) for i in range(7))]
+    # Every fire was stamped when the clock fired it, not when the handler got to it.
     for f in fires:
-        assert 0 <= f["fired_at_ns"] - f["deadline_ns"] < 30_000_000
+        assert f["deadline_ns"] <= f["fired_at_ns"] < let_go
 
 
 def test_handler_errors_are_counted_not_fatal(make_wheel, start, tmp_path: Path) -> None:
@@ -451,9 +469,10 @@ def test_an_idle_driver_uses_almost_no_cpu(make_wheel, start) -> None:
     time.sleep(2.0)
     woke = _wake_ups(d.pid) - before
     # In 2 s: the clock every 100 ms (its sleep cap: 20) and the main
-    # thread's look for dead producers every second (2), give or take a
-    # few.  A tick of even 10 ms would be 200.
-    assert 15 <= woke <= 40, f"an idle driver woke {woke} times in 2 s"
+    # thread's look for dead producers every second (2); fewer on a busy
+    # machine, which wakes them late, but at least one, or the count sees
+    # nothing.  A tick of even 10 ms would be 200.
+    assert 1 <= woke <= 40, f"an idle driver woke {woke} times in 2 s"
     assert len(wheel) == 1_000_000
 
 

@@ -7,6 +7,7 @@ import collections
 import errno
 import functools
 import inspect
+import itertools
 import multiprocessing
 import os
 import random
@@ -286,19 +287,31 @@ def test_a_big_cascade_is_done_in_bounded_steps_and_poll_still_returns_everythin
 
 def test_clock_recovers_from_a_producer_that_died_before_its_wake(make_wheel, tmp_path) -> None:
     """A producer lowered sleep_until and bumped the wake word, then died before
-    FUTEX_WAKE: the clock still wakes within its sleep cap."""
+    FUTEX_WAKE: the clock still wakes, at its sleep cap, for the timer behind."""
+    # What the README promises, written here, against the cap the core is
+    # built with: changing either alone fails the test.
+    assert lib.SHMW_MAX_SLEEP_NS == 100_000_000 == lib.shmw_test_clock_cap(0)
     w = make_wheel(capacity=10)
     w.add(3600)
     d = shmwheel.start_driver(w.name)
     try:
         time.sleep(0.3)  # asleep until the 1 h timer
         hd = header(w)
-        # What the README promises, written here rather than read from
-        # SHMW_MAX_SLEEP_NS, so that changing either alone fails the test.
-        cap = 0.1
-        worst = 0.0
+        # Meanwhile the clock wakes at its cap, each time noting when: never
+        # sooner after the last (the kernel does not end a sleep early), and
+        # later by a wake-up's delay.  Of the passes seen in 1.5 s, two are
+        # less than 0.5 s apart unless a busy machine delays every one of
+        # them by 0.4 s; a cap of that much or more keeps them all further.
+        passes = [hd.advanced_ns]
+        until = time.monotonic() + 1.5
+        while time.monotonic() < until:
+            if hd.advanced_ns != passes[-1]:
+                passes.append(hd.advanced_ns)
+            time.sleep(0.001)
+        gaps = [b - a for a, b in itertools.pairwise(passes)]
+        assert gaps and 100_000_000 <= min(gaps) < 500_000_000, gaps
         for _ in range(8):  # at eight phases of the clock's capped sleep
-            time.sleep(random.uniform(0, cap))
+            time.sleep(random.uniform(0, 0.1))
             # What the dead producer left: sleep_until lowered (here to 0,
             # as low as it goes) and the word bumped, but no FUTEX_WAKE.
             # The add below is due after sleep_until, so it skips the wake.
@@ -306,15 +319,12 @@ def test_clock_recovers_from_a_producer_that_died_before_its_wake(make_wheel, tm
             hd.wake_word += 1
             added = time.monotonic()
             h = w.add(0.02)
-            while len(w) > 1 and time.monotonic() < added + 10 * cap:
+            # Only the cap wakes the clock: within a few seconds however
+            # busy the machine, where without it the clock sleeps the hour.
+            while len(w) > 1 and time.monotonic() < added + 10:
                 time.sleep(0.001)
-            took = time.monotonic() - added
             assert len(w) == 1, "the clock did not wake for a due timer"
             assert w.cancel(h) is False
-            worst = max(worst, took)
-        # Within the cap, plus a loaded machine's wake-up and this loop's
-        # look.  A cap of 0.24 s passes all eight about one run in forty.
-        assert worst < cap + 0.05, f"a timer fired {worst:.3f} s after its add"
     finally:
         assert d.stop() == 0
 
@@ -431,7 +441,7 @@ def test_a_jammed_lock_word_is_reported_not_waited_on_forever(make_wheel) -> Non
         ) as caught:
             jammed.add(1)
         took = time.monotonic() - started
-        assert 0.5 <= took < 0.5 + 1.5, f"reported after {took:.2f} s"
+        assert 0.5 <= took < 5.0, f"reported after {took:.2f} s"  # half the default 10 s it would wait otherwise
         assert isinstance(caught.value, TimeoutError) and caught.value.holder_pid is None
     finally:
         word[0] = 0

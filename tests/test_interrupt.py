@@ -133,8 +133,8 @@ def sibling_carries_on(
 ) -> int:
     """A stuck request (request id ``name``-stuck) and, ``delay`` s later, a
     sibling of it (``name``-sibling) on the same (only) worker: the stuck one
-    is answered 504 within a few seconds of its timeout, which the worker
-    says it interrupted (``how``) and the access log shows (``access``,
+    is answered 504 after its timeout, long before its 30 s are up, which
+    the worker says it interrupted (``how``) and the access log shows (``access``,
     with {path}, or {route}: the path without its query); the sibling is
     answered 200 by the same worker, which still answers afterwards.
     Returns the worker's pid."""
@@ -144,7 +144,7 @@ def sibling_carries_on(
         time.sleep(delay)
         other = Answer(pool, server.port, sibling, f"{name}-sibling")
         assert hung.result() == GATEWAY_TIMEOUT, server.log()[-4000:]
-        assert TIMEOUT <= hung.took < TIMEOUT + 4.0
+        assert TIMEOUT <= hung.took < STUCK_FOR / 2  # ended, not run out: its handler would take 30 s
         assert pid_of(other.result()) == before
     pid = driver_pid(server, stuck, hung.request_id)
     assert pid == before

@@ -162,6 +162,7 @@ def test_uvicorn_writes_the_stack_of_each_stuck_request_to_its_error_output(tmp_
         assert_nothing_left_of_asgi(server, driver)
 
 
+@pytest.mark.long  # 20 s; the same stuck requests as under Uvicorn, which runs by default
 @pytest.mark.usefixtures("on_path")
 def test_hypercorn_writes_the_stack_of_each_stuck_request_to_its_error_log(tmp_path: Path) -> None:
     port = free_port()
@@ -184,6 +185,7 @@ shmwheel_gunicorn.install(globals(), timeout=1.0, kill=False)
 """
 
 
+@pytest.mark.long  # 20 s; the same stuck requests as under Uvicorn, which runs by default
 @pytest.mark.usefixtures("on_path")
 def test_gunicorn_with_uvicorn_workers_writes_the_stack_of_each_stuck_request_to_its_error_log(
     tmp_path: Path,

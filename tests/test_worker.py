@@ -299,44 +299,52 @@ def test_a_held_lock_is_waited_for_with_the_gil_released(make_wheel, step: str) 
     assert timer._fast is not None
     handle = timer.start("GET", "/x", "r") if step == "finish" else None
     held = threading.Event()
-    holder = threading.Thread(target=_hold, args=(wheel, 0.3, held))
     ticks = [0]
     stop = threading.Event()
+    mark: list[int] = []  # the ticks when the request's timer went for the lock
 
     def tick() -> None:
         while not stop.is_set():
             ticks[0] += 1
             time.sleep(0.001)
 
+    # The lock is let go once the ticker has ticked 20 times since the
+    # timer went for it: with the GIL held through the wait, the ticker
+    # (and the holder, which looks at it) could not run, and the timer
+    # would wait out its lock timeout instead.  A held GIL lets the ticker
+    # run only at the call's edges, a tick or two, never 20.
+    holder = threading.Thread(target=_hold, args=(wheel, held, lambda: bool(mark) and ticks[0] >= mark[0] + 20))
     ticker = threading.Thread(target=tick)
     holder.start()
     held.wait()
     ticker.start()
-    t0 = time.monotonic()
     try:
+        mark.append(ticks[0])
         if step == "start":
             handle = timer.start("GET", "/x", "r")
             assert handle is not None and handle in timer._active
         else:
             timer.finish(handle)
             assert not timer._active
-        waited = time.monotonic() - t0
+        ran = ticks[0] - mark[0]
     finally:
         stop.set()
         holder.join()
         ticker.join()
-    assert waited >= 0.2, "the lock was not held: the test proves nothing"
-    assert ticks[0] >= 20, "the other threads did not run while the request's timer waited"
+    assert ran >= 20, "the other threads did not run while the request's timer waited"
     assert len(wheel) == (1 if step == "start" else 0)
     timer.finish(handle)
     assert len(wheel) == 0
 
 
 def test_a_try_on_a_held_lock_gives_up_at_once(make_wheel) -> None:
+    """The lock is held until both tries have returned: a try that waited for
+    it would wait out its 10 s lock timeout (or the holder's WAIT) and then
+    not say EBUSY."""
     wheel = make_wheel()
     h = wheel.add(30.0)
-    held = threading.Event()
-    holder = threading.Thread(target=_hold, args=(wheel, 0.2, held))
+    held, tried = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold, args=(wheel, held, tried.is_set))
     holder.start()
     held.wait()
     try:
@@ -344,9 +352,10 @@ def test_a_try_on_a_held_lock_gives_up_at_once(make_wheel) -> None:
         busy = (lib.shmw_add(wheel.core, 30.0, b"", 0, lib.SHMW_TRYLOCK), lib.shmw_try_cancel(wheel.core, h))
         gave_up = time.monotonic() - t0
     finally:
+        tried.set()
         holder.join()
     assert busy == (lib.SHMW_EBUSY, lib.SHMW_EBUSY)
-    assert gave_up < 0.1
+    assert gave_up < 5.0, f"the tries took {gave_up:.1f} s"  # half the lock timeout a wait would run into
     assert len(wheel) == 1 and wheel.cancel(h)
 
 

@@ -261,6 +261,16 @@ void shmw__crash_now(void);
 #define CRASH_POINT() ((void)0)
 #endif
 
+/* The clock's longest sleep: SHMW_MAX_SLEEP_NS, but in the tests' build a
+ * variable that shmw_test_clock_cap (testing.h) may stretch, so that a test
+ * can tell a clock that a producer woke from one that its cap woke. */
+#ifdef SHMW_TESTING
+extern int64_t shmw__clock_cap_ns;
+#define CLOCK_CAP_NS() __atomic_load_n(&shmw__clock_cap_ns, __ATOMIC_RELAXED)
+#else
+#define CLOCK_CAP_NS() SHMW_MAX_SLEEP_NS
+#endif
+
 #define STORE(lhs, rhs) do {                    \
         CRASH_POINT();                          \
         (lhs) = (rhs);                          \

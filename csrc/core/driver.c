@@ -269,7 +269,7 @@ int shmw_driver_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
              * stall if a producer dies between lowering sleep_until and
              * its FUTEX_WAKE (or under the lock): a later add for the same
              * moment skips the wake, so only the sleeper can recover. */
-            until_ns = now_ns + SHMW_MAX_SLEEP_NS;
+            until_ns = now_ns + CLOCK_CAP_NS();
             if (heap_top(w, &next)) {
                 STORE(h->sleep_until, next);
                 if (ticks_to_ns(w, next) < until_ns)
