@@ -144,39 +144,6 @@ def serve(cmd: list[str], port: int, tmp_path: Path, prefix: str) -> Iterator[Se
             shmwheel.unlink(server.wheel)
 
 
-def closed_to(uid: int, gid: int, paths: list[str]) -> str | None:
-    """The first of ``paths`` (or of the directories above it) that a
-    process of ``uid``:``gid``, with no supplementary groups, may not read
-    (or search), as a child forked to drop to them finds: its mode in a
-    few words; None if it may read all of them.  For root only."""
-    steps: list[tuple[str, int]] = []
-    for path in paths:
-        real = Path(os.path.realpath(path))
-        steps += [(str(d), os.X_OK) for d in reversed(real.parents) if d != Path("/")]
-        steps.append((str(real), os.R_OK | os.X_OK if real.is_dir() else os.R_OK))
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        closed = "?"
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            closed = next((step for step, mode in steps if not os.access(step, mode)), "")
-        finally:
-            os.write(w, closed.encode())
-            os._exit(0)
-    os.close(w)
-    with open(r, "rb") as answer:
-        closed = answer.read().decode()
-    os.waitpid(pid, 0)
-    if not closed:
-        return None
-    if closed == "?":
-        return f"could not drop to uid {uid}, gid {gid} to look"
-    return f"{closed} (mode {os.stat(closed).st_mode & 0o7777:04o}) is closed to uid {uid}"
-
-
 def no_segment(name: str) -> bool:
     return not Path("/dev/shm", name).exists()
 
