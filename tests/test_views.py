@@ -4,7 +4,9 @@ Flask and Starlette, through Django's method_decorator, and as a FastAPI
 dependency; counted from the request's start; said once where nothing
 times the server's requests.  Then real apps of each framework under a
 real server: Django under Gunicorn gthread, Flask under uWSGI, FastAPI
-under Uvicorn."""
+under Uvicorn, each interrupting its timed-out requests, which the
+server's log reports as timeouts answered 504 and the framework not at
+all."""
 
 from __future__ import annotations
 
@@ -202,9 +204,18 @@ def test_a_view_no_adapter_times_runs_unchanged_and_says_so_once(
 # -- the frameworks' apps under real servers -------------------------------------------------------
 #
 # Each app has /short (0.5 s of its own), /long (60 s) and /none (no
-# timeout) under a server timeout of 4 s.  /short sleeping 3 s is timed
-# out, which only its own 0.5 s can do; /long and /none sleeping 5 s are
-# not, which the server's 4 s would.
+# timeout) under a server timeout of 4 s, with interrupt.  /short sleeping
+# 3 s is timed out and answered 504, which only its own 0.5 s can do;
+# /long and /none sleeping 5 s are not, which the server's 4 s would.
+#
+# A timeout is reported as a timeout: one WARNING line in the server's log
+# with its 504, and nothing from the framework, which never sees the
+# RequestTimeout as an error of the view's (Django's "Internal Server
+# Error", Flask's "Exception on /short", Uvicorn's "Exception in ASGI
+# application": each logs at ERROR with a traceback what reaches it).
+
+ANSWERED_504 = r"(?:\[WARNING\]|WARNING:).* shmwheel: GET /short \(.*\) timed out: answered 504 Gateway Timeout, after "
+NO_ERROR = re.compile(r"\bERROR\b|Traceback|Internal Server Error|Exception on |Exception in |Error handling")
 
 
 def _own_timeouts_hold(server: Any) -> None:
@@ -219,18 +230,19 @@ def _own_timeouts_hold(server: Any) -> None:
     server.wait_for(timed_out_line("/short"))
     for t in asks:
         t.join()
-    assert {path: status for path, (status, _) in answers.items()} == {"/short": 200, "/long": 200, "/none": 200}
+    assert {path: status for path, (status, _) in answers.items()} == {"/short": 504, "/long": 200, "/none": 200}
     time.sleep(0.5)  # a fire the driver had yet to log
     log = server.log()
     assert not re.search(timed_out_line("/long"), log) and not re.search(timed_out_line("/none"), log), log
     assert len(re.findall(timed_out_line("/short"), log)) == 1
+    assert len(re.findall(ANSWERED_504, log)) == 1, log
+    assert not NO_ERROR.search(log), log
 
 
 def test_django_views_under_gunicorn_gthread_keep_their_own_timeouts(tmp_path: Path) -> None:
     port = free_port()
-    cmd = gunicorn_app(
-        tmp_path, port, "gthread", "--threads", "4", install="timeout=4.0", app="views_django:application"
-    )
+    install, app = "timeout=4.0, interrupt=True", "views_django:application"
+    cmd = gunicorn_app(tmp_path, port, "gthread", "--threads", "4", install=install, app=app)
     with serve(cmd, port, tmp_path, "gunicorn") as server:
         server.wait_for(r"driver pid \d+")
         _own_timeouts_hold(server)
@@ -241,6 +253,7 @@ def test_django_views_under_gunicorn_gthread_keep_their_own_timeouts(tmp_path: P
 def test_flask_views_under_uwsgi_keep_their_own_timeouts(tmp_path: Path) -> None:
     port = free_port()
     options = {"module": "views_flask_uwsgi:application", "shmwheel-timeout": "4", "shmwheel-kill": "false"}
+    options["shmwheel-interrupt"] = "true"
     ini = uwsgi_ini(tmp_path, port, **options, pythonpath=str(APPS), threads="4")
     with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
         server.wait_for(r"driver \d+: running on wheel 'uwsgi-\d+'")

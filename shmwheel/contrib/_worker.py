@@ -506,6 +506,19 @@ class RequestTimer:
         """Whether the request of ``handle`` has been interrupted at its timeout."""
         return handle in self._interrupted
 
+    def answered_timeout(self, handle: int | None) -> None:
+        """Say, in the server's log, that the interrupted request of
+        ``handle`` was answered 504: the one line a timed-out request's end
+        gets, at WARNING, where a framework that saw the RequestTimeout
+        would have logged an error (none does: it is a BaseException)."""
+        active = None if handle is None else self._active.get(handle)
+        record = None if active is None else decode_request(active.payload)
+        if record is None:
+            server_logger().warning("shmwheel: a timed-out request was answered 504 Gateway Timeout")
+            return
+        what, running = record.describe(), record.running_for()
+        server_logger().warning("shmwheel: %s timed out: answered 504 Gateway Timeout, after %.3f s", what, running)
+
     def timed_out(self, handle: int, active: Active, record: RequestRecord, stack: str) -> None:
         """The request of ``handle`` is past its timeout and its driver has
         asked: the worker's hook, then the interrupt.  In the reporter thread."""

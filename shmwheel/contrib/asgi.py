@@ -272,6 +272,7 @@ class TimeoutMiddleware:
             if message["type"] == "http.response.start":
                 if timer.interrupted(handle):  # it answers after its interrupt (a framework's 500, say)
                     replaced = True
+                    timer.answered_timeout(handle)
                     await _send_504(send)
                     finish()
                     return
@@ -322,6 +323,7 @@ class TimeoutMiddleware:
             if started or kind != "http":
                 raise RequestTimeout() from None  # the server closes the connection
             replaced = True
+            timer.answered_timeout(handle)
             await _send_504(send)
         finally:
             if gated:

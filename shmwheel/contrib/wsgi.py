@@ -189,6 +189,7 @@ def _call_interruptible(
         in_app.discard(handle)
         if not timer.interrupted(handle) or not response.timed_out():
             raise
+        timer.answered_timeout(handle)
         return [RESPONSE_BODY]
     except BaseException:
         in_app.discard(handle)
@@ -197,6 +198,7 @@ def _call_interruptible(
         # A file the server sends itself (sendfile): no code of the application's runs from here.
         if timer.interrupted(handle) and response.timed_out():
             _close(body)
+            timer.answered_timeout(handle)
             return [RESPONSE_BODY]
         response.send()
         return body
@@ -293,6 +295,7 @@ class _InterruptibleBody:
                 in_app.discard(handle)
                 if not timer.interrupted(handle) or not response.timed_out():
                     raise  # the server has the application's answer: it closes the connection
+                timer.answered_timeout(handle)
                 yield RESPONSE_BODY
                 return
             except BaseException:
@@ -302,6 +305,7 @@ class _InterruptibleBody:
                 if not chunk:
                     continue  # nothing to send yet: the 504 stays possible
                 if code and timer.interrupted(handle) and response.timed_out():
+                    timer.answered_timeout(handle)
                     yield RESPONSE_BODY
                     return
                 response.send()

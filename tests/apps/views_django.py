@@ -21,7 +21,17 @@ from django.views import View
 
 from shmwheel.contrib import request_timeout
 
-settings.configure(DEBUG=False, ROOT_URLCONF=__name__, ALLOWED_HOSTS=["*"], SECRET_KEY="a test project's")
+# django.request to the server's log, at INFO: a request that ended in an
+# exception Django saw would be logged there, as "Internal Server Error".
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"stderr": {"class": "logging.StreamHandler"}},
+    "loggers": {"django": {"handlers": ["stderr"], "level": "INFO"}},
+}
+settings.configure(
+    DEBUG=False, ROOT_URLCONF=__name__, ALLOWED_HOSTS=["*"], SECRET_KEY="a test project's", LOGGING=LOGGING
+)
 django.setup()
 
 

@@ -1,6 +1,6 @@
 """A FastAPI application whose endpoints take timeouts of their own
 (shmwheel.contrib.request_timeout), wrapped in the ASGI middleware with a
-4 s timeout: under Uvicorn, ``views_fastapi:app``.
+4 s timeout and interrupt: under Uvicorn, ``views_fastapi:app``.
 
     GET /             answers at once
     GET /short?s=N    request_timeout(0.5) as a route's dependency, a sync endpoint in time.sleep(N)
@@ -53,4 +53,4 @@ def none(s: float = 0) -> str:
 
 
 api.include_router(untimed)
-app = TimeoutMiddleware(api, float(os.environ.get("VIEWS_TIMEOUT", "4")))
+app = TimeoutMiddleware(api, float(os.environ.get("VIEWS_TIMEOUT", "4")), interrupt=True)
