@@ -41,17 +41,21 @@ import asyncio
 import contextlib
 import errno
 import faulthandler
+import linecache
 import logging
 import os
 import signal
+import site
 import struct
 import sys
+import sysconfig
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .._binding import lib
 from .._process import after_fork
@@ -71,7 +75,18 @@ from ._record import (
 if TYPE_CHECKING:
     from ._worker import RequestTimer
 
-__all__ = ["Active", "keep_listening", "listen", "real", "server_logger", "writes_somewhere"]
+__all__ = [
+    "Active",
+    "Frame",
+    "TimedOut",
+    "TimeoutReporter",
+    "add_reporter",
+    "keep_listening",
+    "listen",
+    "real",
+    "server_logger",
+    "writes_somewhere",
+]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
@@ -441,7 +456,7 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, sig
                         server_logger().warning("%s", stack)
                         written += 1
                     if timed_out:
-                        timer.timed_out(handle, active, record, stack)
+                        timer.timed_out(handle, active, record, stack, frames)
             if new or signalled:  # not again at each look of a reporter that woke with no signal
                 timer.answer(active.payload)
     _reported.intersection_update(still)
@@ -555,6 +570,7 @@ def _pool_threads(chain: list[str], thread: int, frames: dict[int, FrameType]) -
 
 # A frame of these in a task's await chain: it awaits a function run in a thread.
 _TO_THREAD = ("in run_in_threadpool", "in run_sync", "in run_in_executor", "in to_thread", "in to_thread_run_sync")
+_TO_THREAD_FUNCTIONS = frozenset(marker.removeprefix("in ") for marker in _TO_THREAD)
 
 
 # Where a pool's thread runs what it is given: anyio's worker thread (the
@@ -603,8 +619,16 @@ def _await_chain(coro: Any, task: Any = None) -> list[str]:
     """A suspended task's coroutines from ``coro``, its outermost, down to
     what the innermost awaits (an asyncio ``task``'s future); into the
     asyncio tasks it awaits."""
-    lines: list[str] = []
-    chain: list[tuple[FrameType, int | None]] = []
+    return [line for part in _await_parts(coro, task) for line in ([part] if isinstance(part, str) else _format(part))]
+
+
+_Frames = list[tuple[FrameType, "int | None"]]
+
+
+def _await_parts(coro: Any, task: Any = None) -> list[str | _Frames]:
+    """:func:`_await_chain` as runs of frames and the lines between them."""
+    parts: list[str | _Frames] = []
+    chain: _Frames = []
     seen: set[int] = set()
     while coro is not None and id(coro) not in seen and len(chain) < MAX_FRAMES:
         seen.add(id(coro))
@@ -627,10 +651,155 @@ def _await_chain(coro: Any, task: Any = None) -> list[str]:
         # waits for (a Future's own iterator stands in the chain).
         waiter = getattr(task, "_fut_waiter", None)
         if isinstance(waiter, asyncio.Task):
-            lines += _format(chain) + [f"  awaiting task {shown(waiter.get_name(), SHOWN_MAX)}:"]
+            parts += [chain, f"  awaiting task {shown(waiter.get_name(), SHOWN_MAX)}:"]
             chain, task, coro = [], waiter, waiter.get_coro()
             continue
         if waiter is not None:
-            return lines + _format(chain) + [f"  awaiting {shown(repr(waiter), SHOWN_MAX)}"]
+            return [*parts, chain, f"  awaiting {shown(repr(waiter), SHOWN_MAX)}"]
         break
-    return lines + _format(chain)
+    return [*parts, chain]
+
+
+# -- the request's own frames, as data, for an error tracker ------------------
+
+
+class Frame(NamedTuple):
+    """One frame of a timed-out request's stack."""
+
+    filename: str
+    lineno: int | None
+    function: str  #: its code's qualified name (``View.get``)
+    module: str | None  #: its module's ``__name__``
+    line: str  #: its source line, stripped ("" if not found)
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """A request past its timeout, as the worker's reporter thread found it,
+    for an error tracker (:func:`add_reporter`)."""
+
+    request: RequestRecord
+    stack: str  #: the log's header line and stack, as ``on_timeout`` gets it
+    frames: tuple[Frame, ...]  #: the request's own frames, outermost first; () when none was found
+    view: str | None  #: the view it runs: the innermost of its frames a library called into (``myapp.views.export``)
+
+    @property
+    def route(self) -> str:
+        """What groups it with the other timeouts of the same view: its
+        view, else its path."""
+        return self.view or self.request.path
+
+
+class TimeoutReporter(Protocol):
+    """What the worker tells at each of its requests' timeouts (the Sentry
+    and OpenTelemetry integrations are ones), in its reporter thread."""
+
+    def report(self, timed_out: TimedOut) -> object:
+        """The request has timed out: before the interrupt."""
+
+    def flush(self) -> object:
+        """After the interrupt, before the driver hears that the stack was
+        written (and, with no interrupt, may kill the worker): whatever
+        :meth:`report` left to send, sent."""
+
+
+_reporters: list[TimeoutReporter] = []
+
+
+def add_reporter(reporter: TimeoutReporter) -> None:
+    """Tell ``reporter`` of every timeout of this process's requests from now on (once, however often added)."""
+    with _lock:
+        if reporter not in _reporters:
+            _reporters.append(reporter)
+
+
+def reporters() -> list[TimeoutReporter]:
+    return list(_reporters)
+
+
+def own_frames(active: Active, frames: dict[int, FrameType]) -> tuple[Frame, ...]:
+    """The request's own frames, outermost first: its thread's, its
+    greenlet's, or its task's await chain (down into the thread it waits
+    for, when one pool thread is busy), or the loop thread's when it is the
+    task that blocks the loop.  Another task's frames are never its."""
+    task, thread = active.task, active.thread
+    chain: _Frames
+    if isinstance(task, asyncio.Future) or hasattr(getattr(task, "coro", None), "cr_frame"):
+        if isinstance(task, asyncio.Future):
+            if task.done():
+                return ()
+            running = asyncio.current_task(task.get_loop()) is task
+            coro = task.get_coro()  # type: ignore[attr-defined]
+        else:  # trio's
+            coro = task.coro
+            if coro.cr_frame is None:
+                return ()
+            running = bool(coro.cr_running)
+        if running:
+            chain = _chain(frames.get(thread))
+        else:
+            chain = [f for part in _await_parts(coro, task) if not isinstance(part, str) for f in part]
+            if any(frame.f_code.co_name in _TO_THREAD_FUNCTIONS for frame, _ in chain):
+                busy = [t for t, top in frames.items() if t not in (thread, _reporter_ident) and not _idle(top)]
+                pool = [t for t in busy if _in_pool(frames[t])]
+                if len(pool) == 1:  # the thread it waits for; with more, nothing says which
+                    chain += _chain(frames[pool[0]])
+    elif task is not None:  # a greenlet
+        chain = [] if getattr(task, "dead", False) else _chain(getattr(task, "gr_frame", None) or frames.get(thread))
+    else:
+        chain = _chain(frames.get(thread))
+    out = []
+    for frame, lineno in chain[:MAX_FRAMES]:
+        code = frame.f_code
+        line = linecache.getline(code.co_filename, lineno or 0, frame.f_globals).strip()
+        out.append(Frame(code.co_filename, lineno, code.co_qualname, frame.f_globals.get("__name__"), line))
+    return tuple(out)
+
+
+def _chain(top: FrameType | None) -> _Frames:
+    chain = [(f, f.f_lineno) for f in _walk(top)][:MAX_FRAMES]
+    chain.reverse()
+    return chain
+
+
+def view_of(frames: Iterable[Frame]) -> str | None:
+    """The view a request runs, in its frames, outermost first: the
+    innermost frame of the application's own code (not the standard
+    library's, no installed package's, not shmwheel's) that a library
+    called (the framework: Django's handler, or a middleware of an
+    installed package between); None if its frames hold no such call."""
+    view = None
+    called_by_library = False  # the standard library's frames between pass the call through
+    for frame in frames:
+        mine = _application_code(frame.filename)
+        if mine is None:
+            continue
+        if mine and called_by_library:
+            view = f"{frame.module}.{frame.function}" if frame.module else frame.function
+        called_by_library = not mine
+    return view
+
+
+def _application_code(filename: str) -> bool | None:
+    """True: the application's own code; False: an installed package's or
+    shmwheel's; None: the standard library's or no file (neither calls a view)."""
+    if not filename or filename.startswith("<"):
+        return None
+    path = os.path.realpath(filename)
+    if path.startswith(_OWN_PACKAGE) or any(path.startswith(p) for p in _INSTALLED):
+        return False
+    if any(path.startswith(p) for p in _STDLIB):
+        return None
+    return True
+
+
+def _installed() -> tuple[str, ...]:
+    found = {sysconfig.get_paths()[name] for name in ("purelib", "platlib")}
+    found.update(getattr(site, "getsitepackages", list)())
+    found.add(site.getusersitepackages())
+    return tuple(sorted({os.path.realpath(p) + os.sep for p in found}))
+
+
+_INSTALLED = _installed()
+_STDLIB = tuple(sorted({os.path.realpath(sysconfig.get_paths()[name]) + os.sep for name in ("stdlib", "platstdlib")}))
+_OWN_PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep

@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Container
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .. import _process
@@ -54,7 +55,20 @@ from ._record import (
 )
 from ._routes import Routes
 from ._settings import TimeoutActions, TimeoutSettings
-from ._stacks import Active, ask_signal, keep_listening, listen, listening, real, server_log, server_logger
+from ._stacks import (
+    Active,
+    TimedOut,
+    ask_signal,
+    keep_listening,
+    listen,
+    listening,
+    own_frames,
+    real,
+    reporters,
+    server_log,
+    server_logger,
+    view_of,
+)
 
 if TYPE_CHECKING:
     from ._autodriver import AutoDriver
@@ -519,14 +533,37 @@ class RequestTimer:
         what, running = record.describe(), record.running_for()
         server_logger().warning("shmwheel: %s timed out: answered 504 Gateway Timeout, after %.3f s", what, running)
 
-    def timed_out(self, handle: int, active: Active, record: RequestRecord, stack: str) -> None:
+    def timed_out(
+        self, handle: int, active: Active, record: RequestRecord, stack: str, frames: dict[int, FrameType]
+    ) -> None:
         """The request of ``handle`` is past its timeout and its driver has
-        asked: the worker's hook, then the interrupt.  In the reporter thread."""
+        asked: the worker's hook and the reporters (an error tracker's),
+        then the interrupt, then the reporters' flush.  In the reporter
+        thread; ``frames`` are every thread's, as its stack was taken."""
         if self.on_timeout is not None:
             try:
                 self.on_timeout(record, stack)
             except Exception:  # noqa: BLE001 - the user's hook: logged, and the interrupt goes ahead
                 server_logger().exception("shmwheel: on_timeout(%s) failed", record.describe())
+        told = reporters()
+        if told:
+            own = own_frames(active, frames)
+            timed_out = TimedOut(record, stack, own, view_of(own))
+            for reporter in told:
+                try:
+                    reporter.report(timed_out)
+                except Exception:  # noqa: BLE001 - logged, and the interrupt goes ahead
+                    server_logger().exception("shmwheel: %r could not report %s", reporter, record.describe())
+        try:
+            self._interrupt(handle, active, record)
+        finally:
+            for reporter in told:
+                try:
+                    reporter.flush()
+                except Exception:  # noqa: BLE001
+                    server_logger().exception("shmwheel: %r could not send its report", reporter)
+
+    def _interrupt(self, handle: int, active: Active, record: RequestRecord) -> None:
         if not active.interrupt or handle in self._interrupted:
             return
         self._interrupted.add(handle)
