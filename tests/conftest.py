@@ -94,6 +94,7 @@ if TESTING_CORE_MISSING is None:
 import shmwheel  # noqa: E402  (after the finder: the package binds the core it imports)
 from shmwheel._binding import ffi, lib  # noqa: E402
 from shmwheel._process import start_time  # noqa: E402
+from shmwheel.contrib._record import PAYLOAD_SIZE  # noqa: E402
 
 PREFIX = f"shmwheel-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -269,6 +270,30 @@ def put_in_flight(w: shmwheel.Wheel, at_least: int) -> None:
     assert result == [0]
     assert lib.shmw_driver_register(w.core, 0, 0, me, me_start) == 0
     assert w.stats().in_flight >= at_least, "the clock put too few in flight"
+
+
+@pytest.fixture
+def driven(make_wheel, tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """A wheel driven by the driver command, with these arguments (its
+    name), the driver killed after the test; ``.log``: the driver's log."""
+    procs: list[subprocess.Popen[bytes]] = []
+    log = tmp_path / "driver.log"
+
+    def start(*args: str) -> str:
+        wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+        cmd = [sys.executable, "-m", "shmwheel.contrib.timeouts", wheel.name, "--log-to", str(log), *args]
+        procs.append(subprocess.Popen(cmd))
+        give_up = time.monotonic() + 30
+        while wheel.stats().driver_pid != procs[-1].pid:
+            assert time.monotonic() < give_up and procs[-1].poll() is None
+            time.sleep(0.02)
+        return wheel.name
+
+    start.log = log  # type: ignore[attr-defined]
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(30)
 
 
 @pytest.fixture

@@ -324,29 +324,6 @@ def test_warn_after_logs_the_stack_then_the_timeout_stage_follows(make_wheel, st
 # -- in this process: the middlewares answer 504 --------------------------------------
 
 
-@pytest.fixture
-def driven(make_wheel, tmp_path: Path) -> Iterator[Callable[..., str]]:
-    """A wheel driven by the driver command, with these arguments; its log's path."""
-    procs: list[subprocess.Popen[bytes]] = []
-    log = tmp_path / "driver.log"
-
-    def start(*args: str) -> str:
-        wheel = make_wheel(payload_size=PAYLOAD_SIZE)
-        cmd = [sys.executable, "-m", "shmwheel.contrib.timeouts", wheel.name, "--log-to", str(log), *args]
-        procs.append(subprocess.Popen(cmd))
-        give_up = time.monotonic() + WAIT
-        while wheel.stats().driver_pid != procs[-1].pid:
-            assert time.monotonic() < give_up and procs[-1].poll() is None
-            time.sleep(0.02)
-        return wheel.name
-
-    start.log = log  # type: ignore[attr-defined]
-    yield start
-    for proc in procs:
-        proc.terminate()
-        proc.wait(WAIT)
-
-
 def call(app: Callable[..., Any], path: str) -> tuple[str, bytes]:
     status: list[str] = []
 

@@ -45,7 +45,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("_views",),  # a view's own timeout, on the request's timer
     ("_handler",),  # the driver's side
     ("_supervisor",),
-    ("wsgi", "asgi", "timeouts"),  # the adapters, and the driver command
+    ("wsgi", "asgi", "timeouts", "sentry"),  # the adapters, the driver command, the error trackers
     ("uwsgi", "gunicorn"),
     ("__init__",),
 ]
