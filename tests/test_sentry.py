@@ -25,7 +25,8 @@ from flask import Flask
 from sentry_sdk.integrations.flask import FlaskIntegration
 from sentry_sdk.integrations.starlette import StarletteIntegration
 
-from shmwheel.contrib import _stacks
+from shmwheel.contrib import RequestTimer, TimeoutActions, TimeoutSettings, _stacks
+from shmwheel.contrib._record import PAYLOAD_SIZE
 from shmwheel.contrib._stacks import Frame, view_of
 from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware
 from shmwheel.contrib.sentry import ShmwheelIntegration
@@ -332,3 +333,20 @@ def test_a_reporter_is_told_before_the_interrupt_and_flushed_after_it(driven) ->
     finally:
         _stacks._reporters[:] = [r for r in _stacks._reporters if r not in (failing, keep)]
     assert told == [("report", False), ("flush", True)]
+
+
+def test_a_timer_whose_driver_never_asks_the_worker_says_no_tracker_hears_of_it(make_wheel, caplog, sentry) -> None:
+    """No stacks and no stage: the driver logs a timeout and asks the
+    worker nothing, so Sentry would never hear of one.  Said once, at the
+    timer's first use in the process, or as the integration comes after."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    quiet = TimeoutSettings(0.3, actions=TimeoutActions(tracebacks=False))
+    said = "its timeouts reach no error tracker (shmwheel.contrib.sentry): with no stacks and no stage"
+    timer = RequestTimer.of(wheel.name, quiet)
+    sentry(ShmwheelIntegration())  # a reporter added after the timer was made
+    timer.prepare()  # its first use here
+    timer.prepare()
+    assert sum(said in r.getMessage() for r in caplog.records) == 1
+    told = RequestTimer.of(wheel.name, TimeoutSettings(0.3))  # stacks: its driver asks
+    told.prepare()
+    assert sum(said in r.getMessage() for r in caplog.records) == 1

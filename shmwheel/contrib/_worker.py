@@ -234,6 +234,7 @@ class RequestTimer:
         # it: under gevent's or eventlet's monkey-patching threading.get_ident()
         # is the current greenlet's id instead.
         self._get_ident: Callable[[], int] = threading.get_ident
+        self._said_unheard = 0  # the process that has said its reporters hear of none of its timeouts
         _request_timers.add(self)
 
     def prepare(self) -> bool:
@@ -312,6 +313,7 @@ class RequestTimer:
     def _listen(self) -> None:
         """Set up the stack signals in this process (under self._lock)."""
         self._stack_signal = self._dump_signal = 0
+        say_unheard()
         if self.traceback_signal is None:
             return
         try:
@@ -826,6 +828,24 @@ def in_progress_here() -> bool:
     """Whether a request of this process's timers is in progress here (this
     thread's, task's or greenlet's)."""
     return _here() is not None
+
+
+def say_unheard() -> None:
+    """Say, once a process and timer, that an error tracker's reporter is
+    told of none of the timer's timeouts: with no stacks and no stage its
+    driver never asks the worker, and the worker never knows.  Called as a
+    timer is first used in a process and as a reporter is added."""
+    if not reporters():
+        return
+    for timer in list(_request_timers):
+        if timer.settings.signal is None and timer._said_unheard != _process.pid:
+            timer._said_unheard = _process.pid
+            server_logger().warning(
+                "shmwheel: wheel %r: its timeouts reach no error tracker (%s): with no stacks and no stage its "
+                "driver never asks the worker about a late request (turn stacks on, or interrupt)",
+                timer.name,
+                ", ".join(map(repr, reporters())),
+            )
 
 
 def times_requests() -> bool:

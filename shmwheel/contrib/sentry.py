@@ -48,6 +48,7 @@ except ImportError as exc:  # pragma: no cover - said in one line, with the fix
 
 from ._interrupt import RequestTimeout
 from ._stacks import Frame, TimedOut, add_reporter
+from ._worker import say_unheard
 
 __all__ = ["ShmwheelIntegration"]
 
@@ -72,6 +73,7 @@ class ShmwheelIntegration(Integration):
     def setup_once() -> None:
         add_reporter(_REPORTER)
         add_global_event_processor(_not_twice)
+        say_unheard()
 
 
 def _integration() -> ShmwheelIntegration | None:
