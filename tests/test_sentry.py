@@ -25,7 +25,7 @@ from flask import Flask
 from sentry_sdk.integrations.flask import FlaskIntegration
 from sentry_sdk.integrations.starlette import StarletteIntegration
 
-from shmwheel.contrib import RequestTimer, TimeoutActions, TimeoutSettings, _stacks
+from shmwheel.contrib import DUMP_TIME, RequestTimer, TimeoutActions, TimeoutSettings, _stacks
 from shmwheel.contrib._record import PAYLOAD_SIZE
 from shmwheel.contrib._stacks import Frame, view_of
 from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware
@@ -300,7 +300,7 @@ def test_a_reporter_is_told_before_the_interrupt_and_flushed_after_it(driven) ->
         def report(self, timed_out: Any) -> None:
             raise RuntimeError("a reporter's bug")
 
-        def flush(self) -> None:
+        def flush(self, timeout: float) -> None:
             raise RuntimeError("a reporter's bug")
 
     class Keep:
@@ -311,7 +311,8 @@ def test_a_reporter_is_told_before_the_interrupt_and_flushed_after_it(driven) ->
             [self.handle] = timer[0].in_progress()
             told.append(("report", timer[0].interrupted(self.handle)))
 
-        def flush(self) -> None:  # interrupted, or ended by the interrupt already (it spins 10 s else)
+        def flush(self, timeout: float) -> None:  # interrupted, or ended by the interrupt already (it spins 10 s else)
+            assert 0 < timeout <= _stacks.FLUSH_TIME
             ended = self.handle not in timer[0].in_progress()
             told.append(("flush", timer[0].interrupted(self.handle) or ended))
 
@@ -333,6 +334,7 @@ def test_a_reporter_is_told_before_the_interrupt_and_flushed_after_it(driven) ->
     finally:
         _stacks._reporters[:] = [r for r in _stacks._reporters if r not in (failing, keep)]
     assert told == [("report", False), ("flush", True)]
+    assert _stacks.FLUSH_TIME <= DUMP_TIME / 2  # answered before the driver takes the worker for a wedged one
 
 
 def test_a_timer_whose_driver_never_asks_the_worker_says_no_tracker_hears_of_it(make_wheel, caplog, sentry) -> None:

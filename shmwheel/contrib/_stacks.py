@@ -697,10 +697,20 @@ class TimeoutReporter(Protocol):
     def report(self, timed_out: TimedOut) -> object:
         """The request has timed out: before the interrupt."""
 
-    def flush(self) -> object:
+    def flush(self, timeout: float) -> object:
         """After the interrupt, before the driver hears that the stack was
-        written (and, with no interrupt, may kill the worker): whatever
-        :meth:`report` left to send, sent."""
+        written (and, with no interrupt, may kill the worker): what
+        :meth:`report` left to send, sent, for at most ``timeout`` seconds
+        (:data:`FLUSH_TIME`)."""
+
+
+#: How long the reporters may take to send what they report, all together,
+#: before the driver is answered.  Well within the half second the driver
+#: waits for the answer before it takes the worker for one in which no
+#: Python runs (the driver's DUMP_TIME), and dumps and may kill it: a slow
+#: error tracker must not make a worker look wedged.  What is not sent by
+#: then still is, unless the kill comes first.
+FLUSH_TIME = 0.25
 
 
 _reporters: list[TimeoutReporter] = []

@@ -56,6 +56,7 @@ from ._record import (
 from ._routes import Routes
 from ._settings import TimeoutActions, TimeoutSettings
 from ._stacks import (
+    FLUSH_TIME,
     Active,
     TimedOut,
     ask_signal,
@@ -559,9 +560,10 @@ class RequestTimer:
         try:
             self._interrupt(handle, active, record)
         finally:
+            until = time.monotonic() + FLUSH_TIME
             for reporter in told:
                 try:
-                    reporter.flush()
+                    reporter.flush(max(0.0, until - time.monotonic()))
                 except Exception:  # noqa: BLE001
                     server_logger().exception("shmwheel: %r could not send its report", reporter)
 

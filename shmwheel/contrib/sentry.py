@@ -16,9 +16,11 @@ later unwinds it.  Its fingerprint is the method and the view (the
 function of the application's own code that the framework called; the
 path where none is found), so each slow view is one issue, whatever the
 ids in its paths; its transaction is the view.  The event is queued
-before the interrupt and flushed after it, before the driver is told:
-with no interrupt the driver's kill comes only after that, so the event
-is out before the worker is.
+before the interrupt and flushed after it, before the driver is told
+(for at most a quarter of a second: a slow endpoint must not make the
+worker look wedged to the driver): with no interrupt the driver's kill
+comes only after that, so the event is out before the worker is, unless
+Sentry takes longer than that to take it.
 
 Sentry's WSGI integration (Django's and Flask's use it) would also send
 what ends a timed-out request, as an unhandled error of the view mixed
@@ -98,10 +100,10 @@ class _Reporter:
             self.threads.clear()
         self.threads.add(timed_out.request.thread)
 
-    def flush(self) -> None:
+    def flush(self, timeout: float) -> None:
         if self._queued:
             self._queued = False
-            sentry_sdk.flush()
+            sentry_sdk.flush(timeout)
 
     def __repr__(self) -> str:
         return "shmwheel.contrib.sentry"
