@@ -26,10 +26,11 @@ from sentry_sdk.integrations.flask import FlaskIntegration
 from sentry_sdk.integrations.starlette import StarletteIntegration
 
 from shmwheel.contrib import DUMP_TIME, RequestTimer, TimeoutActions, TimeoutSettings, _stacks
-from shmwheel.contrib._record import PAYLOAD_SIZE
-from shmwheel.contrib._stacks import Frame, view_of
+from shmwheel.contrib._record import PAYLOAD_SIZE, RequestRecord
+from shmwheel.contrib._stacks import Frame, TimedOut, view_of
 from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware
 from shmwheel.contrib.sentry import ShmwheelIntegration
+from shmwheel.contrib.sentry import event as sentry_event
 from shmwheel.contrib.wsgi import TimeoutMiddleware
 
 
@@ -352,3 +353,11 @@ def test_a_timer_whose_driver_never_asks_the_worker_says_no_tracker_hears_of_it(
     told = RequestTimer.of(wheel.name, TimeoutSettings(0.3))  # stacks: its driver asks
     told.prepare()
     assert sum(said in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_request_whose_frames_are_gone_is_an_event_without_a_stacktrace() -> None:
+    """Its thread ended between the timeout and the look: no empty stacktrace, grouped by its path."""
+    record = RequestRecord(1, os.getpid(), 0, time.monotonic_ns(), "POST", "", "/upload/9", False)
+    [exc] = sentry_event(TimedOut(record, "the log's text", (), None))["exception"]["values"]
+    assert "stacktrace" not in exc and exc["value"] == "POST /upload/9 ran past its timeout"
+    assert sentry_event(TimedOut(record, "", (), None))["fingerprint"] == ["shmwheel-timeout", "POST", "/upload/9"]

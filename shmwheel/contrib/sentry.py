@@ -127,7 +127,7 @@ def event(timed_out: TimedOut, level: Level = "warning") -> Event:
                     "module": "shmwheel.contrib",
                     "value": f"{request.method} {route} ran past its timeout",
                     "mechanism": {"type": "shmwheel", "handled": False},
-                    "stacktrace": {"frames": [_frame(f) for f in timed_out.frames]},
+                    **({"stacktrace": {"frames": [_frame(f) for f in timed_out.frames]}} if timed_out.frames else {}),
                 }
             ]
         },
