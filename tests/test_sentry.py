@@ -113,8 +113,9 @@ def test_each_timed_out_request_is_one_event_with_its_own_frames_grouped_by_its_
         assert exc["mechanism"] == {"type": "shmwheel", "handled": False}
         frames = exc["stacktrace"]["frames"]
         assert [f["function"] for f in frames[-2:]] == ["flask_app.<locals>.item", "spin"]
-        assert frames[-1]["context_line"].strip() in ("while time.monotonic() < until:", "pass")
-        assert frames[-1]["pre_context"][-1].strip() == "until = time.monotonic() + seconds"
+        body = ("until = time.monotonic() + seconds", "while time.monotonic() < until:", "pass")
+        assert frames[-1]["context_line"].strip() in body  # with the source around it
+        assert any(line.startswith("def spin(") for line in frames[-1]["pre_context"])
         assert frames[-1]["in_app"] is True  # by Sentry's own rule (the project's root)
         ours = [f["in_app"] for f in frames if f["module"].startswith("shmwheel.")]
         assert ours and not any(ours)  # the middleware's, though it runs from the project's root here
