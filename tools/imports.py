@@ -45,13 +45,19 @@ FLOORS: list[tuple[str, ...]] = [
     ("_views",),  # a view's own timeout, on the request's timer
     ("_handler",),  # the driver's side
     ("_supervisor",),
-    ("wsgi", "asgi", "timeouts"),  # the adapters, and the driver command
+    ("wsgi", "asgi", "timeouts", "otel"),  # the adapters, the driver command, a timeout on its span
     ("uwsgi", "gunicorn"),
     ("__init__",),
 ]
 
 #: What a worker loads, and what it must never load.
-WORKER = ("shmwheel.contrib._worker", "shmwheel.contrib._views", "shmwheel.contrib.wsgi", "shmwheel.contrib.asgi")
+WORKER = (
+    "shmwheel.contrib._worker",
+    "shmwheel.contrib._views",
+    "shmwheel.contrib.wsgi",
+    "shmwheel.contrib.asgi",
+    "shmwheel.contrib.otel",
+)
 DRIVER = ("shmwheel.contrib._handler", "shmwheel.contrib._supervisor", "shmwheel.contrib.timeouts")
 
 
