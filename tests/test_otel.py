@@ -422,7 +422,7 @@ def test_fastapi_s_own_telemetry_gets_the_event_and_the_504_and_writes_its_own_e
 # -- the processor itself --------------------------------------------------------
 
 
-def test_instrument_needs_the_sdk_s_provider_and_shutdown_ends_the_reports() -> None:
+def test_instrument_needs_the_sdk_s_provider_once_and_shutdown_ends_the_reports() -> None:
     from opentelemetry.trace import NoOpTracerProvider
 
     with pytest.raises(TypeError, match="needs the OpenTelemetry SDK's TracerProvider, not NoOpTracerProvider"):
@@ -431,3 +431,10 @@ def test_instrument_needs_the_sdk_s_provider_and_shutdown_ends_the_reports() -> 
     assert processor in reporters()
     processor.shutdown()
     assert processor not in reporters()
+    provider = TracerProvider()
+    processor = instrument(provider)
+    assert instrument(provider) is processor  # once: else each timeout twice on its span
+    provider.shutdown()
+    assert processor not in reporters()
+    assert instrument(provider) is not processor
+    provider.shutdown()

@@ -35,6 +35,7 @@ import asyncio
 import sys
 import threading
 import traceback
+import weakref
 from typing import Any
 
 from opentelemetry import context, trace
@@ -50,6 +51,7 @@ __all__ = ["TimeoutSpanProcessor", "instrument"]
 EXCEPTION_TYPE = "shmwheel.contrib.RequestTimeout"
 
 _lock = threading.Lock()
+_instrumented: weakref.WeakKeyDictionary[TracerProvider, TimeoutSpanProcessor] = weakref.WeakKeyDictionary()
 
 
 @after_fork
@@ -61,14 +63,19 @@ def _new_lock() -> None:
 def instrument(tracer_provider: TracerProvider | None = None) -> TimeoutSpanProcessor:
     """Report this process's timed-out requests on their spans of
     ``tracer_provider`` (None: the global one, which must be the SDK's).
-    Returns the processor: the provider's ``shutdown()`` ends it."""
+    Returns the processor (the same one for the same provider): the
+    provider's ``shutdown()`` ends it."""
     provider = trace.get_tracer_provider() if tracer_provider is None else tracer_provider
     if not isinstance(provider, TracerProvider):
         raise TypeError(
             f"shmwheel.contrib.otel needs the OpenTelemetry SDK's TracerProvider, not {type(provider).__name__}: "
             "set one up first (opentelemetry.trace.set_tracer_provider), or pass it"
         )
-    processor = TimeoutSpanProcessor()
+    with _lock:
+        processor = _instrumented.get(provider)
+        if processor is not None and not processor.shut_down:
+            return processor  # once: a second would put each timeout on the span twice
+        processor = _instrumented[provider] = TimeoutSpanProcessor()
     provider.add_span_processor(processor)
     return processor
 
@@ -87,6 +94,7 @@ class TimeoutSpanProcessor(SpanProcessor):
         self._where: dict[int, object] = {}  # span id: where it runs
         self._interrupted: set[int] = set()  # span ids of requests interrupted: their owner may never end them
         self._get_ident = real("_thread", "get_ident")  # the OS thread's, as the request's timer has it
+        self.shut_down = False
         add_reporter(self)
 
     # -- as the SDK's span processor: in the thread that starts or ends a span
@@ -123,6 +131,7 @@ class TimeoutSpanProcessor(SpanProcessor):
         return self._where.pop(span_id, None)
 
     def shutdown(self) -> None:
+        self.shut_down = True
         remove_reporter(self)
         with _lock:
             self._open.clear()
