@@ -45,13 +45,20 @@ FLOORS: list[tuple[str, ...]] = [
     ("_views",),  # a view's own timeout, on the request's timer
     ("_handler",),  # the driver's side
     ("_supervisor",),
-    ("wsgi", "asgi", "timeouts", "sentry"),  # the adapters, the driver command, the error trackers
+    ("wsgi", "asgi", "timeouts", "sentry", "otel"),  # the adapters, the driver command, the trackers' integrations
     ("uwsgi", "gunicorn"),
     ("__init__",),
 ]
 
 #: What a worker loads, and what it must never load.
-WORKER = ("shmwheel.contrib._worker", "shmwheel.contrib._views", "shmwheel.contrib.wsgi", "shmwheel.contrib.asgi")
+WORKER = (
+    "shmwheel.contrib._worker",
+    "shmwheel.contrib._views",
+    "shmwheel.contrib.wsgi",
+    "shmwheel.contrib.asgi",
+    "shmwheel.contrib.sentry",
+    "shmwheel.contrib.otel",
+)
 DRIVER = ("shmwheel.contrib._handler", "shmwheel.contrib._supervisor", "shmwheel.contrib.timeouts")
 
 

@@ -26,9 +26,11 @@ tools/imports.py`` checks it):
    :mod:`shmwheel.contrib.asgi` (middlewares for any server; under Uvicorn
    and Hypercorn the ASGI one's workers start the driver themselves),
    :mod:`shmwheel.contrib.uwsgi` (the driver as a mule),
-   :mod:`shmwheel.contrib.gunicorn` (server hooks, from a config file), and
+   :mod:`shmwheel.contrib.gunicorn` (server hooks, from a config file),
    the driver command, ``shmwheel timeouts NAME`` (the same as ``python -m
-   shmwheel.contrib.timeouts NAME``).
+   shmwheel.contrib.timeouts NAME``), and a timeout on the request's
+   OpenTelemetry span (:mod:`shmwheel.contrib.otel`, imported by hand: the
+   one module that imports opentelemetry).
 
 What a request's own code may use: :class:`request_timeout` gives a view
 a timeout of its own (a decorator on a view of any framework, or a

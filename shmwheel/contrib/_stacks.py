@@ -84,6 +84,7 @@ __all__ = [
     "keep_listening",
     "listen",
     "real",
+    "remove_reporter",
     "server_logger",
     "writes_somewhere",
 ]
@@ -682,6 +683,11 @@ class TimedOut:
     stack: str  #: the log's header line and stack, as ``on_timeout`` gets it
     frames: tuple[Frame, ...]  #: the request's own frames, outermost first; () when none was found
     view: str | None  #: the view it runs: the innermost of its frames a library called into (``myapp.views.export``)
+    #: Where it runs, as its timer has it, to find what else is kept of it
+    #: there (its tracing span): its OS thread, and its asyncio or trio task
+    #: or its greenlet (None: it runs in the thread itself).
+    thread: int = 0
+    task: Any = None
 
     @property
     def route(self) -> str:
@@ -721,6 +727,13 @@ def add_reporter(reporter: TimeoutReporter) -> None:
     with _lock:
         if reporter not in _reporters:
             _reporters.append(reporter)
+
+
+def remove_reporter(reporter: TimeoutReporter) -> None:
+    """Tell ``reporter`` of no more timeouts (nothing if it was not added)."""
+    with _lock:
+        if reporter in _reporters:
+            _reporters.remove(reporter)
 
 
 def reporters() -> list[TimeoutReporter]:

@@ -551,7 +551,7 @@ class RequestTimer:
         told = reporters()
         if told:
             own = own_frames(active, frames)
-            timed_out = TimedOut(record, stack, own, view_of(own))
+            timed_out = TimedOut(record, stack, own, view_of(own), active.thread, active.task)
             for reporter in told:
                 try:
                     reporter.report(timed_out)

@@ -46,7 +46,7 @@ try:
     from sentry_sdk.types import Event, Hint
     from sentry_sdk.utils import filename_for_module
 except ImportError as exc:  # pragma: no cover - said in one line, with the fix
-    raise ImportError(f"shmwheel.contrib.sentry needs the Sentry SDK (pip install sentry-sdk): {exc}") from None
+    raise ImportError(f"shmwheel.contrib.sentry needs sentry-sdk (pip install shmwheel[sentry]): {exc}") from None
 
 from ._interrupt import RequestTimeout
 from ._stacks import Frame, TimedOut, add_reporter
