@@ -11,6 +11,8 @@ import http.server
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -362,3 +364,17 @@ def test_a_request_whose_frames_are_gone_is_an_event_without_a_stacktrace() -> N
     [exc] = sentry_event(TimedOut(record, "the log's text", (), None))["exception"]["values"]
     assert "stacktrace" not in exc and exc["value"] == "POST /upload/9 ran past its timeout"
     assert sentry_event(TimedOut(record, "", (), None))["fingerprint"] == ["shmwheel-timeout", "POST", "/upload/9"]
+
+
+@pytest.mark.parametrize(
+    ("module", "sdk", "extra"),
+    [
+        ("sentry", "sentry_sdk", "sentry-sdk (pip install shmwheel[sentry])"),
+        ("otel", "opentelemetry", "opentelemetry-sdk (pip install shmwheel[otel])"),
+    ],
+)
+def test_an_integration_without_its_sdk_says_what_to_install(module: str, sdk: str, extra: str) -> None:
+    code = f"import sys; sys.modules[{sdk!r}] = None; import shmwheel.contrib.{module}"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert f"ImportError: shmwheel.contrib.{module} needs {extra}: " in proc.stderr.splitlines()[-1]
