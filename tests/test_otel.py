@@ -5,7 +5,9 @@ process (the middlewares answer 504 here, as in tests/test_stages.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +21,17 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk.trace")
 
+from _servers import (  # noqa: E402
+    APPS,
+    BIN,
+    GATEWAY_TIMEOUT,
+    WAIT,
+    assert_nothing_left_of_asgi,
+    auto_driver_of,
+    free_port,
+    get,
+    serve_asgi,
+)
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
@@ -29,8 +42,6 @@ from shmwheel.contrib._stacks import reporters  # noqa: E402
 from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware  # noqa: E402
 from shmwheel.contrib.otel import TimeoutSpanProcessor, instrument  # noqa: E402
 from shmwheel.contrib.wsgi import TimeoutMiddleware  # noqa: E402
-
-WAIT = 30.0
 
 
 class Traced:
@@ -438,3 +449,45 @@ def test_instrument_needs_the_sdk_s_provider_once_and_shutdown_ends_the_reports(
     assert processor not in reporters()
     assert instrument(provider) is not processor
     provider.shutdown()
+
+
+# -- under a real server ------------------------------------------------------------
+
+
+def test_under_uvicorn_the_exported_server_span_says_timeout_and_504(tmp_path: Path, monkeypatch) -> None:
+    """Uvicorn, OpenTelemetry's ASGI instrumentation around shmwheel's
+    middleware, the SDK exporting each span as it ends: the interrupted
+    request's server span has the timeout's event with its own stack,
+    error.type "timeout", the 504 and status ERROR; the request in time
+    before it has none of them."""
+    spans_file = tmp_path / "spans.jsonl"
+    monkeypatch.setenv("SPANS_FILE", str(spans_file))
+    port = free_port()
+    cmd = [str(BIN / "uvicorn"), "otel_asgi:app", "--app-dir", str(APPS), "--host", "127.0.0.1", "--port", str(port)]
+    with serve_asgi(cmd, port, tmp_path) as server:
+        driver = auto_driver_of(server)
+        assert get(server.port, "/stuck", timeout=60) == GATEWAY_TIMEOUT
+        give_up = time.monotonic() + WAIT
+        while True:
+            server_spans = [
+                s for s in map(json.loads, spans_file.read_text().splitlines()) if s["kind"] == "SpanKind.SERVER"
+            ]
+            if any(s["attributes"].get("http.target") == "/stuck" for s in server_spans):
+                break
+            assert time.monotonic() < give_up, server_spans
+            time.sleep(0.05)
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left_of_asgi(server, driver)
+    [quick] = [s for s in server_spans if s["attributes"].get("http.target") == "/"][-1:]
+    [late] = [s for s in server_spans if s["attributes"].get("http.target") == "/stuck"]
+    assert (
+        quick["events"] == [] and "error.type" not in quick["attributes"] and quick["status"]["status_code"] == "UNSET"
+    )
+    [event] = late["events"]
+    assert event["name"] == "exception"
+    assert event["attributes"]["exception.type"] == "shmwheel.contrib.RequestTimeout"
+    assert 'otel_asgi.py", line ' in event["attributes"]["exception.stacktrace"]
+    assert ", in stuck\n" in event["attributes"]["exception.stacktrace"]  # where it was when its time ran out
+    assert late["attributes"]["error.type"] == "timeout"
+    assert late["attributes"]["http.status_code"] == 504  # the instrumentation's own, seeing the 504
+    assert late["status"]["status_code"] == "ERROR"
