@@ -29,7 +29,7 @@ from sentry_sdk.integrations.starlette import StarletteIntegration
 
 from shmwheel.contrib import DUMP_TIME, RequestTimer, TimeoutActions, TimeoutSettings, _stacks
 from shmwheel.contrib._record import PAYLOAD_SIZE, RequestRecord
-from shmwheel.contrib._stacks import Frame, TimedOut, view_of
+from shmwheel.contrib._stacks import Frame, TimedOut, masked_path, view_of
 from shmwheel.contrib.asgi import TimeoutMiddleware as AsgiMiddleware
 from shmwheel.contrib.sentry import ShmwheelIntegration
 from shmwheel.contrib.sentry import event as sentry_event
@@ -112,7 +112,7 @@ def test_each_timed_out_request_is_one_event_with_its_own_frames_grouped_by_its_
     for event, path in zip(events, ("/items/1", "/items/2"), strict=True):
         [exc] = event["exception"]["values"]
         assert (exc["type"], exc["value"]) == ("RequestTimeout", f"GET {view} ran past its timeout")
-        assert exc["mechanism"] == {"type": "shmwheel", "handled": False}
+        assert exc["mechanism"] == {"type": "shmwheel", "handled": True}  # no crash, in release health
         frames = exc["stacktrace"]["frames"]
         assert [f["function"] for f in frames[-2:]] == ["flask_app.<locals>.item", "spin"]
         body = ("until = time.monotonic() + seconds", "while time.monotonic() < until:", "pass")
@@ -214,7 +214,7 @@ def test_the_view_is_the_innermost_application_frame_a_library_called() -> None:
     std = _stacks._STDLIB[0] + "contextlib.py"
     app = "/srv/project/app/views.py"
     mw = "/srv/project/app/middleware.py"
-    own = _stacks._OWN_PACKAGE + "contrib/_views.py"
+    own = _stacks._OWN_PACKAGE[0] + "contrib/_views.py"
     # a project middleware, then the framework again, then the view, then what it calls
     chain = _frames(
         (lib, "base.handler"),
@@ -316,7 +316,7 @@ def test_a_reporter_is_told_before_the_interrupt_and_flushed_after_it(driven) ->
             told.append(("report", timer[0].interrupted(self.handle)))
 
         def flush(self, timeout: float) -> None:  # interrupted, or ended by the interrupt already (it spins 10 s else)
-            assert 0 < timeout <= _stacks.FLUSH_TIME
+            assert 0 <= timeout <= _stacks.FLUSH_TIME  # what is left of it when the pass is done
             ended = self.handle not in timer[0].in_progress()
             told.append(("flush", timer[0].interrupted(self.handle) or ended))
 
@@ -359,11 +359,12 @@ def test_a_timer_whose_driver_never_asks_the_worker_says_no_tracker_hears_of_it(
 
 
 def test_a_request_whose_frames_are_gone_is_an_event_without_a_stacktrace() -> None:
-    """Its thread ended between the timeout and the look: no empty stacktrace, grouped by its path."""
+    """Its thread ended between the timeout and the look: no empty
+    stacktrace, grouped by its path with its ids masked."""
     record = RequestRecord(1, os.getpid(), 0, time.monotonic_ns(), "POST", "", "/upload/9", False)
     [exc] = sentry_event(TimedOut(record, "the log's text", (), None))["exception"]["values"]
-    assert "stacktrace" not in exc and exc["value"] == "POST /upload/9 ran past its timeout"
-    assert sentry_event(TimedOut(record, "", (), None))["fingerprint"] == ["shmwheel-timeout", "POST", "/upload/9"]
+    assert "stacktrace" not in exc and exc["value"] == "POST /upload/* ran past its timeout"
+    assert sentry_event(TimedOut(record, "", (), None))["fingerprint"] == ["shmwheel-timeout", "POST", "/upload/*"]
 
 
 @pytest.mark.parametrize(
@@ -378,3 +379,48 @@ def test_an_integration_without_its_sdk_says_what_to_install(module: str, sdk: s
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert f"ImportError: shmwheel.contrib.{module} needs {extra}: " in proc.stderr.splitlines()[-1]
+
+
+def test_a_path_s_ids_are_masked_so_that_its_route_groups_as_one() -> None:
+    assert masked_path("/items/12/parts/7f3a9c2e1b4d5f6a") == "/items/*/parts/*"
+    assert masked_path("/users/123e4567-e89b-12d3-a456-426614174000/") == "/users/*/"
+    assert masked_path("/v2/reports/2024-01-05") == "/v2/reports/*"
+    assert masked_path("/api/v1/health") == "/api/v1/health"  # versions and words stay
+    assert masked_path("/") == "/"
+
+
+def test_an_application_installed_as_a_package_has_its_view_by_sentry_s_in_app_include() -> None:
+    """Its frames are in site-packages, as the framework's are: Sentry's
+    in_app_include says which are the application's."""
+    site = _stacks._INSTALLED[0]
+    frames = (
+        Frame(site + "django/core/handlers/base.py", 197, "BaseHandler._get_response", "django.core.handlers.base", ""),
+        Frame(site + "myshop/views.py", 12, "export", "myshop.views", ""),
+        Frame(site + "myshop/reports.py", 40, "build", "myshop.reports", ""),
+    )
+    record = RequestRecord(1, os.getpid(), 0, time.monotonic_ns(), "GET", "", "/export/2024", False)
+    sentry_sdk.init(dsn=None, in_app_include=["myshop"])
+    try:
+        assert sentry_event(TimedOut(record, "", frames, None))["fingerprint"][2] == "myshop.views.export"
+        sentry_sdk.init(dsn=None)
+        assert sentry_event(TimedOut(record, "", frames, None))["fingerprint"][2] == "/export/*"  # not told: the path
+    finally:
+        sentry_sdk.init(dsn=None)
+
+
+def test_an_exit_of_the_application_s_own_after_a_timeout_is_still_sent(driven, sentry) -> None:
+    """Only what ends a timed-out request is dropped: a later SystemExit in
+    the same thread, in a request in time, is the application's."""
+    events = sentry(FlaskIntegration(), ShmwheelIntegration())
+    app = flask_app()
+
+    @app.route("/exit")
+    def leave() -> str:
+        raise SystemExit(3)
+
+    middleware = TimeoutMiddleware(app, driven(), 0.3, interrupt=True)
+    assert wsgi_get(middleware, "/items/1") == "504 Gateway Timeout"
+    with pytest.raises(SystemExit):
+        wsgi_get(middleware, "/exit")
+    sentry_sdk.flush()
+    assert [e["exception"]["values"][-1]["type"] for e in events] == ["RequestTimeout", "SystemExit"]

@@ -44,6 +44,7 @@ import faulthandler
 import linecache
 import logging
 import os
+import re
 import signal
 import site
 import struct
@@ -413,8 +414,11 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, sig
     Returns how many stacks were written."""
     global _look_again
     now = time.monotonic_ns() if now_ns is None else now_ns
+    flush_until = time.monotonic() + FLUSH_TIME
     frames = sys._current_frames()
     written = 0
+    to_flush = False
+    answers: list[tuple[RequestTimer, bytes]] = []  # once what the reporters were told is sent
     still: set[tuple[bytes, bool]] = set()
     look_again: int | None = None
     for timer in list(_timers()):
@@ -456,10 +460,20 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, sig
                     if timer.stacks:
                         server_logger().warning("%s", stack)
                         written += 1
-                    if timed_out:
-                        timer.timed_out(handle, active, record, stack, frames)
+                    if timed_out and timer.timed_out(handle, active, record, stack, frames):
+                        to_flush = True
+                        if not active.interrupt:
+                            # The driver's kill follows the answer at once:
+                            # the reporters send first.  An interrupted
+                            # request's kill waits its grace anyway.
+                            answers.append((timer, active.payload))
+                            continue
             if new or signalled:  # not again at each look of a reporter that woke with no signal
                 timer.answer(active.payload)
+    if to_flush:
+        flush_reporters(flush_until)
+    for timer, payload in answers:
+        timer.answer(payload)
     _reported.intersection_update(still)
     _reported.update(still)
     if any(timed_out for _, timed_out in still):
@@ -692,8 +706,24 @@ class TimedOut:
     @property
     def route(self) -> str:
         """What groups it with the other timeouts of the same view: its
-        view, else its path."""
-        return self.view or self.request.path
+        view, else its path with what looks like an id in it masked
+        (:func:`masked_path`)."""
+        return self.view or masked_path(self.request.path)
+
+
+_HEX_ID = re.compile(r"[0-9a-fA-F]{16,}|[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+
+
+def masked_path(path: str) -> str:
+    """``path`` with each segment that looks like an id (mostly digits, a
+    UUID, a long hex string) as ``*``: ``/items/12/parts/7f3a...`` is
+    ``/items/*/parts/*``, so that one route's requests group as one."""
+
+    def one(segment: str) -> str:
+        digits = sum(c.isdigit() for c in segment)
+        return "*" if digits * 2 > len(segment) > 0 or _HEX_ID.fullmatch(segment) else segment
+
+    return "/".join(one(segment) for segment in path.split("/"))
 
 
 class TimeoutReporter(Protocol):
@@ -704,14 +734,16 @@ class TimeoutReporter(Protocol):
         """The request has timed out: before the interrupt."""
 
     def flush(self, timeout: float) -> object:
-        """After the interrupt, before the driver hears that the stack was
-        written (and, with no interrupt, may kill the worker): what
-        :meth:`report` left to send, sent, for at most ``timeout`` seconds
-        (:data:`FLUSH_TIME`)."""
+        """Once the requests timed out together are interrupted, before the
+        driver hears that the stacks of those not interrupted were written
+        (and may kill their worker): what :meth:`report` left to send,
+        sent, for at most ``timeout`` seconds (what is left of
+        :data:`FLUSH_TIME`)."""
 
 
-#: How long the reporters may take to send what they report, all together,
-#: before the driver is answered.  Well within the half second the driver
+#: How long the reporters may take to send what they report, all together
+#: and once a pass of the reporter thread (from when it woke), before the
+#: driver is answered for the requests not interrupted.  Well within the half second the driver
 #: waits for the answer before it takes the worker for one in which no
 #: Python runs (the driver's DUMP_TIME), and dumps and may kill it: a slow
 #: error tracker must not make a worker look wedged.  What is not sent by
@@ -738,6 +770,18 @@ def remove_reporter(reporter: TimeoutReporter) -> None:
 
 def reporters() -> list[TimeoutReporter]:
     return list(_reporters)
+
+
+def flush_reporters(until: float) -> None:
+    """What the reporters were told, sent, until ``until`` (time.monotonic())
+    at the latest: once a pass of the reporter thread, however many requests
+    timed out in it, before it answers the driver for those it did not
+    interrupt."""
+    for reporter in reporters():
+        try:
+            reporter.flush(max(0.0, until - time.monotonic()))
+        except Exception:  # noqa: BLE001
+            server_logger().exception("shmwheel: %r could not send its report", reporter)
 
 
 def own_frames(active: Active, frames: dict[int, FrameType]) -> tuple[Frame, ...]:
@@ -772,7 +816,7 @@ def own_frames(active: Active, frames: dict[int, FrameType]) -> tuple[Frame, ...
     else:
         chain = _chain(frames.get(thread))
     out = []
-    for frame, lineno in chain[:MAX_FRAMES]:
+    for frame, lineno in chain[-MAX_FRAMES:]:  # a runaway recursion: the innermost, where it is stuck
         code = frame.f_code
         line = linecache.getline(code.co_filename, lineno or 0, frame.f_globals).strip()
         out.append(Frame(code.co_filename, lineno, code.co_qualname, frame.f_globals.get("__name__"), line))
@@ -805,24 +849,33 @@ def view_of(frames: Iterable[Frame]) -> str | None:
 
 def _application_code(filename: str) -> bool | None:
     """True: the application's own code; False: an installed package's or
-    shmwheel's; None: the standard library's or no file (neither calls a view)."""
+    shmwheel's; None: the standard library's or no file (neither calls a view).
+
+    By the file's name as its code has it, against the directories' names
+    as given and as resolved, both taken once: no system call here, which
+    under a request that holds the GIL would wait for it each time."""
     if not filename or filename.startswith("<"):
         return None
-    path = os.path.realpath(filename)
-    if path.startswith(_OWN_PACKAGE) or any(path.startswith(p) for p in _INSTALLED):
+    if filename.startswith(_NOT_APPLICATION):
         return False
-    if any(path.startswith(p) for p in _STDLIB):
+    if filename.startswith(_STDLIB):
         return None
     return True
 
 
+def _both(*paths: str) -> set[str]:
+    """Each directory as given and as resolved (a symbolic link: a venv's lib64, Debian's /usr/lib)."""
+    return {form + os.sep for p in paths for form in (os.path.abspath(p), os.path.realpath(p))}
+
+
 def _installed() -> tuple[str, ...]:
-    found = {sysconfig.get_paths()[name] for name in ("purelib", "platlib")}
-    found.update(getattr(site, "getsitepackages", list)())
-    found.add(site.getusersitepackages())
-    return tuple(sorted({os.path.realpath(p) + os.sep for p in found}))
+    found = [sysconfig.get_paths()[name] for name in ("purelib", "platlib")]
+    found += getattr(site, "getsitepackages", list)()
+    found.append(site.getusersitepackages())
+    return tuple(sorted(_both(*found)))
 
 
 _INSTALLED = _installed()
-_STDLIB = tuple(sorted({os.path.realpath(sysconfig.get_paths()[name]) + os.sep for name in ("stdlib", "platstdlib")}))
-_OWN_PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+_STDLIB = tuple(sorted(_both(*(sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib")))))
+_OWN_PACKAGE = tuple(sorted(_both(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+_NOT_APPLICATION = _OWN_PACKAGE + _INSTALLED

@@ -56,7 +56,6 @@ from ._record import (
 from ._routes import Routes
 from ._settings import TimeoutActions, TimeoutSettings
 from ._stacks import (
-    FLUSH_TIME,
     Active,
     TimedOut,
     ask_signal,
@@ -538,11 +537,12 @@ class RequestTimer:
 
     def timed_out(
         self, handle: int, active: Active, record: RequestRecord, stack: str, frames: dict[int, FrameType]
-    ) -> None:
+    ) -> bool:
         """The request of ``handle`` is past its timeout and its driver has
         asked: the worker's hook and the reporters (an error tracker's),
-        then the interrupt, then the reporters' flush.  In the reporter
-        thread; ``frames`` are every thread's, as its stack was taken."""
+        then the interrupt.  In the reporter thread; ``frames`` are every
+        thread's, as its stack was taken.  Whether a reporter was told, and
+        so has something to flush (``_stacks.flush_reporters``)."""
         if self.on_timeout is not None:
             try:
                 self.on_timeout(record, stack)
@@ -550,22 +550,19 @@ class RequestTimer:
                 server_logger().exception("shmwheel: on_timeout(%s) failed", record.describe())
         told = reporters()
         if told:
-            own = own_frames(active, frames)
-            timed_out = TimedOut(record, stack, own, view_of(own), active.thread, active.task)
+            try:
+                own = own_frames(active, frames)
+                timed_out = TimedOut(record, stack, own, view_of(own), active.thread, active.task)
+            except Exception:  # noqa: BLE001 - a frame it could not read: the report goes without
+                server_logger().exception("shmwheel: the frames of %s could not be read", record.describe())
+                timed_out = TimedOut(record, stack, (), None, active.thread, active.task)
             for reporter in told:
                 try:
                     reporter.report(timed_out)
                 except Exception:  # noqa: BLE001 - logged, and the interrupt goes ahead
                     server_logger().exception("shmwheel: %r could not report %s", reporter, record.describe())
-        try:
-            self._interrupt(handle, active, record)
-        finally:
-            until = time.monotonic() + FLUSH_TIME
-            for reporter in told:
-                try:
-                    reporter.flush(max(0.0, until - time.monotonic()))
-                except Exception:  # noqa: BLE001
-                    server_logger().exception("shmwheel: %r could not send its report", reporter)
+        self._interrupt(handle, active, record)
+        return bool(told)
 
     def _interrupt(self, handle: int, active: Active, record: RequestRecord) -> None:
         if not active.interrupt or handle in self._interrupted:
@@ -848,6 +845,17 @@ def say_unheard() -> None:
                 timer.name,
                 ", ".join(map(repr, reporters())),
             )
+
+
+def timed_out_here() -> bool:
+    """Whether the request in progress here (this thread's, task's or
+    greenlet's) is past its timeout: whatever ends it now, the interrupt or
+    the kill stage's signal, is the timeout's doing."""
+    current = _here()
+    if current is None:
+        return False
+    active = current[0]._active.get(current[1])
+    return active is not None and active.timeout_ns <= time.monotonic_ns()
 
 
 def times_requests() -> bool:

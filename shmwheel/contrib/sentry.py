@@ -10,23 +10,23 @@ had when its time ran out, grouped by its view.
 
 in each worker, as you initialise Sentry anyway.  At each request's
 timeout the worker's reporter thread sends an event whose exception is a
-``RequestTimeout`` (unhandled, mechanism ``shmwheel``) with the request's
-own frames: where it was when its time ran out, not where an interrupt
-later unwinds it.  Its fingerprint is the method and the view (the
-function of the application's own code that the framework called; the
-path where none is found), so each slow view is one issue, whatever the
-ids in its paths; its transaction is the view.  The event is queued
-before the interrupt and flushed after it, before the driver is told
-(for at most a quarter of a second: a slow endpoint must not make the
-worker look wedged to the driver): with no interrupt the driver's kill
-comes only after that, so the event is out before the worker is, unless
-Sentry takes longer than that to take it.
+``RequestTimeout`` (mechanism ``shmwheel``, handled: no crash) with the
+request's own frames: where it was when its time ran out, not where an
+interrupt later unwinds it.  Its fingerprint is the method and the view
+(the innermost frame of the application's own code, by Sentry's in-app
+rules, that a library such as the framework called; the path with its
+ids masked where none is found), so each slow view is one issue; its
+transaction is the view.  The event is queued before the interrupt and
+flushed, once a pass of the reporter thread and for at most
+``_stacks.FLUSH_TIME``, before the driver is told of the requests not
+interrupted: the driver's kill comes only after that, so the event is out
+before the worker is, unless Sentry takes longer to accept it.
 
-Sentry's WSGI integration (Django's and Flask's use it) would also send
-what ends a timed-out request, as an unhandled error of the view mixed
-with its real errors: the ``RequestTimeout`` of an interrupt, or the
-``SystemExit`` of a worker the kill stage ends.  This integration drops
-those, since its own event has said it.
+Sentry's WSGI integration (its Django and Flask integrations use it), and
+its logging integration, would also send what ends a timed-out request,
+as an error of the view mixed with its real errors: the ``RequestTimeout``
+of an interrupt, or the ``SystemExit`` of a worker the kill stage ends.
+This integration drops those, since its own event has said it.
 
 ``level`` is the events' level: ``"warning"``, as the server's log has
 it, since a timeout is not a crash of the view; ``"error"`` if your
@@ -35,8 +35,8 @@ alerts count only errors.
 
 from __future__ import annotations
 
+import contextlib
 import linecache
-import threading
 from typing import Any, Literal, get_args
 
 try:
@@ -44,13 +44,13 @@ try:
     from sentry_sdk.integrations import Integration
     from sentry_sdk.scope import add_global_event_processor
     from sentry_sdk.types import Event, Hint
-    from sentry_sdk.utils import filename_for_module
+    from sentry_sdk.utils import filename_for_module, set_in_app_in_frames
 except ImportError as exc:  # pragma: no cover - said in one line, with the fix
     raise ImportError(f"shmwheel.contrib.sentry needs sentry-sdk (pip install shmwheel[sentry]): {exc}") from None
 
 from ._interrupt import RequestTimeout
 from ._stacks import Frame, TimedOut, add_reporter
-from ._worker import say_unheard
+from ._worker import say_unheard, timed_out_here
 
 __all__ = ["ShmwheelIntegration"]
 
@@ -58,7 +58,6 @@ __all__ = ["ShmwheelIntegration"]
 CONTEXT_LINES = 5
 Level = Literal["debug", "info", "warning", "error", "fatal"]
 LEVELS: tuple[Level, ...] = get_args(Level)
-MAX_THREADS = 1024
 
 
 class ShmwheelIntegration(Integration):
@@ -87,18 +86,17 @@ class _Reporter:
 
     def __init__(self) -> None:
         self._queued = False
-        #: The threads whose requests have timed out (a worker's are few, and it is killed or serves on).
-        self.threads: set[int] = set()
 
     def report(self, timed_out: TimedOut) -> None:
         integration = _integration()
         if integration is None:  # Sentry is off in this process, or initialised without us
             return
-        sentry_sdk.capture_event(event(timed_out, integration.level))
+        with sentry_sdk.isolation_scope() as scope:
+            # The reporter thread's own scope gathers breadcrumbs (its log
+            # lines: other requests' stacks, paths and ids): none of those.
+            scope.clear_breadcrumbs()
+            sentry_sdk.capture_event(event(timed_out, integration.level))
         self._queued = True
-        if len(self.threads) >= MAX_THREADS:
-            self.threads.clear()
-        self.threads.add(timed_out.request.thread)
 
     def flush(self, timeout: float) -> None:
         if self._queued:
@@ -114,7 +112,14 @@ _REPORTER = _Reporter()
 
 def event(timed_out: TimedOut, level: Level = "warning") -> Event:
     """The Sentry event of a timed-out request."""
-    request, route = timed_out.request, timed_out.route
+    request = timed_out.request
+    frames = [_frame(f) for f in timed_out.frames]
+    options = sentry_sdk.get_client().options or {}
+    set_in_app_in_frames(
+        frames, options.get("in_app_exclude"), options.get("in_app_include"), options.get("project_root")
+    )
+    view = _view(frames) or timed_out.view
+    route = view or timed_out.route
     return {
         "level": level,
         "logger": "shmwheel",
@@ -126,8 +131,10 @@ def event(timed_out: TimedOut, level: Level = "warning") -> Event:
                     "type": RequestTimeout.__name__,
                     "module": "shmwheel.contrib",
                     "value": f"{request.method} {route} ran past its timeout",
-                    "mechanism": {"type": "shmwheel", "handled": False},
-                    **({"stacktrace": {"frames": [_frame(f) for f in timed_out.frames]}} if timed_out.frames else {}),
+                    # handled: the request was ended on purpose; not a crash
+                    # of the view (nor of the session, in release health).
+                    "mechanism": {"type": "shmwheel", "handled": True},
+                    **({"stacktrace": {"frames": frames}} if frames else {}),
                 }
             ]
         },
@@ -137,11 +144,29 @@ def event(timed_out: TimedOut, level: Level = "warning") -> Event:
             "request timeout": {
                 **request.as_dict(),
                 "running_for": round(request.running_for(), 3),
-                "view": timed_out.view,
+                "view": view,
             }
         },
         "extra": {"stack": timed_out.stack},
     }
+
+
+def _view(frames: list[dict[str, Any]]) -> str | None:
+    """The view, by Sentry's own idea of the application's code (its
+    ``in_app_include``, ``in_app_exclude`` and ``project_root``, so an
+    application installed as a package counts once it is included): the
+    innermost in-app frame that a frame not in-app called, the frames
+    Sentry cannot tell (the standard library's) passing the call through."""
+    view = None
+    called_by_library = False
+    for frame in frames:
+        in_app = frame.get("in_app")
+        if in_app is None:
+            continue
+        if in_app and called_by_library:
+            view = f"{frame['module']}.{frame['function']}" if frame.get("module") else frame["function"]
+        called_by_library = not in_app
+    return view
 
 
 def _frame(frame: Frame) -> dict[str, Any]:
@@ -169,15 +194,23 @@ def _not_twice(event: Event, hint: Hint | None) -> Event | None:
     caught on its way out of the request: dropped, since this
     integration's own event, sent before, has said it.  That is the
     interrupt's RequestTimeout, or the SystemExit of a worker that the kill
-    stage's signal ends (Gunicorn's on SIGABRT), raised in the thread of a
-    request that timed out: Sentry's WSGI integration sends it as an
-    unhandled error, its logging integration as the server's "Error
-    handling request"."""
+    stage's signal ends (Gunicorn's on SIGABRT) while its timed-out request
+    is in progress here: Sentry's WSGI integration (its Django and Flask
+    integrations') sends it as an unhandled error there, and its logging
+    integration again, once the request has gone, as the server's "Error
+    handling request": the exception is marked the first time, so the
+    second is known too.  Any other SystemExit goes through."""
     exc_info = (hint or {}).get("exc_info")
     if not exc_info or _integration() is None:
         return event
-    if isinstance(exc_info[1], RequestTimeout):
+    exc = exc_info[1]
+    if isinstance(exc, RequestTimeout) or getattr(exc, _TIMED_OUT, False):
         return None
-    if isinstance(exc_info[1], SystemExit) and threading.get_ident() in _REPORTER.threads:
+    if isinstance(exc, SystemExit) and timed_out_here():
+        with contextlib.suppress(AttributeError):
+            setattr(exc, _TIMED_OUT, True)
         return None
     return event
+
+
+_TIMED_OUT = "_shmwheel_timed_out"  # set on a SystemExit that ended a timed-out request
