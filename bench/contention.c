@@ -21,6 +21,14 @@
  * costs depends on where the CPUs sit; on a VM, on where the host has put
  * its vCPUs at that moment, so ROUNDS (default 5) rounds are run and each
  * is printed.  Nothing is left behind: the memory is anonymous.
+ *
+ * Each count of processes runs twice a round: sharing one wheel, and as
+ * the machine's own control, each process on a wheel of its own, the same
+ * loop sharing nothing.  What the control loses with more processes is the
+ * machine's (a turbo clock that drops, hyperthreads that share a core,
+ * memory bandwidth), not the wheel's.  After the last round, for each
+ * count: the median of the rounds, shared and alone, and the shared
+ * median over one process's, the figure the wheel is held to.
  */
 #include "shmwheel.h"
 
@@ -32,6 +40,7 @@
 #include <unistd.h>
 
 #define MAX_PROCS  16
+#define MAX_ROUNDS 99
 #define HELD       600            /* timers each process keeps pending */
 #define RING       1024           /* > HELD */
 #define DELAY_S    5.0            /* far beyond the run: nothing fires */
@@ -115,6 +124,51 @@ static void produce(void *base, uint64_t size, double seconds, uint32_t gap, str
     _exit(0);
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof(*v), cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* n processes, the k-th on bases[shared ? 0 : k]: ns an operation, or -1 if one failed. */
+static double run(void **bases, uint64_t size, const struct shmw_params *p, int n, int shared,
+                  double seconds, uint32_t gap, struct report *reports)
+{
+    uint64_t ops = 0, failed = 0;
+    int64_t op_ns = 0;
+    int status, ok = 1;
+
+    for (int k = 0; k < (shared ? 1 : n); k++)
+        if (shmw_init(bases[k], size, p, now_ns()) != SHMW_OK)
+            return -1;
+    for (int k = 0; k < n; k++) {
+        reports[k] = (struct report){ 0, 0, 0 };
+        if (fork() == 0)
+            produce(bases[shared ? 0 : k], size, seconds, gap, &reports[k]);
+    }
+    for (int k = 0; k < n; k++) {
+        wait(&status);
+        ok &= WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    }
+    for (int k = 0; k < n; k++) {
+        ops += reports[k].ops;
+        op_ns += reports[k].op_ns;
+        failed += reports[k].failed;
+    }
+    if (!ok || failed) {
+        fprintf(stderr, "\ncontention: a process failed (%llu failed operations)\n", (unsigned long long)failed);
+        return -1;
+    }
+    return ops ? (double)op_ns / ops : 0.0;
+}
+
 int main(int argc, char **argv)
 {
     int64_t gap_ns = argc > 1 ? atoll(argv[1]) : 1200;
@@ -123,56 +177,54 @@ int main(int argc, char **argv)
     int rounds = argc > 4 ? atoi(argv[4]) : 5;
     struct shmw_params p = { .capacity = MAX_PROCS * RING, .payload_size = 8, .wheel_bits = 8,
                              .tick_ns = 1000000 };
+    static double shared_ns[MAX_PROCS + 1][MAX_ROUNDS], alone_ns[MAX_PROCS + 1][MAX_ROUNDS];
+    void *bases[MAX_PROCS];
     struct report *reports;
     uint64_t size;
     uint32_t gap;
-    void *base;
 
-    if (gap_ns < 0 || seconds <= 0 || max_procs < 1 || max_procs > MAX_PROCS || rounds < 1) {
-        fprintf(stderr, "usage: %s [GAP_NS [SECONDS [MAX_PRODUCERS (1-%d) [ROUNDS]]]]\n", argv[0], MAX_PROCS);
+    if (gap_ns < 0 || seconds <= 0 || max_procs < 1 || max_procs > MAX_PROCS || rounds < 1 || rounds > MAX_ROUNDS) {
+        fprintf(stderr, "usage: %s [GAP_NS [SECONDS [MAX_PRODUCERS (1-%d) [ROUNDS (1-%d)]]]]\n", argv[0],
+                MAX_PROCS, MAX_ROUNDS);
         return 2;
     }
     if (shmw_segment_size(&p, &size) != SHMW_OK)
         return 1;
-    base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    for (int k = 0; k < max_procs; k++) {
+        bases[k] = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        if (bases[k] == MAP_FAILED) {
+            perror("contention");
+            return 1;
+        }
+    }
     reports = mmap(NULL, sizeof(*reports) * MAX_PROCS, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (base == MAP_FAILED || reports == MAP_FAILED || shmw_init(base, size, &p, now_ns()) != SHMW_OK) {
+    if (reports == MAP_FAILED) {
         perror("contention");
         return 1;
     }
     gap = rounds_for(gap_ns);
-    printf("ns per add or cancel, %lld ns of other work between operations, %g s a run\n",
+    printf("ns per add or cancel, %lld ns of other work between operations, %g s a run;\n"
+           "each count of processes sharing one wheel, then alone: each on a wheel of its own\n",
            (long long)gap_ns, seconds);
-    for (int r = 1; r <= rounds; r++) {
-        printf("round %d:", r);
+    for (int r = 0; r < rounds; r++) {
+        printf("round %d:", r + 1);
         for (int n = 1; n <= max_procs; n++) {
-            uint64_t ops = 0, failed = 0;
-            int64_t op_ns = 0;
-            int status, ok = 1;
-
-            for (int k = 0; k < n; k++) {
-                reports[k] = (struct report){ 0, 0, 0 };
-                if (fork() == 0)
-                    produce(base, size, seconds, gap, &reports[k]);
-            }
-            for (int k = 0; k < n; k++) {
-                wait(&status);
-                ok &= WIFEXITED(status) && WEXITSTATUS(status) == 0;
-            }
-            for (int k = 0; k < n; k++) {
-                ops += reports[k].ops;
-                op_ns += reports[k].op_ns;
-                failed += reports[k].failed;
-            }
-            if (!ok || failed) {
-                fprintf(stderr, "\ncontention: a process failed (%llu failed operations)\n",
-                        (unsigned long long)failed);
+            shared_ns[n][r] = run(bases, size, &p, n, 1, seconds, gap, reports);
+            alone_ns[n][r] = run(bases, size, &p, n, 0, seconds, gap, reports);
+            if (shared_ns[n][r] < 0 || alone_ns[n][r] < 0)
                 return 1;
-            }
-            printf("  %d process%s %.0f", n, n > 1 ? "es" : "", ops ? (double)op_ns / ops : 0.0);
+            printf("  %d process%s %.0f (alone %.0f)", n, n > 1 ? "es" : "", shared_ns[n][r], alone_ns[n][r]);
         }
         printf("\n");
         fflush(stdout);
+    }
+    printf("median of %d round%s:\n", rounds, rounds > 1 ? "s" : "");
+    double one = median(shared_ns[1], rounds);
+    for (int n = 1; n <= max_procs; n++) {
+        double shared = median(shared_ns[n], rounds), alone = median(alone_ns[n], rounds);
+
+        printf("  %2d process%s %6.0f ns shared, %6.0f alone: %.2fx one process's, %.2fx alone\n", n,
+               n > 1 ? "es" : "  ", shared, alone, shared / one, shared / alone);
     }
     return 0;
 }

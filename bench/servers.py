@@ -69,9 +69,9 @@ workers take turns at accepting, and both stay busy.
 Summary per variant: medians over the rounds, and each variant's ratios to
 its server's "off" in the same round, requests/s and CPU per request
 (server plus driver), as median (min-max) over the rounds, and requests/s
-again over only the rounds where both workers served in every burst of
-both runs (how many is said): a worker that got every connection halves a
-server's throughput whatever the timer.  Below it, the CPU ratio's mean
+again over only the rounds where no burst of either run was served by
+one worker alone (how many is said): a worker that got every connection
+halves a 2-worker server's throughput whatever the timer.  Below it, the CPU ratio's mean
 and standard error over the rounds, to compare variants by.  The machine
 is shared and noisy: compare only ratios within one run.
 
@@ -95,7 +95,12 @@ extra (``pip install -e '.[test]'``).
 Usage::
 
     python bench/servers.py [--quick] [--rounds N] [--bursts N] [--duration S] [--connections N] [--close]
-                            [--threads N] [--only REGEX] [--build NAME=PATH]... [--json FILE]
+                            [--workers N] [--threads N] [--wrk-threads N] [--only REGEX]
+                            [--build NAME=PATH]... [--json FILE]
+
+On a machine of many cores, give the servers as many workers as it has
+cores to fill (``--workers 12 --threads 4``) and wrk threads enough to
+keep them busy (``--wrk-threads 4 --connections 48``).
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ TIMEOUT = 30.0  # s: every timer's; no hello request comes near it
 GUNICORN_TIMEOUT = 60  # s: Gunicorn's own, always on, above the request timeout
 WORKERS = 2
 THREADS = 4
+WRK_THREADS = 1  # on a machine of many cores, one wrk thread cannot keep many workers busy
 
 ROUNDS, QUICK_ROUNDS = 5, 1
 DURATION, QUICK_DURATION = 1, 1  # s of wrk a burst (wrk takes whole seconds)
@@ -555,7 +561,7 @@ class Run:
 def wrk(port: int, duration: int, connections: int, script: Path) -> dict[str, Any]:
     cmd = [
         "wrk",
-        "-t1",
+        f"-t{WRK_THREADS}",
         f"-c{connections}",
         f"-d{duration}s",
         "--timeout",
@@ -734,7 +740,7 @@ def total_cpu_us(run: Run) -> float:
 def ratios(runs: list[Run], variant: Variant) -> tuple[list[float], list[float], list[float]]:
     """Per round: requests/s and CPU per request, this variant over its
     server's "off"; and requests/s in the rounds where neither run had one
-    worker serve every request (both workers busy)."""
+    worker serve every request (the load spread over the workers)."""
     off = {r.round: r for r in runs if r.variant == f"{variant.server}/off" and r.ok}
     rps, cpu, busy = [], [], []
     for r in runs:
@@ -758,7 +764,7 @@ def split_text(runs: list[Run]) -> str:
 def summary_table(runs: list[Run], variants: list[Variant]) -> str:
     lines = [
         "| server | timeout | requests/s | latency p50 / p99 ms | server CPU µs/request | context switches/request "
-        "| driver CPU µs/request | driver, % of a core | requests/s ÷ off | requests/s ÷ off, both workers busy "
+        "| driver CPU µs/request | driver, % of a core | requests/s ÷ off | requests/s ÷ off, load spread "
         "| CPU/request ÷ off | busiest worker's share | errors |",
         "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -858,6 +864,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=THREADS, help=f"threads a worker, gthread and uWSGI (default {THREADS})"
     )
     parser.add_argument(
+        "--workers", type=int, default=WORKERS, help=f"worker processes of each server (default {WORKERS})"
+    )
+    parser.add_argument(
+        "--wrk-threads",
+        type=int,
+        default=WRK_THREADS,
+        metavar="N",
+        help=f"wrk's threads (default {WRK_THREADS}; at most --connections)",
+    )
+    parser.add_argument(
         "--build",
         action="append",
         default=[],
@@ -875,6 +891,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         BUILDS[name] = os.path.abspath(path)
     if args.threads < 1:
         parser.error("--threads must be at least 1")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    if not 1 <= args.wrk_threads <= args.connections:
+        parser.error("--wrk-threads must be at least 1 and at most --connections (wrk's rule)")
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.duration is not None and not 0 < args.duration <= 600:
@@ -885,9 +905,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    global THREADS
+    global THREADS, WORKERS, WRK_THREADS
     args = parse_args(argv)
-    THREADS = args.threads
+    THREADS, WORKERS, WRK_THREADS = args.threads, args.workers, args.wrk_threads
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     args.duration = duration = args.duration or (QUICK_DURATION if args.quick else DURATION)
     args.bursts = args.bursts or (QUICK_BURSTS if args.quick else BURSTS)
@@ -997,6 +1017,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "gunicorn_timeout_s": GUNICORN_TIMEOUT,
                 "workers": WORKERS,
                 "threads": THREADS,
+                "wrk_threads": WRK_THREADS,
             },
             "runs": [{**asdict(r), "busiest_share": r.busiest_share, "ok": r.ok} for r in runs],
             "problems": problems,
