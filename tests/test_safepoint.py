@@ -438,6 +438,55 @@ def test_unsafe_lines_are_cleanup_and_try_lines() -> None:
     )
 
 
+def nested(a: Callable[[], object], manager: Callable[[], Any]) -> None:
+    try:  # unsafe
+        with manager():  # unsafe: __enter__ and __exit__
+            try:  # unsafe
+                a()  # safe: the body's last line, after which the outer try's range starts again
+            except ValueError:  # unsafe: the match
+                raise  # unsafe: cleanup
+    finally:
+        a()  # unsafe: cleanup
+
+
+def test_a_call_in_a_try_in_a_with_in_a_try_is_a_safe_point() -> None:
+    """try: / with: / try: work() - the way FastAPI's telemetry and many a
+    Django transaction wrap a request.  The table starts the outer try's
+    range again right after a NOP of work()'s line, which is no try: line:
+    work() was never interrupted, nor anything it called."""
+    assert unsafe_lines(nested.__code__) == lines_of(
+        nested, "unsafe", "unsafe: __enter__ and __exit__", "unsafe: the match", "unsafe: cleanup"
+    )
+    exits: list[object] = []
+    finals: list[object] = []
+
+    class Manager:
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc: object) -> None:
+            exits.append(exc[0])
+
+    def spin_forever() -> None:
+        while True:
+            sum(range(50))
+
+    def body(ready: threading.Event) -> None:
+        ready.set()
+        try:
+            with Manager():
+                try:
+                    spin_forever()
+                except ValueError:
+                    raise
+        finally:
+            finals.append(True)
+
+    results = interrupted_many_times(body, rounds=20)
+    assert all(isinstance(result, RequestTimeout) for result in results)
+    assert exits == [RequestTimeout] * 20 and finals == [True] * 20  # the with exited, the finally ran: every time
+
+
 def test_a_frame_below_cleanup_code_is_unsafe_too() -> None:
     verdicts: dict[str, str | None] = {}
 

@@ -171,12 +171,28 @@ def _read_lines(code: CodeType) -> tuple[frozenset[int], frozenset[int], frozens
         line = ins.positions.lineno if ins.positions is not None else None
         if line is not None and ins.offset in handlers and ins.opcode not in _PLAIN:
             unsafe.add(line)
-    for entry in entries:  # a try: line is the NOP just before the range it protects
+    # A try: line is the NOP just before the range it protects.  Not every
+    # NOP before a range is one: where a try's or a with's body ends inside
+    # an outer try, the table starts the outer range again after the body,
+    # right after a NOP of the body's last line (try: / with: / try: work():
+    # the line of work() is no try: line, and the call on it, which the
+    # inner try covers, is as safe as any).  A try: statement begins its
+    # line, so a NOP on a line that has code before it is no try: line.
+    first = {}
+    for ins in reversed(instructions):
+        line = _line_of(ins)
+        if line is not None and ins.opcode != _OP["NOP"]:
+            first[line] = ins.offset
+    for entry in entries:
         i = index.get(entry.start)
         if i:
             before = instructions[i - 1]
-            if before.opcode == _OP["NOP"] and before.positions is not None and before.positions.lineno is not None:
-                unsafe.add(before.positions.lineno)
+            line = _line_of(before)
+            if before.opcode != _OP["NOP"] or line is None:
+                continue
+            if first.get(line, before.offset) < before.offset:
+                continue  # its line began before it: the end of a body, not a try:
+            unsafe.add(line)
     # The statement before a protected range's own unsafe line (the try:,
     # the with), every line of it: where a resource is acquired that the
     # range releases.
