@@ -16,8 +16,8 @@ interrupt later unwinds it.  Its fingerprint is the method and the view
 (the innermost frame of the application's own code, by Sentry's in-app
 rules, that a library such as the framework called; the path with its
 ids masked where none is found), so each slow view is one issue; its
-transaction is the view.  The event is queued before the interrupt and
-flushed, once a pass of the reporter thread and for at most
+transaction is the view.  The event is made before the interrupt, and
+captured and flushed after it, once a pass of the reporter thread, for at most
 ``_stacks.FLUSH_TIME``, before the driver is told of the requests not
 interrupted: the driver's kill comes only after that, so the event is out
 before the worker is, unless Sentry takes longer to accept it.
@@ -82,26 +82,31 @@ def _integration() -> ShmwheelIntegration | None:
 
 
 class _Reporter:
-    """The worker's reporter: events queued at the timeout, flushed after the interrupt."""
+    """The worker's reporter.  At the timeout, before the interrupt, only
+    the event is made, from the frames as they were (the request's thread
+    waits for the interrupt meanwhile); after the interrupt it is captured
+    (Sentry's event processors, before_send, the envelope) and flushed."""
 
     def __init__(self) -> None:
-        self._queued = False
+        self._events: list[Event] = []
 
     def report(self, timed_out: TimedOut) -> None:
         integration = _integration()
         if integration is None:  # Sentry is off in this process, or initialised without us
             return
-        with sentry_sdk.isolation_scope() as scope:
-            # The reporter thread's own scope gathers breadcrumbs (its log
-            # lines: other requests' stacks, paths and ids): none of those.
-            scope.clear_breadcrumbs()
-            sentry_sdk.capture_event(event(timed_out, integration.level))
-        self._queued = True
+        self._events.append(event(timed_out, integration.level))
 
     def flush(self, timeout: float) -> None:
-        if self._queued:
-            self._queued = False
-            sentry_sdk.flush(timeout)
+        events, self._events = self._events, []
+        if not events:
+            return
+        for one in events:
+            with sentry_sdk.isolation_scope() as scope:
+                # The reporter thread's own scope gathers breadcrumbs (its
+                # log lines: other requests' stacks, paths and ids): none.
+                scope.clear_breadcrumbs()
+                sentry_sdk.capture_event(one)
+        sentry_sdk.flush(timeout)
 
     def __repr__(self) -> str:
         return "shmwheel.contrib.sentry"
