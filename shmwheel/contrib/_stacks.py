@@ -743,11 +743,11 @@ class TimeoutReporter(Protocol):
 
 #: How long the reporters may take to send what they report, all together
 #: and once a pass of the reporter thread (from when it woke), before the
-#: driver is answered for the requests not interrupted.  Well within the half second the driver
-#: waits for the answer before it takes the worker for one in which no
-#: Python runs (the driver's DUMP_TIME), and dumps and may kill it: a slow
-#: error tracker must not make a worker look wedged.  What is not sent by
-#: then still is, unless the kill comes first.
+#: driver is answered for the requests not interrupted.  Well within the
+#: half second the driver waits for the answer before it takes the worker
+#: for one in which no Python runs (the driver's DUMP_TIME), and dumps and
+#: may kill it: a slow error tracker must not make a worker look wedged.
+#: What is not sent by then still is, unless the kill comes first.
 FLUSH_TIME = 0.25
 
 
@@ -829,16 +829,20 @@ def _chain(top: FrameType | None) -> _Frames:
     return chain
 
 
-def view_of(frames: Iterable[Frame]) -> str | None:
+def view_of(frames: Iterable[Frame], verdicts: Iterable[bool | None] | None = None) -> str | None:
     """The view a request runs, in its frames, outermost first: the
-    innermost frame of the application's own code (not the standard
-    library's, no installed package's, not shmwheel's) that a library
-    called (the framework: Django's handler, or a middleware of an
-    installed package between); None if its frames hold no such call."""
+    innermost frame of the application's own code that a library called
+    (the framework: Django's handler, or a middleware of an installed
+    package between), frames that are neither (the standard library's)
+    passing the call through; None if its frames hold no such call.
+    Whether a frame is the application's is ``verdicts``, one a frame (an
+    error tracker's own rules), or else :func:`_application_code`: not the
+    standard library's, no installed package's, not shmwheel's."""
+    frames = list(frames)
+    mine_each = verdicts if verdicts is not None else (_application_code(f.filename) for f in frames)
     view = None
-    called_by_library = False  # the standard library's frames between pass the call through
-    for frame in frames:
-        mine = _application_code(frame.filename)
+    called_by_library = False
+    for frame, mine in zip(frames, mine_each, strict=True):
         if mine is None:
             continue
         if mine and called_by_library:

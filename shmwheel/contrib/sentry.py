@@ -49,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - said in one line, with the fix
     raise ImportError(f"shmwheel.contrib.sentry needs sentry-sdk (pip install shmwheel[sentry]): {exc}") from None
 
 from ._interrupt import RequestTimeout
-from ._stacks import Frame, TimedOut, add_reporter
+from ._stacks import Frame, TimedOut, add_reporter, view_of
 from ._worker import say_unheard, timed_out_here
 
 __all__ = ["ShmwheelIntegration"]
@@ -123,7 +123,10 @@ def event(timed_out: TimedOut, level: Level = "warning") -> Event:
     set_in_app_in_frames(
         frames, options.get("in_app_exclude"), options.get("in_app_include"), options.get("project_root")
     )
-    view = _view(frames) or timed_out.view
+    # The view by Sentry's own idea of the application's code (in_app_include,
+    # in_app_exclude, project_root: an application installed as a package
+    # counts once it is included); else by shmwheel's.
+    view = view_of(timed_out.frames, [f.get("in_app") for f in frames]) or timed_out.view
     route = view or timed_out.route
     return {
         "level": level,
@@ -154,24 +157,6 @@ def event(timed_out: TimedOut, level: Level = "warning") -> Event:
         },
         "extra": {"stack": timed_out.stack},
     }
-
-
-def _view(frames: list[dict[str, Any]]) -> str | None:
-    """The view, by Sentry's own idea of the application's code (its
-    ``in_app_include``, ``in_app_exclude`` and ``project_root``, so an
-    application installed as a package counts once it is included): the
-    innermost in-app frame that a frame not in-app called, the frames
-    Sentry cannot tell (the standard library's) passing the call through."""
-    view = None
-    called_by_library = False
-    for frame in frames:
-        in_app = frame.get("in_app")
-        if in_app is None:
-            continue
-        if in_app and called_by_library:
-            view = f"{frame['module']}.{frame['function']}" if frame.get("module") else frame["function"]
-        called_by_library = not in_app
-    return view
 
 
 def _frame(frame: Frame) -> dict[str, Any]:
