@@ -424,3 +424,17 @@ def test_an_exit_of_the_application_s_own_after_a_timeout_is_still_sent(driven, 
         wsgi_get(middleware, "/exit")
     sentry_sdk.flush()
     assert [e["exception"]["values"][-1]["type"] for e in events] == ["RequestTimeout", "SystemExit"]
+
+
+def test_a_timer_s_first_use_speaks_for_itself_only(make_wheel, caplog, sentry) -> None:
+    """Another timer's first use in the process says nothing of a quiet
+    timer not used yet: a test's child process inherited one and logged it
+    as its own (test_privileges)."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    said = "its timeouts reach no error tracker (shmwheel.contrib.sentry): with no stacks and no stage"
+    sentry(ShmwheelIntegration())
+    quiet = RequestTimer.of(wheel.name, TimeoutSettings(0.3, actions=TimeoutActions(tracebacks=False)))
+    RequestTimer.of(wheel.name, TimeoutSettings(0.3)).prepare()
+    assert not any(said in r.getMessage() for r in caplog.records)
+    quiet.prepare()
+    assert sum(said in r.getMessage() for r in caplog.records) == 1

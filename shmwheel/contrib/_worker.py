@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -313,7 +313,7 @@ class RequestTimer:
     def _listen(self) -> None:
         """Set up the stack signals in this process (under self._lock)."""
         self._stack_signal = self._dump_signal = 0
-        say_unheard()
+        say_unheard([self])
         if self.traceback_signal is None:
             return
         try:
@@ -829,14 +829,15 @@ def in_progress_here() -> bool:
     return _here() is not None
 
 
-def say_unheard() -> None:
+def say_unheard(timers: Iterable[RequestTimer] | None = None) -> None:
     """Say, once a process and timer, that an error tracker's reporter is
     told of none of the timer's timeouts: with no stacks and no stage its
-    driver never asks the worker, and the worker never knows.  Called as a
-    timer is first used in a process and as a reporter is added."""
+    driver never asks the worker, and the worker never knows.  Called for
+    a timer as it is first used in a process, and for every timer
+    (``timers`` None) as a reporter is added."""
     if not reporters():
         return
-    for timer in list(_request_timers):
+    for timer in list(_request_timers) if timers is None else timers:
         if timer.settings.signal is None and timer._said_unheard != _process.pid:
             timer._said_unheard = _process.pid
             server_logger().warning(
