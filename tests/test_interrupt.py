@@ -680,7 +680,7 @@ def test_uvicorn_sync_endpoint_in_the_thread_pool_is_ended_and_its_thread_stops(
     status, body = get(uvicorn.port, f"/thread-spin?s={STUCK_FOR}", WAIT, "asgi-thread")
     assert (status, body) == GATEWAY_TIMEOUT
     pid = driver_pid(uvicorn, "/thread-spin", "asgi-thread")
-    uvicorn.wait_for(interrupting("/thread-spin", "asgi-thread", pid, r"task Task-\d+ cancelled, and the thread .*"))
+    uvicorn.wait_for(interrupting("/thread-spin", "asgi-thread", pid, r"task Task-\d+ cancelled .*, and the thread .*"))
     uvicorn.wait_for(r"GET /thread-spin \(request asgi-thread, .*\) ended [\d.]+ s after it was interrupted$")
     turns = get(uvicorn.port, "/spun")
     time.sleep(0.3)

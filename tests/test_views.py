@@ -3,15 +3,17 @@ on sync and async function views and on class-based views of Django,
 Flask and Starlette, through Django's method_decorator, and as a FastAPI
 dependency; counted from the request's start; said once where nothing
 times the server's requests.  Then real apps of each framework under a
-real server: Django under Gunicorn gthread, Flask under uWSGI, FastAPI
-under Uvicorn, each interrupting its timed-out requests, which the
+real server: Django under Gunicorn gthread and under Uvicorn, Flask
+under uWSGI, FastAPI under Uvicorn, each interrupting its timed-out requests, which the
 server's log reports as timeouts answered 504 and the framework not at
 all."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import os
 import re
 import signal
 import threading
@@ -24,6 +26,7 @@ import pytest
 from _servers import (
     APPS,
     BIN,
+    WAIT,
     assert_nothing_left,
     assert_nothing_left_of_asgi,
     auto_driver_of,
@@ -268,5 +271,42 @@ def test_fastapi_endpoints_under_uvicorn_keep_their_own_timeouts(tmp_path: Path)
     with serve_asgi([*cmd, "--port", str(port)], port, tmp_path) as server:
         driver = auto_driver_of(server)
         _own_timeouts_hold(server)
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left_of_asgi(server, driver)
+
+
+def test_django_under_uvicorn_answers_at_the_timeout_and_ends_its_views_the_django_way(tmp_path: Path) -> None:
+    """Django under an ASGI server runs each view in a task of its own and
+    waits, before its handler returns, for the thread of a sync view.  The
+    504 goes out at the timeout all the same, whatever the view is doing:
+    a sync view blocked in C (its thread runs on until the call returns,
+    then ends at its next safe point), an async view that awaits (told the
+    client is gone, Django cancels it), an async view that blocks the loop
+    (raised in, in Django's task).  Nothing is logged as an error: no
+    orphaned task's "Task exception was never retrieved"."""
+    port = free_port()
+    cmd = [str(BIN / "uvicorn"), "views_django_asgi:application", "--app-dir", str(APPS), "--host", "127.0.0.1"]
+    fifo, flag = tmp_path / "fifo", tmp_path / "flag"
+    os.mkfifo(fifo)
+    with serve_asgi([*cmd, "--port", str(port)], port, tmp_path) as server:
+        driver = auto_driver_of(server)
+        _own_timeouts_hold(server)
+        try:
+            # Each answer comes while its view is still where the test holds it.
+            assert get(port, f"/fifo?at={fifo}", WAIT)[0] == 504
+            assert get(port, f"/spin?at={flag}", WAIT)[0] == 504
+        finally:
+            flag.touch()
+            with contextlib.suppress(OSError):  # ENXIO: no view is reading it
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # the view's thread returns from open(2)
+                os.close(writer)
+        assert get(port, "/await", WAIT)[0] == 504
+        server.wait_for(r"views_django: /await was cancelled")
+        for path in ("/fifo", "/spin", "/await"):
+            server.wait_for(rf"GET {path} \(request .*\) ended [\d.]+ s after it was interrupted")
+        log = server.log()
+        for path in ("/fifo", "/spin", "/await"):
+            assert len(re.findall(ANSWERED_504.replace("/short", path), log)) == 1, log
+        assert not NO_ERROR.search(log) and "never retrieved" not in log, log
         assert server.stop(signal.SIGINT) == 0
         assert_nothing_left_of_asgi(server, driver)

@@ -218,15 +218,24 @@ def _not_armed(still: Callable[[], bool]) -> str:
     return f"not interrupted: {can_arm() or 'its thread has ended'}"
 
 
-def interrupt(thread: int, task: Any, still: Callable[[], bool], mine: Callable[[], bool] | None = None) -> str:
+def interrupt(
+    thread: int,
+    task: Any,
+    still: Callable[[], bool],
+    mine: Callable[[], bool] | None = None,
+    end: Callable[[], bool] | None = None,
+) -> str:
     """End the request that runs in ``thread`` (in ``task``: an asyncio or
     trio task, a greenlet, or None); ``still()`` says whether it is still
     in progress.  For a task, ``mine()`` says, in any thread, whether the
     code running there is the request's (a synchronous endpoint that a
-    thread pool runs in a copy of the task's context).  Returns how, or why
-    it could not, for the log."""
+    thread pool runs in a copy of the task's context, a task the request
+    started).  For an asyncio task, ``end()`` is the ASGI middleware's, run
+    in the loop's thread before the cancel: it answers and tells the
+    application the client is gone, and says whether the task is still to
+    be cancelled.  Returns how, or why it could not, for the log."""
     if isinstance(task, asyncio.Future):
-        return _cancel(task, thread, still, mine)  # type: ignore[arg-type]
+        return _cancel(task, thread, still, mine, end)  # type: ignore[arg-type]
     if task is not None and is_trio_task(task):
         return _cancel_trio(task, thread, still, mine)
     if task is not None:
@@ -236,27 +245,54 @@ def interrupt(thread: int, task: Any, still: Callable[[], bool], mine: Callable[
     return _not_armed(still)
 
 
-def _cancel(task: asyncio.Task[Any], thread: int, still: Callable[[], bool], mine: Callable[[], bool] | None) -> str:
+def _cancel(
+    task: asyncio.Task[Any],
+    thread: int,
+    still: Callable[[], bool],
+    mine: Callable[[], bool] | None,
+    end: Callable[[], bool] | None,
+) -> str:
     if task.done():
         return "not interrupted: its task has ended"
     loop = task.get_loop()
-    if asyncio.current_task(loop) is task:
+    ended = [False]
+
+    def in_loop() -> None:  # in the loop's thread, once
+        if not ended[0]:
+            ended[0] = True
+            _cancel_in_loop(task, still, end)
+
+    def elsewhere() -> None:  # in the loop's thread: the request's code is not running there now
+        loop.call_soon(in_loop)
+
+    running_task = asyncio.current_task(loop)
+    if running_task is task:
         # It is in a step now and blocks its loop, which would never run a
         # cancel: the loop's thread is armed, for as long as the step lasts.
         def running() -> bool:
             return asyncio.current_task(loop) is task
 
-        def elsewhere() -> None:  # in the loop's thread: the step has ended
-            loop.call_soon(_cancel_in_loop, task, still)
-
         if _raise_in(thread, still, running, elsewhere):
             return _armed(f"task {shown(task.get_name(), SHOWN_MAX)}, which blocks the event loop,") + _wake_up(thread)
         return _not_armed(still)
+    # Another task may be running the request's code and blocking the loop:
+    # one the request started (Django runs each view in a task of its own).
+    # The loop's thread, armed, raises in it; at its first line outside the
+    # request's code (between two steps, in another request's) it leaves
+    # the cancel to the loop.
+    blocking = running_task is not None and mine is not None and _raise_in(thread, still, mine, elsewhere)
     try:
-        loop.call_soon_threadsafe(_cancel_in_loop, task, still)
+        loop.call_soon_threadsafe(in_loop)
     except RuntimeError:  # the loop is closed
         return "not interrupted: its event loop is closed"
     how = f"task {shown(task.get_name(), SHOWN_MAX)} cancelled"
+    if end is not None:
+        how += " (or told its client is gone, if another of its tasks listens for that)"
+    if blocking:
+        how += (
+            f", and the event loop's thread, in task {shown(running_task.get_name(), SHOWN_MAX)} now,"  # type: ignore[union-attr]
+            " armed to raise at its next safe point if that runs the request's code"
+        )
     if mine is not None and _arm_pool(thread, mine):
         how += ", and the thread that runs its synchronous code, if one does, armed to raise at its next safe point"
     return how
@@ -348,8 +384,8 @@ def _always() -> bool:
     return True
 
 
-def _cancel_in_loop(task: asyncio.Task[Any], still: Callable[[], bool]) -> None:
-    if still() and not task.done():
+def _cancel_in_loop(task: asyncio.Task[Any], still: Callable[[], bool], end: Callable[[], bool] | None = None) -> None:
+    if still() and not task.done() and (end is None or end()):
         task.cancel("shmwheel: the request ran past its timeout")
 
 

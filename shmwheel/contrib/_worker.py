@@ -200,6 +200,12 @@ class RequestTimer:
         self._ended_late: dict[bytes, float] = {}
         self._driver_seen: tuple[int, int] | None = None  # the wheel's driver (pid, start) as last seen
         self._ended_lock = threading.Lock()
+        # Held while an interrupt is made and logged, and while a 504 is
+        # logged: "interrupting" comes first in the log, even when the
+        # request is answered (in its thread, or its loop's) before the
+        # reporter has finished saying how.  A real lock: the reporter is a
+        # real thread, under gevent too.
+        self._saying = real("_thread", "RLock")()
         # The server's wsgi.file_wrapper last seen, and what stands for it (see _timing_file_wrapper).
         self._file_wrapper: tuple[object, Any] = (None, None)
         #: Handles of the requests whose code is the application's right now,
@@ -210,6 +216,10 @@ class RequestTimer:
         #: interrupted when it next enters the application, if it does.
         self.in_app: set[int] = set()
         self.gated = False
+        #: What ends an asyncio request at its interrupt, by handle, set by the
+        #: ASGI middleware: run in the loop's thread before the task is
+        #: cancelled, it says whether the task still is (_interrupt.interrupt).
+        self.enders: dict[int, Callable[[], bool]] = {}
         self._lock = threading.Lock()
         self._pid = 0
         self._wheel: Wheel | None = None
@@ -263,7 +273,9 @@ class RequestTimer:
                 self._ended_late = {}
                 self._driver_seen = None
                 self._ended_lock = threading.Lock()
+                self._saying = real("_thread", "RLock")()
                 self.in_app = set()
+                self.enders = {}
                 self._getcurrent = getattr(sys.modules.get("greenlet"), "getcurrent", None)
                 self._get_ident = real("_thread", "get_ident")
                 self._start_time = start_time(pid) or 0
@@ -529,11 +541,12 @@ class RequestTimer:
         would have logged an error (none does: it is a BaseException)."""
         active = None if handle is None else self._active.get(handle)
         record = None if active is None else decode_request(active.payload)
-        if record is None:
-            server_logger().warning("shmwheel: a timed-out request was answered 504 Gateway Timeout")
-            return
-        what, running = record.describe(), record.running_for()
-        server_logger().warning("shmwheel: %s timed out: answered 504 Gateway Timeout, after %.3f s", what, running)
+        with self._saying:
+            if record is None:
+                server_logger().warning("shmwheel: a timed-out request was answered 504 Gateway Timeout")
+                return
+            what, running = record.describe(), record.running_for()
+            server_logger().warning("shmwheel: %s timed out: answered 504 Gateway Timeout, after %.3f s", what, running)
 
     def timed_out(
         self, handle: int, active: Active, record: RequestRecord, stack: str, frames: dict[int, FrameType]
@@ -573,13 +586,15 @@ class RequestTimer:
             current = _current.get()
             return current is not None and current[0] is self and current[1] == handle
 
-        if not self.gated:
-            how = interrupt(active.thread, active.task, lambda: handle in self._active, mine)
-        elif handle in self.in_app:
-            how = interrupt(active.thread, active.task, lambda: handle in self.in_app, mine)
-        else:
-            how = "its response is being written: it is ended if it goes back into the application"
-        server_logger().warning("shmwheel: interrupting %s: %s", record.describe(), how)
+        end = self.enders.get(handle)
+        with self._saying:
+            if not self.gated:
+                how = interrupt(active.thread, active.task, lambda: handle in self._active, mine, end)
+            elif handle in self.in_app:
+                how = interrupt(active.thread, active.task, lambda: handle in self.in_app, mine, end)
+            else:
+                how = "its response is being written: it is ended if it goes back into the application"
+            server_logger().warning("shmwheel: interrupting %s: %s", record.describe(), how)
 
     def answer(self, payload: bytes) -> None:
         """Tell the driver that the stack of the request ``payload`` names has been written."""

@@ -37,7 +37,7 @@ import os
 import signal
 import sys
 import threading
-from asyncio import CancelledError, current_task
+from asyncio import CancelledError, Future, current_task, ensure_future, get_running_loop
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -258,12 +258,41 @@ class TimeoutMiddleware:
         # message of the body, so that until then a 504 can take its place
         # whole: the server has seen nothing of the application's answer.
         held: Message | None = None
+        sending = False  # the server is sending one of the application's messages
+        answering: Awaitable[None] | None = None  # the 504 that end() sent
 
         async def through_gate(message: Message) -> None:
+            nonlocal sending
             in_app.discard(mark)
-            await send(message)
+            sending = True
+            try:
+                await send(message)
+            finally:
+                sending = False
             if not finished:
                 in_app.add(mark)
+
+        # An asyncio request is ended at its interrupt by end(), in the
+        # loop's thread: the 504 goes out at once, whatever the application
+        # then takes to unwind (a thread it waits for, Django's); every
+        # receive() from then on says the client is gone, the end an
+        # application listening for it makes itself (Django's view is
+        # cancelled so); its task is cancelled unless another task was
+        # listening.  The timer runs until the application's call returns.
+        ending = _Ending(receive) if gated and kind == "http" and cancel is None and isinstance(task, Future) else None
+        if ending is not None:
+            receive = ending.receive
+
+            def end() -> bool:
+                nonlocal replaced, answering
+                listened = ending.disconnect(task)
+                if not (started or replaced or sending):
+                    replaced = True
+                    timer.answered_timeout(handle)
+                    answering = ensure_future(_send_504(send))
+                return not listened
+
+            timer.enders[handle] = end  # type: ignore[index]
 
         async def send_timed(message: Message) -> None:
             nonlocal started, replaced, held
@@ -306,7 +335,16 @@ class TimeoutMiddleware:
                     await self.app({**scope, TIMED: handle}, receive, send_timed)
                 if cancelled.cancelled_caught:
                     raise RequestTimeout()  # trio's Cancelled, which ends in the scope it was raised for
-            if held is not None:  # it sent no body: the server says what it says of that
+            if gated:
+                in_app.discard(mark)  # its code is done: what follows is the middleware's
+            if replaced:  # the 504 went out in place of its answer
+                if answering is not None:
+                    await answering
+            elif timer.interrupted(handle) and not finished:
+                # It returned after its interrupt without a whole answer (it
+                # heard the client was gone): the 504, or the connection closed.
+                raise RequestTimeout()
+            elif held is not None:  # it sent no body: the server says what it says of that
                 start, held = held, None
                 started = True
                 await send(start)
@@ -318,6 +356,8 @@ class TimeoutMiddleware:
                 raise
             if isinstance(exc, CancelledError) and hasattr(task, "uncancel"):
                 task.uncancel()  # ours, which ends here: its task is not being cancelled any more
+            if answering is not None:
+                await answering
             if replaced:
                 return
             if started or kind != "http":
@@ -328,6 +368,8 @@ class TimeoutMiddleware:
         finally:
             if gated:
                 in_app.discard(mark)
+            if ending is not None:
+                timer.enders.pop(handle, None)  # type: ignore[arg-type]
             finish()
 
 
@@ -346,6 +388,65 @@ async def _send_504(send: Send) -> None:
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in RESPONSE_HEADERS]
     await send({"type": "http.response.start", "status": 504, "headers": headers})
     await send({"type": "http.response.body", "body": RESPONSE_BODY, "more_body": False})
+
+
+_DISCONNECT: Message = {"type": "http.disconnect"}
+
+
+class _Ending:
+    """The receive() of a request with interrupt under asyncio, which says
+    the client is gone once the request is interrupted: at once for a
+    receive() after that, and for one waiting then (a task of the
+    application's that listens for the client leaving), in place of the
+    message it waited for.  Until the request body is whole, receive() is
+    the server's own: a task reading the body is the request's, cancelled."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._body_read = False
+        self._gone = False
+        self._waiting: dict[Future[None], Any] = {}  # woken at the interrupt: the task that waits
+
+    async def receive(self) -> Message:
+        if self._gone:
+            return dict(_DISCONNECT)
+        if not self._body_read:
+            message = await self._receive()
+            if message.get("type") != "http.request" or not message.get("more_body", False):
+                self._body_read = True
+            return message
+        loop = get_running_loop()
+        theirs = ensure_future(self._receive())
+        woken: Future[None] = loop.create_future()
+        self._waiting[woken] = current_task()
+        theirs.add_done_callback(lambda _: _wake(woken))
+        try:
+            await woken
+        except BaseException:
+            theirs.cancel()
+            raise
+        finally:
+            del self._waiting[woken]
+        if theirs.done():
+            return theirs.result()
+        theirs.cancel()
+        return dict(_DISCONNECT)
+
+    def disconnect(self, task: Any) -> bool:
+        """In the loop's thread, at the interrupt: every receive() says the
+        client is gone from now on.  Whether a task other than ``task`` (the
+        request's) was waiting for the client in receive()."""
+        self._gone = True
+        listened = False
+        for woken, waiting in self._waiting.items():
+            listened = listened or waiting is not task
+            _wake(woken)
+        return listened
+
+
+def _wake(woken: Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 def _shielded(send: Send, interrupted: Callable[[], bool]) -> Send:
