@@ -233,144 +233,7 @@ class TimeoutMiddleware:
             handle = timer.start_declined(method, path, request_id, task)
         else:
             handle = timer.start(method, path, request_id, task, queued_since)
-        finished = False
-        started = replaced = False
-
-        def finish() -> None:
-            nonlocal finished
-            if not finished:
-                finished = True
-                timer.finish(handle)
-
-        # With interrupt, the request is in timer.in_app while the
-        # application's code runs, not while the server sends what it
-        # gave: an interrupt then would cut its response short.
-        gated = timer.interrupt and handle is not None
-        in_app = timer.in_app
-        mark = -1 if handle is None else handle
-        # Under trio the request's code runs in a cancel scope, which the
-        # interrupt cancels; the server's own sends are shielded from it.
-        cancel = trio_cancel_scope(task) if gated and is_trio_task(task) else None
-        if cancel is not None:
-            send = _shielded(send, lambda: timer.interrupted(handle))
-
-        # With interrupt, http.response.start is held back until the first
-        # message of the body, so that until then a 504 can take its place
-        # whole: the server has seen nothing of the application's answer.
-        held: Message | None = None
-        sending = False  # the server is sending one of the application's messages
-        answering: Awaitable[None] | None = None  # the 504 that end() sent
-
-        async def through_gate(message: Message) -> None:
-            nonlocal sending
-            in_app.discard(mark)
-            sending = True
-            try:
-                await send(message)
-            finally:
-                sending = False
-            if not finished:
-                in_app.add(mark)
-
-        # An asyncio request is ended at its interrupt by end(), in the
-        # loop's thread: the 504 goes out at once, whatever the application
-        # then takes to unwind (a thread it waits for, Django's); every
-        # receive() from then on says the client is gone, the end an
-        # application listening for it makes itself (Django's view is
-        # cancelled so); its task is cancelled unless another task was
-        # listening.  The timer runs until the application's call returns.
-        ending = _Ending(receive) if gated and kind == "http" and cancel is None and isinstance(task, Future) else None
-        if ending is not None:
-            receive = ending.receive
-
-            def end() -> bool:
-                nonlocal replaced, answering
-                listened = ending.disconnect(task)
-                if not (started or replaced or sending):
-                    replaced = True
-                    timer.answered_timeout(handle)
-                    answering = ensure_future(_send_504(send))
-                return not listened
-
-            timer.enders[handle] = end  # type: ignore[index]
-
-        async def send_timed(message: Message) -> None:
-            nonlocal started, replaced, held
-            if replaced:
-                return  # the application's answer after its interrupt, which a 504 replaced
-            if message["type"] == "http.response.start":
-                if timer.interrupted(handle):  # it answers after its interrupt (a framework's 500, say)
-                    replaced = True
-                    timer.answered_timeout(handle)
-                    await _send_504(send)
-                    finish()
-                    return
-                if gated:
-                    held = message
-                    return
-                started = True
-            if not gated:
-                await send(message)
-            else:
-                if held is not None:
-                    if timer.interrupted(handle):
-                        raise RequestTimeout()  # nothing has gone out: answered 504 below
-                    start, held = held, None
-                    started = True
-                    await through_gate(start)
-                await through_gate(message)
-                if timer.interrupted(handle) and not _completes(message):
-                    raise RequestTimeout()  # it came while the server sent: the application's code ends here
-            if _completes(message):
-                finish()
-
-        try:
-            if gated:
-                timer.gated = True
-                in_app.add(mark)
-            if cancel is None:
-                await self.app({**scope, TIMED: handle}, receive, send_timed)
-            else:
-                with cancel as cancelled:
-                    await self.app({**scope, TIMED: handle}, receive, send_timed)
-                if cancelled.cancelled_caught:
-                    raise RequestTimeout()  # trio's Cancelled, which ends in the scope it was raised for
-            if gated:
-                in_app.discard(mark)  # its code is done: what follows is the middleware's
-            if replaced:  # the 504 went out in place of its answer
-                if answering is not None:
-                    await answering
-            elif timer.interrupted(handle) and not finished:
-                # It returned after its interrupt without a whole answer (it
-                # heard the client was gone): the 504, or the connection closed.
-                raise RequestTimeout()
-            elif held is not None:  # it sent no body: the server says what it says of that
-                start, held = held, None
-                started = True
-                await send(start)
-        except BaseException as exc:
-            # replaced: the 504 has gone out in place of the framework's
-            # answer (Starlette's 500, which re-raises the RequestTimeout
-            # after it), and finish() has already forgotten the interrupt.
-            if not (replaced or timer.interrupted(handle)):
-                raise
-            if isinstance(exc, CancelledError) and hasattr(task, "uncancel"):
-                task.uncancel()  # ours, which ends here: its task is not being cancelled any more
-            if answering is not None:
-                await answering
-            if replaced:
-                return
-            if started or kind != "http":
-                raise RequestTimeout() from None  # the server closes the connection
-            replaced = True
-            timer.answered_timeout(handle)
-            await _send_504(send)
-        finally:
-            if gated:
-                in_app.discard(mark)
-            if ending is not None:
-                timer.enders.pop(handle, None)  # type: ignore[arg-type]
-            finish()
+        await _Exchange(timer, handle, task, kind, receive, send).run(self.app, {**scope, TIMED: handle})
 
 
 # The C way: the call of an instance goes to shmwheel._fast.Coroutine,
@@ -382,6 +245,161 @@ class TimeoutMiddleware:
 # a fork, a middleware without _in_c) goes to the method above.  Servers
 # still see a coroutine function: the C object has the method's __code__.
 TimeoutMiddleware.__call__ = wrap_asgi_call(TimeoutMiddleware.__call__)  # type: ignore[method-assign,assignment]
+
+
+class _Exchange:
+    """One timed request (or websocket) between the server and the
+    application: the send the application is given, which ends the timer
+    after the last message, and with interrupt the answer at the timeout.
+
+    With interrupt, the request is in ``timer.in_app`` while the
+    application's code runs, not while the server sends what it gave: an
+    interrupt then would cut its response short.  ``http.response.start``
+    is held back until the first message of the body, so that until then a
+    504 can take its place whole: the server has seen nothing of the
+    application's answer.  Under trio the request's code runs in a cancel
+    scope, which the interrupt cancels; the server's own sends are shielded
+    from it.
+
+    Under asyncio the request is ended at its interrupt by :meth:`end`, in
+    the loop's thread: the 504 goes out at once, whatever the application
+    then takes to unwind (a thread it waits for, as Django does); every
+    receive() from then on says the client is gone, the end an application
+    listening for it makes itself (Django's view is cancelled so); and its
+    task is cancelled unless another task was listening.  The timer runs
+    until the application's call returns, so that ``kill`` still reaches a
+    request that never does."""
+
+    __slots__ = (
+        "answering", "cancel", "ending", "finished", "gated", "handle", "held", "in_app", "kind", "mark",
+        "receive", "replaced", "send", "sending", "started", "task", "timer",
+    )  # fmt: skip
+
+    def __init__(self, timer: RequestTimer, handle: int | None, task: Any, kind: str, receive: Receive, send: Send):
+        self.timer, self.handle, self.task, self.kind = timer, handle, task, kind
+        self.finished = self.started = self.replaced = self.sending = False
+        self.held: Message | None = None  # http.response.start, until the first message of the body
+        self.answering: Awaitable[None] | None = None  # the 504 that end() sent
+        self.gated = gated = timer.interrupt and handle is not None
+        self.in_app = timer.in_app
+        self.mark = -1 if handle is None else handle
+        self.cancel = trio_cancel_scope(task) if gated and is_trio_task(task) else None
+        self.send = send if self.cancel is None else _shielded(send, lambda: timer.interrupted(handle))
+        self.ending = (
+            _Ending(receive) if gated and kind == "http" and self.cancel is None and isinstance(task, Future) else None
+        )
+        self.receive = receive if self.ending is None else self.ending.receive
+        if self.ending is not None:
+            timer.enders[handle] = self.end  # type: ignore[index]
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.timer.finish(self.handle)
+
+    async def _through_gate(self, message: Message) -> None:
+        self.in_app.discard(self.mark)
+        self.sending = True
+        try:
+            await self.send(message)
+        finally:
+            self.sending = False
+        if not self.finished:
+            self.in_app.add(self.mark)
+
+    async def send_timed(self, message: Message) -> None:
+        """The send the application is given."""
+        timer, handle = self.timer, self.handle
+        if self.replaced:
+            return  # the application's answer after its interrupt, which a 504 replaced
+        if message["type"] == "http.response.start":
+            if timer.interrupted(handle):  # it answers after its interrupt (a framework's 500, say)
+                self.replaced = True
+                timer.answered_timeout(handle)
+                await _send_504(self.send)
+                self.finish()
+                return
+            if self.gated:
+                self.held = message
+                return
+            self.started = True
+        if not self.gated:
+            await self.send(message)
+        else:
+            if self.held is not None:
+                if timer.interrupted(handle):
+                    raise RequestTimeout()  # nothing has gone out: answered 504 below
+                start, self.held = self.held, None
+                self.started = True
+                await self._through_gate(start)
+            await self._through_gate(message)
+            if timer.interrupted(handle) and not _completes(message):
+                raise RequestTimeout()  # it came while the server sent: the application's code ends here
+        if _completes(message):
+            self.finish()
+
+    def end(self) -> bool:
+        """In the loop's thread, at the interrupt (_interrupt.interrupt):
+        the client is told it is gone and answered 504, if nothing of the
+        response has gone out and the server is not sending; whether the
+        request's task is still to be cancelled."""
+        listened = self.ending is not None and self.ending.disconnect(self.task)
+        if not (self.started or self.replaced or self.sending):
+            self.replaced = True
+            self.timer.answered_timeout(self.handle)
+            self.answering = ensure_future(_send_504(self.send))
+        return not listened
+
+    async def run(self, app: ASGIApp, scope: Scope) -> None:
+        timer, handle, gated, cancel = self.timer, self.handle, self.gated, self.cancel
+        try:
+            if gated:
+                timer.gated = True
+                self.in_app.add(self.mark)
+            if cancel is None:
+                await app(scope, self.receive, self.send_timed)
+            else:
+                with cancel as cancelled:
+                    await app(scope, self.receive, self.send_timed)
+                if cancelled.cancelled_caught:
+                    raise RequestTimeout()  # trio's Cancelled, which ends in the scope it was raised for
+            if gated:
+                self.in_app.discard(self.mark)  # its code is done: what follows is the middleware's
+            if self.replaced:  # a 504 went out in place of its answer
+                if self.answering is not None:
+                    await self.answering
+            elif timer.interrupted(handle) and not self.finished:
+                # It returned after its interrupt without a whole answer (it
+                # heard the client was gone): the 504, or the connection closed.
+                raise RequestTimeout()
+            elif self.held is not None:  # it sent no body: the server says what it says of that
+                start, self.held = self.held, None
+                self.started = True
+                await self.send(start)
+        except BaseException as exc:
+            # replaced: the 504 has gone out in place of the framework's
+            # answer (Starlette's 500, which re-raises the RequestTimeout
+            # after it), and finish() may have forgotten the interrupt.
+            if not (self.replaced or timer.interrupted(handle)):
+                raise
+            task = self.task
+            if isinstance(exc, CancelledError) and hasattr(task, "uncancel"):
+                task.uncancel()  # ours, which ends here: its task is not being cancelled any more
+            if self.answering is not None:
+                await self.answering
+            if self.replaced:
+                return
+            if self.started or self.kind != "http":
+                raise RequestTimeout() from None  # the server closes the connection
+            self.replaced = True
+            timer.answered_timeout(handle)
+            await _send_504(self.send)
+        finally:
+            if gated:
+                self.in_app.discard(self.mark)
+            if self.ending is not None:
+                timer.enders.pop(handle, None)  # type: ignore[arg-type]
+            self.finish()
 
 
 async def _send_504(send: Send) -> None:
