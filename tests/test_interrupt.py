@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -719,6 +720,48 @@ ARMED_TRIO = (
     r"RequestTimeout to be raised in trio task hypercorn\.trio\.task_group\._handle, which blocks trio's loop, "
     r"at its next safe point"
 )
+
+
+def test_uvicorn_a_task_that_only_notes_its_client_leaving_does_not_keep_the_request_running(
+    uvicorn: Server,
+) -> None:
+    """At the interrupt a task of the application's that waits in receive()
+    hears that the client has gone; one that only notes it, as this one
+    does, leaves the request's task as it was, which is then cancelled all
+    the same: the request ends within the grace, never "has not ended"."""
+    assert get(uvicorn.port, "/watched?s=60", WAIT, "asgi-watched") == GATEWAY_TIMEOUT
+    uvicorn.wait_for(r"asgi_stuck: /watched heard http.disconnect")
+    uvicorn.wait_for(r"GET /watched \(request asgi-watched, .*\) ended [\d.]+ s after it was interrupted$")
+    assert not re.search(r"GET /watched \(request asgi-watched, .*\) has not ended", uvicorn.log())
+
+
+def test_uvicorn_a_task_the_request_started_but_does_not_wait_for_is_never_interrupted(uvicorn: Server) -> None:
+    """A task made during a request copies its context (a pool's keeper that
+    a library starts at its first use): while it blocks the loop when the
+    request is interrupted, the loop's thread is not armed against it, as it
+    is against a task the request waits for.  It runs its 3 s to the end,
+    and the request is answered when the loop is free again."""
+    assert get(uvicorn.port, "/keeper?s=60", WAIT, "asgi-keeper") == GATEWAY_TIMEOUT
+    give_up = time.monotonic() + WAIT
+    while (state := get(uvicorn.port, "/keeper-state")) == (200, "running\n"):
+        assert time.monotonic() < give_up
+        time.sleep(0.1)
+    assert state == (200, "finished\n")
+
+
+def test_uvicorn_a_response_that_had_begun_is_never_completed_after_its_interrupt(uvicorn: Server) -> None:
+    """A stream that had sent its first chunk hears at the interrupt that its
+    client has gone, and ends its body as if it had: the server must not
+    send that end (a chunked response complete, a 200 a proxy would cache)
+    but close the connection with the response broken off."""
+    with socket.create_connection(("127.0.0.1", uvicorn.port), timeout=WAIT) as conn:
+        conn.sendall(b"GET /cut-stream?s=60 HTTP/1.1\r\nHost: x\r\nX-Request-Id: asgi-cut\r\n\r\n")
+        got = b""
+        while chunk := conn.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and b"first\n" in got, got
+    assert not got.endswith(b"0\r\n\r\n"), got
+    uvicorn.wait_for(r"GET /cut-stream \(request asgi-cut, .*\) ended [\d.]+ s after it was interrupted$")
 
 
 @pytest.fixture(scope="module")

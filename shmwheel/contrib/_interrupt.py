@@ -53,7 +53,7 @@ from typing import Any
 from .._binding import lib
 from ._record import DUMP_SIGNALS, SHOWN_MAX, shown, signal_name
 from ._safepoint import arm, armed, can_arm, check_from_signal, unsafe_at
-from ._stacks import real
+from ._stacks import holds, real
 
 __all__ = ["RESPONSE_BODY", "RESPONSE_STATUS", "RequestTimeout", "interrupt", "listen_for_wake", "trio_cancel_scope"]
 
@@ -275,12 +275,18 @@ def _cancel(
         if _raise_in(thread, still, running, elsewhere):
             return _armed(f"task {shown(task.get_name(), SHOWN_MAX)}, which blocks the event loop,") + _wake_up(thread)
         return _not_armed(still)
-    # Another task may be running the request's code and blocking the loop:
-    # one the request started (Django runs each view in a task of its own).
-    # The loop's thread, armed, raises in it; at its first line outside the
-    # request's code (between two steps, in another request's) it leaves
-    # the cancel to the loop.
-    blocking = running_task is not None and mine is not None and _raise_in(thread, still, mine, elsewhere)
+    # Another task may be blocking the loop that the request waits for (a
+    # view Django runs in a task of its own): the loop's thread, armed,
+    # raises in it, for as long as its step lasts, and then leaves the
+    # cancel to the loop.  Never in a task the request does not hold, which
+    # may only have copied its context (a library's, started during it).
+    blocking = False
+    if running_task is not None and mine is not None and _held(task, running_task):
+
+        def running_held() -> bool:
+            return asyncio.current_task(loop) is running_task and mine()
+
+        blocking = _raise_in(thread, still, running_held, elsewhere)
     try:
         loop.call_soon_threadsafe(in_loop)
     except RuntimeError:  # the loop is closed
@@ -290,12 +296,19 @@ def _cancel(
         how += " (or told its client is gone, if another of its tasks listens for that)"
     if blocking:
         how += (
-            f", and the event loop's thread, in task {shown(running_task.get_name(), SHOWN_MAX)} now,"  # type: ignore[union-attr]
-            " armed to raise at its next safe point if that runs the request's code"
+            f", and the event loop's thread, where task {shown(running_task.get_name(), SHOWN_MAX)},"  # type: ignore[union-attr]
+            " which the request waits for, runs now, armed to raise in that task at its next safe point"
         )
     if mine is not None and _arm_pool(thread, mine):
         how += ", and the thread that runs its synchronous code, if one does, armed to raise at its next safe point"
     return how
+
+
+def _held(task: asyncio.Task[Any], other: asyncio.Task[Any]) -> bool:
+    try:
+        return holds(task, other)
+    except RuntimeError:  # a list or set of its changed as it was read: the loop's thread is not stopped
+        return False
 
 
 def _arm_pool(loop_thread: int, mine: Callable[[], bool]) -> int:

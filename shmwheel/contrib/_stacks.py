@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import errno
 import faulthandler
+import itertools
 import linecache
 import logging
 import os
@@ -673,6 +674,40 @@ def _await_parts(coro: Any, task: Any = None) -> list[str | _Frames]:
             return [*parts, chain, f"  awaiting {shown(repr(waiter), SHOWN_MAX)}"]
         break
     return [*parts, chain]
+
+
+def holds(task: Any, other: Any) -> bool:
+    """Whether the suspended asyncio ``task`` waits for the task ``other``:
+    awaits it, or keeps it in a local variable of a coroutine of its await
+    chain, alone, in a list, tuple or set (the tasks Django's ASGI handler
+    and Quart's wait for), or as one of a task group's.  A task that only
+    copied the request's context (a library's background task, started
+    during a request) is not held.  Reads values only: no code of the
+    application's runs."""
+    if getattr(task, "_fut_waiter", None) is other:
+        return True
+    coro, seen = task.get_coro(), 0
+    while coro is not None and seen < MAX_FRAMES:
+        seen += 1
+        frame = _frame_of(coro)
+        if frame is not None and any(_keeps(value, other) for value in frame.f_locals.values()):
+            return True
+        coro = next((getattr(coro, a) for a in _AWAITS if getattr(coro, a, None) is not None), None)
+    return False
+
+
+_KEPT_MAX = 1000  # items of a local's list looked at for a task
+
+
+def _keeps(value: Any, other: Any) -> bool:
+    if value is other:
+        return True
+    kind = type(value)
+    if kind in (list, tuple, set, frozenset):
+        return any(item is other for item in itertools.islice(value, _KEPT_MAX))
+    if kind is getattr(asyncio, "TaskGroup", None):  # 3.11 and later
+        return any(item is other for item in itertools.islice(value._tasks, _KEPT_MAX))
+    return False
 
 
 # -- the request's own frames, as data, for an error tracker ------------------

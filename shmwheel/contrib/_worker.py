@@ -200,9 +200,10 @@ class RequestTimer:
         self._ended_late: dict[bytes, float] = {}
         self._driver_seen: tuple[int, int] | None = None  # the wheel's driver (pid, start) as last seen
         self._ended_lock = threading.Lock()
-        # Held while an interrupt is made and logged, and while a 504 is
-        # logged: "interrupting" comes first in the log, even when the
-        # request is answered (in its thread, or its loop's) before the
+        # Held while an interrupt is made and logged, while a 504 is logged,
+        # and while the driver is told that a late request has ended:
+        # "interrupting" comes first in the log, even when the request is
+        # answered or ends (in its thread, or its loop's) before the
         # reporter has finished saying how.  A real lock: the reporter is a
         # real thread, under gevent too.
         self._saying = real("_thread", "RLock")()
@@ -664,7 +665,8 @@ class RequestTimer:
         # driver that takes over begins them again.
         if due(active.deadline_ns, _monotonic_ns()):
             self._acknowledge(active.handle)
-            self._tell(active.payload, KIND_FINISHED)
+            with self._saying:  # the driver's "ended … after it was interrupted" after "interrupting"
+                self._tell(active.payload, KIND_FINISHED)
             now = time.monotonic()
             with self._ended_lock:
                 ended = self._ended_late

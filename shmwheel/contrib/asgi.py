@@ -312,6 +312,12 @@ class _Exchange:
         timer, handle = self.timer, self.handle
         if self.replaced:
             return  # the application's answer after its interrupt, which a 504 replaced
+        if self.started and timer.interrupted(handle):
+            # Its answer had begun: nothing may complete it now (the end of
+            # a stream it cut short when told its client was gone, say),
+            # so that the client sees the answer broken off, and the server
+            # closes the connection.
+            raise RequestTimeout()
         if message["type"] == "http.response.start":
             if timer.interrupted(handle):  # it answers after its interrupt (a framework's 500, say)
                 self.replaced = True
@@ -348,7 +354,20 @@ class _Exchange:
             self.replaced = True
             self.timer.answered_timeout(self.handle)
             self.answering = ensure_future(_send_504(self.send))
+        if listened:
+            # A task of the application's heard it: the request's task is
+            # cancelled only if it is still waiting on what it waited on
+            # then, LISTENER_GRACE later: the application did not act on it.
+            waiting = getattr(self.task, "_fut_waiter", None)
+            get_running_loop().call_later(LISTENER_GRACE, self._cancel_unless_woken, waiting)
         return not listened
+
+    def _cancel_unless_woken(self, waiting: Any) -> None:
+        task = self.task
+        if self.finished or self.mark not in self.in_app or task.done():
+            return
+        if getattr(task, "_fut_waiter", None) is waiting and not (waiting is not None and waiting.done()):
+            task.cancel("shmwheel: the request ran past its timeout")
 
     async def run(self, app: ASGIApp, scope: Scope) -> None:
         timer, handle, gated, cancel = self.timer, self.handle, self.gated, self.cancel
@@ -409,6 +428,12 @@ async def _send_504(send: Send) -> None:
 
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
+
+#: How long an application that listens for its client leaving (another of
+#: its tasks waits in receive()) has, once told at the interrupt, to act on
+#: it before its request's task is cancelled all the same.  Django's acts
+#: within a few turns of the loop.
+LISTENER_GRACE = 0.1
 
 
 class _Ending:

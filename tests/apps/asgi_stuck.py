@@ -17,6 +17,15 @@ can be, for the end-to-end tests of the stacks the workers write.
                        ``every`` seconds apart (0.3), each preceded by
                        shmwheel.contrib.extend(``extend``) (1.0)
     GET /no-timeout    shmwheel.contrib.no_timeout(), then awaits asyncio.sleep
+    GET /watched       plain ASGI: a task of its own waits for the client to
+                       leave and only notes it; the request awaits asyncio.sleep
+    GET /keeper        plain ASGI: starts, once, a task that outlives it (a
+                       library's, in this request's context), which spins
+                       for 3 s, blocking the loop; the request awaits asyncio.sleep
+    GET /keeper-state  that task's state: "running", "finished" or "died: ..."
+    GET /cut-stream    plain ASGI: sends a first chunk, then waits for the
+                       client to leave (a task of its own listens) and ends
+                       its body, as a stream that stops when its client has gone
 
 Each stays stuck for ``s`` seconds (``?s=``, default 3), /regex for as long
 as its match takes.  ``app`` is wrapped in the ASGI middleware with a
@@ -29,6 +38,7 @@ unwrapped, for Gunicorn's ``install()``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import socket
@@ -187,11 +197,83 @@ routes = Starlette(
 )
 
 
+async def _answer(send: Send, body: str, more: bool = False) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": body.encode(), "more_body": more})
+
+
+def _seconds(scope: Scope) -> float:
+    query = dict(pair.split("=", 1) for pair in scope.get("query_string", b"").decode().split("&") if "=" in pair)
+    return float(query.get("s", "3"))
+
+
+async def watched(scope: Scope, receive: Receive, send: Send) -> None:
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":  # the (empty) body first
+            pass
+        print("asgi_stuck: /watched heard http.disconnect", flush=True)
+
+    watcher = asyncio.ensure_future(watch())
+    await asyncio.sleep(_seconds(scope))
+    await watcher
+    await _answer(send, f"done by pid {os.getpid()}\n")
+
+
+KEEPER: dict[str, object] = {}
+
+
+async def _keep() -> None:
+    await asyncio.sleep(0)  # from the request's next step on
+    until = time.monotonic() + 3.0
+    try:
+        while time.monotonic() < until:  # blocks the loop: the request times out meanwhile
+            pass
+    except BaseException as exc:
+        KEEPER["state"] = f"died: {type(exc).__name__}"
+        raise
+    KEEPER["state"] = "finished"
+
+
+async def keeper(scope: Scope, receive: Receive, send: Send) -> None:
+    if "task" not in KEEPER:
+        KEEPER["state"] = "running"
+        KEEPER["task"] = asyncio.ensure_future(_keep())  # in this request's context, as a lazily made pool's
+    await asyncio.sleep(_seconds(scope))
+    await _answer(send, f"done by pid {os.getpid()}\n")
+
+
+async def cut_stream(scope: Scope, receive: Receive, send: Send) -> None:
+    await _answer(send, "first\n", more=True)
+    gone = asyncio.Event()
+
+    async def listen() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    listener = asyncio.ensure_future(listen())
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(gone.wait(), _seconds(scope))
+    await listener
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+PLAIN = {"/watched": watched, "/keeper": keeper, "/cut-stream": cut_stream}
+
+
 async def spin_anywhere(scope: Scope, receive: Receive, send: Send) -> None:
     """``routes``, with any path under /spin/ spun as /spin, whatever it
-    holds (Starlette's path parameters stop at a newline)."""
-    if scope["type"] == "http" and scope["path"].startswith("/spin/"):
+    holds (Starlette's path parameters stop at a newline), and the plain
+    ASGI endpoints."""
+    path = scope.get("path", "")
+    if scope["type"] == "http" and path.startswith("/spin/"):
         scope = {**scope, "path": "/spin"}
+    elif scope["type"] == "http" and path in PLAIN:
+        await PLAIN[path](scope, receive, send)
+        return
+    elif scope["type"] == "http" and path == "/keeper-state":
+        await _answer(send, f"{KEEPER.get('state', 'none')}\n")
+        return
     await routes(scope, receive, send)
 
 
