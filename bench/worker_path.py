@@ -15,7 +15,9 @@ Per request, in ns (wall clock, loop included):
   not netted);
 - ``asgi``: a request through the ASGI ``TimeoutMiddleware`` (its
   ``http.response.start`` and ``http.response.body``) in a running asyncio
-  loop, net of the bare application;
+  loop, net of the bare application; ``asgi_interrupt``: the same with
+  ``interrupt=True``, which takes the middleware's Python way (the gate
+  around the application's code, the held start, the end at the interrupt);
 - ``threads``: requests a second with 4 threads doing start+finish at once
   in one process, and the voluntary and involuntary context switches a
   request (getrusage), next to 1 thread in the same process.
@@ -192,6 +194,7 @@ def _child(root: str, cold: bool) -> None:
             pass
 
         amw = AsgiMiddleware(asgi_app, name=name, timeout=30.0)
+        amw_interrupt = AsgiMiddleware(asgi_app, name=name, timeout=30.0, interrupt=True)
         loop = asyncio.new_event_loop()
 
         async def asgi_loop(app: Any) -> int:
@@ -205,6 +208,9 @@ def _child(root: str, cold: bool) -> None:
         def case_asgi() -> int:
             return loop.run_until_complete(asgi_loop(amw))
 
+        def case_asgi_interrupt() -> int:
+            return loop.run_until_complete(asgi_loop(amw_interrupt))
+
         def case_asgi_bare() -> int:
             return loop.run_until_complete(asgi_loop(asgi_app))
 
@@ -212,7 +218,7 @@ def _child(root: str, cold: bool) -> None:
             "setitimer": case_setitimer, "timer": case_timer, "bare": case_bare, "wsgi": case_wsgi,
             "wsgi_direct": case_wsgi_direct,
             "gunicorn_gross": case_gunicorn, "gunicorn_bare": case_gunicorn_bare, "asgi": case_asgi,
-            "asgi_bare": case_asgi_bare,
+            "asgi_interrupt": case_asgi_interrupt, "asgi_bare": case_asgi_bare,
         }  # fmt: skip
         best: dict[str, list[float]] = {k: [] for k in cases}
         for f in cases.values():
@@ -234,6 +240,7 @@ def _child(root: str, cold: bool) -> None:
         out["wsgi_net"] = out.pop("wsgi") - out["bare"]
         out["wsgi_direct"] -= out["bare"]
         out["gunicorn"] = out["gunicorn_gross"] - out.pop("gunicorn_bare")
+        out["asgi_interrupt"] -= out["asgi_bare"]
         out["asgi"] -= out.pop("asgi_bare")
         loop.close()
 
@@ -293,7 +300,7 @@ def main() -> None:
             )
             results[label].append(json.loads(cp.stdout))
             print(f"round {r} {label}: {cp.stdout.strip()}", file=sys.stderr)
-    paths = ["setitimer", "timer", "wsgi_net", "wsgi_direct", "gunicorn", "gunicorn_gross", "asgi"]
+    paths = ["setitimer", "timer", "wsgi_net", "wsgi_direct", "gunicorn", "gunicorn_gross", "asgi", "asgi_interrupt"]
     print("per request, ns (median of the rounds), and / its ratio to the setitimer pair of the same child")
     print(f"{'build':<8}" + "".join(f"{k:>16}" for k in paths))
     for label, rows in results.items():

@@ -353,8 +353,8 @@ def test_servers_see_a_coroutine_function_and_the_c_way_has_no_coroutine_of_the_
     for call in (mw.__call__, TimeoutMiddleware.__call__):
         assert inspect.iscoroutinefunction(call) and asyncio.iscoroutinefunction(call)
     assert is_asgi(mw)
-    assert str(inspect.signature(mw)) == str(inspect.signature(TimeoutMiddleware._call).replace(
-        parameters=list(inspect.signature(TimeoutMiddleware._call).parameters.values())[1:4]))  # fmt: skip
+    own_parameters = list(inspect.signature(TimeoutMiddleware._call).parameters.values())[1:4]
+    assert list(inspect.signature(mw).parameters.values()) == own_parameters
     assert mw.__call__.__qualname__ == "TimeoutMiddleware.__call__"
     assert mw.timer.prepare()
 

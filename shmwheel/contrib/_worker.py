@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Container, Iterable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _process
 from .._checks import check_seconds
@@ -115,6 +115,13 @@ def _new_locks() -> None:
 
 _monotonic_ns = time.monotonic_ns
 _pack = HEAD.pack
+
+
+class Ender(Protocol):
+    """A request that its adapter ends at its interrupt (the ASGI middleware's)."""
+
+    def end(self) -> bool:
+        """In the request's event loop, at the interrupt: whether its task is still to be cancelled."""
 
 
 class RequestTimer:
@@ -218,9 +225,9 @@ class RequestTimer:
         self.in_app: set[int] = set()
         self.gated = False
         #: What ends an asyncio request at its interrupt, by handle, set by the
-        #: ASGI middleware: run in the loop's thread before the task is
-        #: cancelled, it says whether the task still is (_interrupt.interrupt).
-        self.enders: dict[int, Callable[[], bool]] = {}
+        #: ASGI middleware: its end(), run in the loop's thread before the task
+        #: is cancelled, says whether the task still is (_interrupt.interrupt).
+        self.enders: dict[int, Ender] = {}
         self._lock = threading.Lock()
         self._pid = 0
         self._wheel: Wheel | None = None
@@ -587,7 +594,8 @@ class RequestTimer:
             current = _current.get()
             return current is not None and current[0] is self and current[1] == handle
 
-        end = self.enders.get(handle)
+        ender = self.enders.get(handle)
+        end = None if ender is None else ender.end
         with self._saying:
             if not self.gated:
                 how = interrupt(active.thread, active.task, lambda: handle in self._active, mine, end)

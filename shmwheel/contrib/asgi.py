@@ -213,18 +213,18 @@ class TimeoutMiddleware:
         # below the class) and comes here only for what it does not take.
         await self._call(scope, receive, send)
 
-    async def _call(self, scope: Scope, receive: Receive, send: Send, declined: bool = False) -> None:
+    def _call(self, scope: Scope, receive: Receive, send: Send, declined: bool = False) -> Awaitable[None]:
         """Any scope: one to pass through, a websocket, an HTTP request to
-        end at its timeout or to time from X-Request-Start.  ``declined``:
-        the C path (shmwheel._fast's ASGI) tried the request and gave it
-        back, so its timer takes the waiting path
-        (RequestTimer.start_declined)."""
+        end at its timeout or to time from X-Request-Start: what to await
+        for it (no coroutine of its own, the application's for a scope
+        passed through).  ``declined``: the C path (shmwheel._fast's ASGI)
+        tried the request and gave it back, so its timer takes the waiting
+        path (RequestTimer.start_declined)."""
         kind = scope["type"]
         if TIMED in scope or not (kind == "http" or (kind == "websocket" and self.websocket)):
             if kind == "lifespan":
                 self.timer.prepare()  # the wheel, its driver and the traceback signal before the first request
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         timer = self.timer
         task = _task()
         queued_since = _header(scope, _REQUEST_START_HEADER) if self.x_request_start else None
@@ -233,7 +233,7 @@ class TimeoutMiddleware:
             handle = timer.start_declined(method, path, request_id, task)
         else:
             handle = timer.start(method, path, request_id, task, queued_since)
-        await _Exchange(timer, handle, task, kind, receive, send).run(self.app, {**scope, TIMED: handle})
+        return _Exchange(timer, handle, task, kind, receive, send).run(self.app, {**scope, TIMED: handle})
 
 
 # The C way: the call of an instance goes to shmwheel._fast.Coroutine,
@@ -271,8 +271,8 @@ class _Exchange:
     request that never does."""
 
     __slots__ = (
-        "answering", "cancel", "ending", "finished", "gated", "handle", "held", "in_app", "kind", "mark",
-        "receive", "replaced", "send", "sending", "started", "task", "timer",
+        "answering", "body_read", "cancel", "finished", "gated", "gone", "handle", "held", "in_app", "kind", "mark",
+        "receive", "replaced", "send", "sending", "server_receive", "started", "task", "timer", "waiting",
     )  # fmt: skip
 
     def __init__(self, timer: RequestTimer, handle: int | None, task: Any, kind: str, receive: Receive, send: Send):
@@ -285,12 +285,13 @@ class _Exchange:
         self.mark = -1 if handle is None else handle
         self.cancel = trio_cancel_scope(task) if gated and is_trio_task(task) else None
         self.send = send if self.cancel is None else _shielded(send, lambda: timer.interrupted(handle))
-        self.ending = (
-            _Ending(receive) if gated and kind == "http" and self.cancel is None and isinstance(task, Future) else None
-        )
-        self.receive = receive if self.ending is None else self.ending.receive
-        if self.ending is not None:
-            timer.enders[handle] = self.end  # type: ignore[index]
+        self.receive: Receive = receive
+        if gated and kind == "http" and self.cancel is None and isinstance(task, Future):
+            self.server_receive = receive
+            self.body_read = self.gone = False
+            self.waiting: dict[Future[None], Any] | None = None  # receive()s woken at the interrupt: their tasks
+            self.receive = self.receive_timed
+            timer.enders[handle] = self  # type: ignore[index]
 
     def finish(self) -> None:
         if not self.finished:
@@ -344,12 +345,48 @@ class _Exchange:
         if _completes(message):
             self.finish()
 
+    async def receive_timed(self) -> Message:
+        """The receive() of a request with interrupt under asyncio, which
+        says the client is gone once the request is interrupted: at once for
+        a receive() after that, and for one waiting then (a task of the
+        application's that listens for the client leaving), in place of the
+        message it waited for.  Until the request body is whole, it is the
+        server's own: a task reading the body is the request's, cancelled."""
+        if self.gone:
+            return dict(_DISCONNECT)
+        if not self.body_read:
+            message = await self.server_receive()
+            if message.get("type") != "http.request" or not message.get("more_body", False):
+                self.body_read = True
+            return message
+        theirs = ensure_future(self.server_receive())
+        woken: Future[None] = get_running_loop().create_future()
+        waiting = self.waiting = self.waiting or {}
+        waiting[woken] = current_task()
+        theirs.add_done_callback(lambda _: _wake(woken))
+        try:
+            await woken
+        except BaseException:
+            theirs.cancel()
+            raise
+        finally:
+            del waiting[woken]
+        if theirs.done():
+            return theirs.result()
+        theirs.cancel()
+        return dict(_DISCONNECT)
+
     def end(self) -> bool:
         """In the loop's thread, at the interrupt (_interrupt.interrupt):
-        the client is told it is gone and answered 504, if nothing of the
-        response has gone out and the server is not sending; whether the
-        request's task is still to be cancelled."""
-        listened = self.ending is not None and self.ending.disconnect(self.task)
+        every receive() says the client is gone from now on, and it is
+        answered 504 if nothing of the response has gone out and the server
+        is not sending; whether the request's task is still to be cancelled.
+        Not if a task other than the request's was waiting for the client in
+        receive(): see _cancel_unless_woken."""
+        self.gone, listened = True, False
+        for woken, waiting in (self.waiting or {}).items():
+            listened = listened or waiting is not self.task
+            _wake(woken)
         if not (self.started or self.replaced or self.sending):
             self.replaced = True
             self.timer.answered_timeout(self.handle)
@@ -387,7 +424,7 @@ class _Exchange:
             if self.replaced:  # a 504 went out in place of its answer
                 if self.answering is not None:
                     await self.answering
-            elif timer.interrupted(handle) and not self.finished:
+            elif not self.finished and timer.interrupted(handle):
                 # It returned after its interrupt without a whole answer (it
                 # heard the client was gone): the 504, or the connection closed.
                 raise RequestTimeout()
@@ -416,7 +453,7 @@ class _Exchange:
         finally:
             if gated:
                 self.in_app.discard(self.mark)
-            if self.ending is not None:
+            if gated:
                 timer.enders.pop(handle, None)  # type: ignore[arg-type]
             self.finish()
 
@@ -434,57 +471,6 @@ _DISCONNECT: Message = {"type": "http.disconnect"}
 #: it before its request's task is cancelled all the same.  Django's acts
 #: within a few turns of the loop.
 LISTENER_GRACE = 0.1
-
-
-class _Ending:
-    """The receive() of a request with interrupt under asyncio, which says
-    the client is gone once the request is interrupted: at once for a
-    receive() after that, and for one waiting then (a task of the
-    application's that listens for the client leaving), in place of the
-    message it waited for.  Until the request body is whole, receive() is
-    the server's own: a task reading the body is the request's, cancelled."""
-
-    def __init__(self, receive: Receive) -> None:
-        self._receive = receive
-        self._body_read = False
-        self._gone = False
-        self._waiting: dict[Future[None], Any] = {}  # woken at the interrupt: the task that waits
-
-    async def receive(self) -> Message:
-        if self._gone:
-            return dict(_DISCONNECT)
-        if not self._body_read:
-            message = await self._receive()
-            if message.get("type") != "http.request" or not message.get("more_body", False):
-                self._body_read = True
-            return message
-        loop = get_running_loop()
-        theirs = ensure_future(self._receive())
-        woken: Future[None] = loop.create_future()
-        self._waiting[woken] = current_task()
-        theirs.add_done_callback(lambda _: _wake(woken))
-        try:
-            await woken
-        except BaseException:
-            theirs.cancel()
-            raise
-        finally:
-            del self._waiting[woken]
-        if theirs.done():
-            return theirs.result()
-        theirs.cancel()
-        return dict(_DISCONNECT)
-
-    def disconnect(self, task: Any) -> bool:
-        """In the loop's thread, at the interrupt: every receive() says the
-        client is gone from now on.  Whether a task other than ``task`` (the
-        request's) was waiting for the client in receive()."""
-        self._gone = True
-        listened = False
-        for woken, waiting in self._waiting.items():
-            listened = listened or waiting is not task
-            _wake(woken)
-        return listened
 
 
 def _wake(woken: Future[None]) -> None:
