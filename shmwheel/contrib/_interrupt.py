@@ -81,6 +81,12 @@ class RequestTimeout(BaseException):
         super().__init__(*(args or ("the request ran past its timeout and was interrupted by shmwheel",)))
 
 
+#: How long an ASGI application that listens for its client leaving (another
+#: of its tasks waits in receive()) has, once told at the interrupt, to act
+#: on it before its request's task is cancelled all the same.  Django's acts
+#: within a few turns of the loop.
+LISTENER_GRACE = 0.1
+
 #: How soon a RequestTimeout is raised again in a request that is still in
 #: progress after the last one (it was lost or swallowed).
 RERAISE_INTERVAL = 0.01
@@ -230,7 +236,7 @@ def interrupt(
     in progress.  For a task, ``mine()`` says, in any thread, whether the
     code running there is the request's (a synchronous endpoint that a
     thread pool runs in a copy of the task's context, a task the request
-    started).  For an asyncio task, ``end()`` is the ASGI middleware's, run
+    waits for).  For an asyncio task, ``end()`` is the ASGI middleware's, run
     in the loop's thread before the cancel: it answers and tells the
     application the client is gone, and says whether the task is still to
     be cancelled.  Returns how, or why it could not, for the log."""
@@ -293,7 +299,10 @@ def _cancel(
         return "not interrupted: its event loop is closed"
     how = f"task {shown(task.get_name(), SHOWN_MAX)} cancelled"
     if end is not None:
-        how += " (or told its client is gone, if another of its tasks listens for that)"
+        how += (
+            " once told its client is gone (if another of its tasks listens for that: only if the request has"
+            f" not stirred {LISTENER_GRACE:g} s later)"
+        )
     if blocking:
         how += (
             f", and the event loop's thread, where task {shown(running_task.get_name(), SHOWN_MAX)},"  # type: ignore[union-attr]

@@ -46,7 +46,14 @@ from .._checks import check_flag
 from .._segment import segment_name
 from ._autodriver import AutoDriver
 from ._door import asgi_in_c, in_c, wrap_asgi_call
-from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RequestTimeout, is_trio_task, trio_cancel_scope
+from ._interrupt import (
+    LISTENER_GRACE,
+    RESPONSE_BODY,
+    RESPONSE_HEADERS,
+    RequestTimeout,
+    is_trio_task,
+    trio_cancel_scope,
+)
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
 from ._routes import Routes
 from ._settings import (
@@ -100,10 +107,11 @@ class TimeoutMiddleware:
     (``capacity``); a driver run elsewhere has its own settings.
 
     The stages, as for the WSGI middleware: ``warn_after`` logs the
-    request's stack and lets it run; with ``interrupt`` its timeout cancels
-    its task (or raises :class:`~shmwheel.contrib.RequestTimeout` in it, if
-    it blocks the event loop) and answers ``504 Gateway Timeout``, or closes
-    the connection if the response has started; ``kill`` is the last
+    request's stack and lets it run; with ``interrupt`` its timeout answers
+    ``504 Gateway Timeout`` at once, or closes the connection if the
+    response has started, tells the application its client has gone, and
+    cancels its task (or raises :class:`~shmwheel.contrib.RequestTimeout`
+    in it, if it blocks the event loop); ``kill`` is the last
     resort, ``interrupt_grace`` seconds after the interrupt.  ``routes``,
     ``on_timeout`` and ``x_request_start`` as for the WSGI middleware.
     """
@@ -266,7 +274,8 @@ class _Exchange:
     then takes to unwind (a thread it waits for, as Django does); every
     receive() from then on says the client is gone, the end an application
     listening for it makes itself (Django's view is cancelled so); and its
-    task is cancelled unless another task was listening.  The timer runs
+    task is cancelled, at once, or where another task of the application's
+    was listening, if it has not stirred LISTENER_GRACE later.  The timer runs
     until the application's call returns, so that ``kill`` still reaches a
     request that never does."""
 
@@ -453,7 +462,6 @@ class _Exchange:
         finally:
             if gated:
                 self.in_app.discard(self.mark)
-            if gated:
                 timer.enders.pop(handle, None)  # type: ignore[arg-type]
             self.finish()
 
@@ -465,12 +473,6 @@ async def _send_504(send: Send) -> None:
 
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
-
-#: How long an application that listens for its client leaving (another of
-#: its tasks waits in receive()) has, once told at the interrupt, to act on
-#: it before its request's task is cancelled all the same.  Django's acts
-#: within a few turns of the loop.
-LISTENER_GRACE = 0.1
 
 
 def _wake(woken: Future[None]) -> None:
