@@ -281,12 +281,12 @@ class _Exchange:
 
     __slots__ = (
         "answering", "body_read", "cancel", "finished", "gated", "gone", "handle", "held", "in_app", "kind", "mark",
-        "receive", "replaced", "send", "sending", "server_receive", "started", "task", "timer", "waiting",
+        "receive", "replaced", "send", "server_receive", "started", "task", "timer", "waiting",
     )  # fmt: skip
 
     def __init__(self, timer: RequestTimer, handle: int | None, task: Any, kind: str, receive: Receive, send: Send):
         self.timer, self.handle, self.task, self.kind = timer, handle, task, kind
-        self.finished = self.started = self.replaced = self.sending = False
+        self.finished = self.started = self.replaced = False
         self.held: Message | None = None  # http.response.start, until the first message of the body
         self.answering: Awaitable[None] | None = None  # the 504 that end() sent
         self.gated = gated = timer.interrupt and handle is not None
@@ -308,12 +308,8 @@ class _Exchange:
             self.timer.finish(self.handle)
 
     async def _through_gate(self, message: Message) -> None:
-        self.in_app.discard(self.mark)
-        self.sending = True
-        try:
-            await self.send(message)
-        finally:
-            self.sending = False
+        self.in_app.discard(self.mark)  # nor is end() called while the server sends (_cancel_in_loop's still())
+        await self.send(message)
         if not self.finished:
             self.in_app.add(self.mark)
 
@@ -388,15 +384,14 @@ class _Exchange:
     def end(self) -> bool:
         """In the loop's thread, at the interrupt (_interrupt.interrupt):
         every receive() says the client is gone from now on, and it is
-        answered 504 if nothing of the response has gone out and the server
-        is not sending; whether the request's task is still to be cancelled.
+        answered 504 if nothing of the response has gone out; whether the request's task is still to be cancelled.
         Not if a task other than the request's was waiting for the client in
         receive(): see _cancel_unless_woken."""
         self.gone, listened = True, False
         for woken, waiting in (self.waiting or {}).items():
             listened = listened or waiting is not self.task
             _wake(woken)
-        if not (self.started or self.replaced or self.sending):
+        if not (self.started or self.replaced):
             self.replaced = True
             self.timer.answered_timeout(self.handle)
             self.answering = ensure_future(_send_504(self.send))
