@@ -29,15 +29,19 @@ Each server is started once for the tests that use it, with a 1 s timeout
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import h2.config
+import h2.connection
+import h2.events
 import pytest
 from _servers import (
     APPS,
@@ -834,3 +838,123 @@ def test_hypercorn_trio_sync_endpoint_in_a_worker_thread_is_ended_and_its_thread
     turns = get(hypercorn_trio.port, "/spun")
     time.sleep(0.3)
     assert get(hypercorn_trio.port, "/spun") == turns  # no thread spins on
+
+
+# -- Hypercorn over HTTP/2: one connection, many requests ------------------------------
+
+
+@pytest.fixture(scope="module")
+def hypercorn_asyncio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``-k asyncio`` with one worker process, the app wrapped in
+    TimeoutMiddleware(interrupt=True)."""
+    tmp_path, port = tmp_path_factory.mktemp("hypercorn-asyncio"), free_port()
+    cmd = [str(BIN / "hypercorn"), "-k", "asyncio", f"{APPS / 'asgi_stuck'}:interrupting", "--bind",
+           f"127.0.0.1:{port}", "--access-logfile", "-"]  # fmt: skip
+    with serve_asgi(cmd, port, tmp_path) as server:
+        driver = auto_driver_of(server)
+        yield server
+        assert server.stop(signal.SIGTERM) == 0
+        assert_nothing_left_of_asgi(server, driver)
+
+
+class Stream:
+    """What came on one HTTP/2 stream."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.body = b""
+        self.ended = self.reset = False
+
+
+class H2:
+    """An HTTP/2 connection to a server (cleartext, with prior knowledge),
+    read frame by frame."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.conn.initiate_connection()
+        self.streams: dict[int, Stream] = {}
+        self.closed = False
+        self._flush()
+
+    def request(self, method: str, path: str, request_id: str, end: bool = True) -> Stream:
+        sid = self.conn.get_next_available_stream_id()
+        headers = [(":method", method), (":path", path), (":scheme", "http"), (":authority", "test"),
+                   ("x-request-id", request_id)]  # fmt: skip
+        self.conn.send_headers(sid, headers, end_stream=end)
+        self.streams[sid] = Stream()
+        self._flush()
+        return self.streams[sid]
+
+    def send(self, stream: Stream, data: bytes, end: bool) -> None:
+        sid = next(sid for sid, s in self.streams.items() if s is stream)
+        self.conn.send_data(sid, data, end_stream=end)
+        self._flush()
+
+    def read_until(self, done: Callable[[], bool]) -> None:
+        """Reads until ``done()``, or the server closes the connection (a
+        timeout of WAIT s fails the test)."""
+        while not done() and not self.closed:
+            data = self.sock.recv(65536)
+            if not data:
+                self.closed = True
+            for event in self.conn.receive_data(data) if data else ():
+                stream = self.streams.get(getattr(event, "stream_id", 0))
+                if isinstance(event, h2.events.ResponseReceived) and stream is not None:
+                    stream.status = int(dict(event.headers)[b":status"])
+                elif isinstance(event, h2.events.DataReceived) and stream is not None:
+                    stream.body += event.data
+                    self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded) and stream is not None:
+                    stream.ended = True
+                elif isinstance(event, h2.events.StreamReset) and stream is not None:
+                    stream.reset = True
+                elif isinstance(event, h2.events.ConnectionTerminated):
+                    self.closed = True
+            self._flush()
+
+    def _flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.sendall(self.conn.data_to_send())
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("worker", ["asyncio", "trio"])
+def test_hypercorn_a_response_broken_off_at_its_interrupt_ends_only_its_own_http2_stream(
+    worker: str, request: pytest.FixtureRequest
+) -> None:
+    """A response that had begun when its request was interrupted is broken
+    off (its stream never ends), and nothing else: a request on another
+    stream of the same HTTP/2 connection is answered, the connection serves
+    on, and so does the worker.  Hypercorn runs a connection's streams in
+    one task group, and under trio its connections in one nursery: the
+    exception that breaks the response off must be an Exception, which
+    Hypercorn logs.  (Before, RequestTimeout, a BaseException, went up the
+    task group: the other streams of the connection were answered 500, and
+    under trio the worker process died and the server stopped serving.)"""
+    server: Server = request.getfixturevalue(f"hypercorn_{worker}")
+    client = H2(server.port)
+    try:
+        begun = client.request("GET", "/begun?s=60", f"h2-begun-{worker}")
+        # no_timeout(): answered once its body is whole, after the interrupt
+        echo = client.request("POST", "/echo", f"h2-echo-{worker}", end=False)
+        client.send(echo, b"half, ", end=False)
+        client.read_until(lambda: begun.body == b"first\n")
+        server.wait_for(rf"GET /begun \(request h2-begun-{worker}, .*\) ended [\d.]+ s after it was interrupted$")
+        client.send(echo, b"whole", end=True)
+        client.read_until(lambda: echo.ended or echo.reset)
+        assert (echo.status, echo.body, echo.ended) == (200, b"half, whole", True)
+        after = client.request("GET", "/", f"h2-after-{worker}")
+        client.read_until(lambda: after.ended or after.reset)
+        assert (after.status, after.ended) == (200, True)
+        assert (begun.status, begun.body, begun.ended) == (200, b"first\n", False)
+        assert not client.closed
+    finally:
+        client.close()
+    assert get(server.port, "/")[0] == 200  # a new connection: the worker serves on
+    log = server.log()
+    assert "ResponseBrokenOff: the request ran past its timeout after its response had begun" in log
+    assert "client_connected_cb" not in log and "SpawnProcess" not in log

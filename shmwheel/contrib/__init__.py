@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # for type checkers; at run time __getattr__ loads each name'
     from ._handler import TimeoutHandler as TimeoutHandler
     from ._handler import signal_process as signal_process
     from ._interrupt import RequestTimeout as RequestTimeout
+    from ._interrupt import ResponseBrokenOff as ResponseBrokenOff
     from ._record import DEFAULT_TRACEBACK_SIGNAL as DEFAULT_TRACEBACK_SIGNAL
     from ._record import DUMP_SIGNAL as DUMP_SIGNAL
     from ._record import KIND_ANSWER as KIND_ANSWER
@@ -76,7 +77,7 @@ if TYPE_CHECKING:  # for type checkers; at run time __getattr__ loads each name'
 #: above: tests/test_layout.py holds them together).
 _HOMES = {
     **dict.fromkeys(("DUMP_TIME", "TimeoutHandler", "signal_process"), "_handler"),
-    "RequestTimeout": "_interrupt",
+    **dict.fromkeys(("RequestTimeout", "ResponseBrokenOff"), "_interrupt"),
     **dict.fromkeys(
         (
             "DEFAULT_TRACEBACK_SIGNAL",

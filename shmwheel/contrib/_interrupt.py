@@ -55,7 +55,15 @@ from ._record import DUMP_SIGNALS, SHOWN_MAX, shown, signal_name
 from ._safepoint import arm, armed, can_arm, check_from_signal, unsafe_at
 from ._stacks import holds, real
 
-__all__ = ["RESPONSE_BODY", "RESPONSE_STATUS", "RequestTimeout", "interrupt", "listen_for_wake", "trio_cancel_scope"]
+__all__ = [
+    "RESPONSE_BODY",
+    "RESPONSE_STATUS",
+    "RequestTimeout",
+    "ResponseBrokenOff",
+    "interrupt",
+    "listen_for_wake",
+    "trio_cancel_scope",
+]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
@@ -79,6 +87,27 @@ class RequestTimeout(BaseException):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*(args or ("the request ran past its timeout and was interrupted by shmwheel",)))
+
+
+class ResponseBrokenOff(Exception):
+    """What the ASGI middleware raises to its server for a request
+    interrupted after its response had begun (or a WebSocket's), which no
+    504 can replace: the server breaks the response off (closes an
+    HTTP/1.1 connection, leaves an HTTP/2 stream unfinished), so that no
+    client or proxy takes it for whole, and logs it as any error of an
+    application's.
+
+    An ``Exception``, where :class:`RequestTimeout` is a ``BaseException``:
+    the application's code is done by then, and servers run many requests
+    in one task group - Hypercorn each HTTP/2 connection's streams, and
+    under trio each connection in the worker's nursery - which a
+    ``BaseException`` would end whole: every stream of the connection, or
+    the worker itself."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(
+            *(args or ("the request ran past its timeout after its response had begun: broken off by shmwheel",))
+        )
 
 
 #: How long an ASGI application that listens for its client leaving (another

@@ -51,6 +51,7 @@ from ._interrupt import (
     RESPONSE_BODY,
     RESPONSE_HEADERS,
     RequestTimeout,
+    ResponseBrokenOff,
     is_trio_task,
     trio_cancel_scope,
 )
@@ -450,7 +451,7 @@ class _Exchange:
             if self.replaced:
                 return
             if self.started or self.kind != "http":
-                raise RequestTimeout() from None  # the server closes the connection
+                raise ResponseBrokenOff() from None  # the server breaks the response off
             self.replaced = True
             timer.answered_timeout(handle)
             await _send_504(self.send)

@@ -48,7 +48,7 @@ try:
 except ImportError as exc:  # pragma: no cover - said in one line, with the fix
     raise ImportError(f"shmwheel.contrib.sentry needs sentry-sdk (pip install shmwheel[sentry]): {exc}") from None
 
-from ._interrupt import RequestTimeout
+from ._interrupt import RequestTimeout, ResponseBrokenOff
 from ._stacks import Frame, TimedOut, add_reporter, view_of
 from ._worker import say_unheard, timed_out_here
 
@@ -194,7 +194,7 @@ def _not_twice(event: Event, hint: Hint | None) -> Event | None:
     if not exc_info or _integration() is None:
         return event
     exc = exc_info[1]
-    if isinstance(exc, RequestTimeout) or getattr(exc, _TIMED_OUT, False):
+    if isinstance(exc, (RequestTimeout, ResponseBrokenOff)) or getattr(exc, _TIMED_OUT, False):
         return None
     if isinstance(exc, SystemExit) and timed_out_here():
         with contextlib.suppress(AttributeError):

@@ -26,6 +26,10 @@ can be, for the end-to-end tests of the stacks the workers write.
     GET /cut-stream    plain ASGI: sends a first chunk, then waits for the
                        client to leave (a task of its own listens) and ends
                        its body, as a stream that stops when its client has gone
+    GET /begun         plain ASGI, under asyncio or trio: sends a first chunk,
+                       then sleeps (anyio) and ends its body
+    POST /echo         plain ASGI, under asyncio or trio: no_timeout(), then
+                       answers with the request body once it is whole
 
 Each stays stuck for ``s`` seconds (``?s=``, default 3), /regex for as long
 as its match takes.  ``app`` is wrapped in the ASGI middleware with a
@@ -258,7 +262,23 @@ async def cut_stream(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-PLAIN = {"/watched": watched, "/keeper": keeper, "/cut-stream": cut_stream}
+async def begun(scope: Scope, receive: Receive, send: Send) -> None:
+    await _answer(send, "first\n", more=True)
+    await anyio.sleep(_seconds(scope))
+    await send({"type": "http.response.body", "body": b"rest\n", "more_body": False})
+
+
+async def echo(scope: Scope, receive: Receive, send: Send) -> None:
+    no_timeout()
+    body = b""
+    while (message := await receive())["type"] == "http.request":
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            await _answer(send, body.decode())
+            return
+
+
+PLAIN = {"/watched": watched, "/keeper": keeper, "/cut-stream": cut_stream, "/begun": begun, "/echo": echo}
 
 
 async def spin_anywhere(scope: Scope, receive: Receive, send: Send) -> None:
