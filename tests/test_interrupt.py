@@ -692,6 +692,31 @@ def test_uvicorn_sync_endpoint_in_the_thread_pool_is_ended_and_its_thread_stops(
     assert get(uvicorn.port, "/spun") == turns  # no thread spins on
 
 
+def test_uvicorn_a_task_waiting_for_its_thread_runs_on_with_its_timer_until_the_thread_is_back(
+    uvicorn: Server,
+) -> None:
+    """A task that awaits a function run in a thread (``asyncio.to_thread``,
+    a sync endpoint) is not cancelled while that thread runs: the cancel
+    would leave the thread running and end the request's timer with the
+    task, and then nothing would end it, or kill its worker, if it never
+    returned.  The client gets its 504 at the timeout; the request has not
+    ended when the interrupt's grace is over (with kill on, the kill comes
+    here); once the thread is back, the task is cancelled at its next
+    await.  (Before, the task was cancelled at once and the driver heard
+    the request end while its thread slept on.)"""
+    status, body = get(uvicorn.port, "/thread-then-await?s=2.5", WAIT, "asgi-to-thread")
+    assert (status, body) == GATEWAY_TIMEOUT
+    pid = driver_pid(uvicorn, "/thread-then-await", "asgi-to-thread")
+    how = r"task Task-\d+ cancelled once told its client is gone .*, but not before the thread it waits for is back, .*"
+    uvicorn.wait_for(interrupting("/thread-then-await", "asgi-to-thread", pid, how))
+    uvicorn.wait_for(
+        r"GET /thread-then-await \(request asgi-to-thread, .*\) has not ended 0\.5 s after it was interrupted: "
+        r".*; it runs on \(kill is off\)$"
+    )
+    uvicorn.wait_for("asgi_stuck: /thread-then-await cancelled once its thread had returned")
+    assert "cancelled while its thread ran" not in uvicorn.log()
+
+
 def test_uvicorn_hostile_path_is_data_in_the_log(uvicorn: Server) -> None:
     """Uvicorn decodes the path into the scope: shmwheel's lines about the
     request show its newline, ESC and override escaped.  (Before, a forged

@@ -53,7 +53,7 @@ from typing import Any
 from .._binding import lib
 from ._record import DUMP_SIGNALS, SHOWN_MAX, shown, signal_name
 from ._safepoint import arm, armed, can_arm, check_from_signal, unsafe_at
-from ._stacks import holds, real
+from ._stacks import holds, real, waits_for_thread
 
 __all__ = [
     "RESPONSE_BODY",
@@ -332,6 +332,8 @@ def _cancel(
             " once told its client is gone (if another of its tasks listens for that: only if the request has"
             f" not stirred {LISTENER_GRACE:g} s later)"
         )
+    if _waits_for_thread(task):  # as it is now: the loop's thread looks again (_cancel_in_loop)
+        how += ", but not before the thread it waits for is back"
     if blocking:
         how += (
             f", and the event loop's thread, where task {shown(running_task.get_name(), SHOWN_MAX)},"  # type: ignore[union-attr]
@@ -436,8 +438,26 @@ def _always() -> bool:
 
 
 def _cancel_in_loop(task: asyncio.Task[Any], still: Callable[[], bool], end: Callable[[], bool] | None = None) -> None:
-    if still() and not task.done() and (end is None or end()):
-        task.cancel("shmwheel: the request ran past its timeout")
+    if not (still() and not task.done() and (end is None or end())):
+        return
+    waiter = getattr(task, "_fut_waiter", None)
+    if waiter is not None and not waiter.done() and _waits_for_thread(task):
+        # It waits for its synchronous code, run in a thread: the cancel
+        # would not stop that thread but leave it running, the request's
+        # timer gone with the task, and nothing to end it or kill its worker
+        # if it never returns (a C call).  The thread is armed
+        # (_arm_pool); the task is cancelled once the thread has given it
+        # back, if it still runs then, after its own wake-up.
+        waiter.add_done_callback(lambda _: _cancel_in_loop(task, still))
+        return
+    task.cancel("shmwheel: the request ran past its timeout")
+
+
+def _waits_for_thread(task: asyncio.Task[Any]) -> bool:
+    try:
+        return waits_for_thread(task)
+    except RuntimeError:  # a coroutine's state changed as it was read: take it as not
+        return False
 
 
 #: How often a greenlet that waits where it may not be interrupted (in a

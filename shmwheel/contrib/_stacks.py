@@ -676,6 +676,18 @@ def _await_parts(coro: Any, task: Any = None) -> list[str | _Frames]:
     return [*parts, chain]
 
 
+def waits_for_thread(task: Any) -> bool:
+    """Whether the suspended asyncio ``task`` waits, itself, for a function
+    run in a thread (a synchronous endpoint of Starlette or FastAPI,
+    ``asyncio.to_thread``): its await chain, not counting tasks it awaits,
+    ends in one of the functions that hand code to a thread."""
+    parts = _await_parts(task.get_coro(), task)
+    own = next((part for part in parts if not isinstance(part, str)), [])
+    if len(parts) > 1 and isinstance(parts[1], str) and parts[1].startswith("  awaiting task "):
+        return False  # it waits for a task: that task's thread, if any, is that task's
+    return any(frame.f_code.co_name in _TO_THREAD_FUNCTIONS for frame, _ in own)
+
+
 def holds(task: Any, other: Any) -> bool:
     """Whether the suspended asyncio ``task`` waits for the task ``other``:
     awaits it, or keeps it in a local variable of a coroutine of its await

@@ -28,6 +28,10 @@ can be, for the end-to-end tests of the stacks the workers write.
                        its body, as a stream that stops when its client has gone
     GET /begun         plain ASGI, under asyncio or trio: sends a first chunk,
                        then sleeps (anyio) and ends its body
+    GET /thread-then-await
+                       plain ASGI: asyncio.to_thread(time.sleep), then awaits
+                       asyncio.sleep; says on stdout when it is cancelled, and
+                       whether its thread had returned then
     POST /echo         plain ASGI, under asyncio or trio: no_timeout(), then
                        answers with the request body once it is whole
 
@@ -268,6 +272,19 @@ async def begun(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b"rest\n", "more_body": False})
 
 
+async def thread_then_await(scope: Scope, receive: Receive, send: Send) -> None:
+    returned = False
+    try:
+        await asyncio.to_thread(time.sleep, _seconds(scope))
+        returned = True
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        when = "once its thread had returned" if returned else "while its thread ran"
+        print(f"asgi_stuck: /thread-then-await cancelled {when}", flush=True)
+        raise
+    await _answer(send, f"done by pid {os.getpid()}\n")
+
+
 async def echo(scope: Scope, receive: Receive, send: Send) -> None:
     no_timeout()
     body = b""
@@ -278,7 +295,8 @@ async def echo(scope: Scope, receive: Receive, send: Send) -> None:
             return
 
 
-PLAIN = {"/watched": watched, "/keeper": keeper, "/cut-stream": cut_stream, "/begun": begun, "/echo": echo}
+PLAIN = {"/watched": watched, "/keeper": keeper, "/cut-stream": cut_stream, "/begun": begun, "/echo": echo,
+         "/thread-then-await": thread_then_await}  # fmt: skip
 
 
 async def spin_anywhere(scope: Scope, receive: Receive, send: Send) -> None:
