@@ -39,7 +39,7 @@ from shmwheel.contrib import (
     signal_process,
 )
 from shmwheel.contrib._handler import DUMP_TIME, signal_if
-from shmwheel.contrib._record import KIND_FINISHED, KIND_LATE, KIND_RELEASED, with_kind
+from shmwheel.contrib._record import KIND_FINISHED, KIND_GRACE, KIND_LATE, KIND_RELEASED, with_kind
 from shmwheel.contrib._settings import reserve_for
 
 # A stand-in for a worker.  Given a wheel and a timeout, it starts the
@@ -569,6 +569,41 @@ def test_a_kept_fire_whose_request_finishes_while_it_waits_begins_no_stage(make_
     lines = [r.getMessage() for r in caplog.records]
     assert waited is None and not any("request timed out" in line or "begin again" in line for line in lines), lines
     assert proc.poll() is None
+
+
+def test_a_request_that_ran_on_past_its_grace_is_said_to_end_once_and_forgotten_with_its_worker(
+    make_wheel, worker, caplog
+) -> None:
+    """With kill off, a request that has not ended when its interrupt's
+    grace is over runs on: the driver still says when its worker tells it
+    that the request ended, once however often it is told; and it does not
+    keep a request whose worker has died without telling, which it finds
+    gone when another request runs on.  (Before, the driver forgot the
+    request at the end of its grace, and its end was never said.)"""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    one, two = worker("polite", wheel.name, 60.0), worker("polite", wheel.name, 60.0)
+    handler = TimeoutHandler(wheel.name, TimeoutActions(interrupt_grace=0.5))
+    now = time.monotonic_ns()
+
+    def fire(payload: bytes, kind: int, owner: int) -> None:
+        handler(shmwheel.Fire(-1, now, now, with_kind(payload, kind), owner))
+
+    first, gone, later = record_for(one, "/first"), record_for(two, "/gone"), record_for(one, "/later")
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        fire(first, KIND_GRACE, os.getpid())
+        fire(gone, KIND_GRACE, os.getpid())
+        fire(first, KIND_FINISHED, one.pid)
+        fire(first, KIND_FINISHED, one.pid)  # told again (as it tells every new driver it sees): said once
+        two.kill()
+        two.wait()
+        fire(later, KIND_GRACE, os.getpid())  # /gone's worker is looked for, and is gone
+        fire(gone, KIND_FINISHED, two.pid)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("it runs on (kill is off)" in line for line in lines) == 3, lines
+    ended = [line for line in lines if " after it was interrupted" in line and "has not ended" not in line]
+    assert len(ended) == 1, lines
+    assert re.fullmatch(rf"GET /first \(request r1, worker pid {one.pid}\) ended \d+\.\d{{3}} s after it was "
+                        r"interrupted", ended[0])  # fmt: skip
 
 
 def test_the_timers_of_a_process_refused_a_moment_ago_are_refused_unread(make_wheel, worker, caplog) -> None:

@@ -254,6 +254,29 @@ def test_gthread_cpu_loop_is_answered_504_and_its_worker_serves_on(gthread: Serv
     assert booted(gthread) == 1
 
 
+def test_gthread_a_thread_in_a_c_call_runs_on_past_its_grace_and_its_end_is_logged(tmp_path: Path) -> None:
+    """With kill off, a request thread in time.sleep (a C call, in a thread
+    that no signal wakes) has not ended when the interrupt's grace is over,
+    and runs on; once the sleep returns, RequestTimeout ends it at its next
+    safe point, the client gets its 504, and the driver says, once, that it
+    ended and how long after its interrupt.  (Before, the driver had
+    forgotten it once it said it ran on, and said nothing of its end.)"""
+    port = free_port()
+    stages = f"timeout={TIMEOUT}, interrupt=True, interrupt_grace=0.5, kill=False"
+    options = ("--workers", "1", "--threads", "2", "--access-logfile", "-")
+    cmd = gunicorn_app(tmp_path, port, "gthread", *options, install=stages)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        before = pid_of(get(port, "/"))
+        assert get(port, "/sleep?s=2.5", WAIT, "ran-on") == GATEWAY_TIMEOUT
+        request = rf"GET /sleep \(request ran-on, worker pid {before}, {THREAD}\)"
+        server.wait_for(rf"{request} has not ended 0\.5 s after it was interrupted: .*; it runs on \(kill is off\)$")
+        ended = rf"{request} ended ([\d.]+) s after it was interrupted$"
+        assert float(server.wait_for(ended).group(1)) >= 0.5  # it had not ended at the grace's end
+        time.sleep(0.3)  # a second line would be there by now
+        assert len(re.findall(ended, server.log(), re.M)) == 1, server.log()[-4000:]
+        assert pid_of(get(port, "/")) == before and booted(server) == 1
+
+
 def test_warn_after_logs_a_slow_requests_stack_and_lets_it_finish(gthread: Server) -> None:
     """At warn_after the driver says the request is slow and its worker
     writes its stack; the request finishes in time, answered 200."""
@@ -702,8 +725,10 @@ def test_uvicorn_a_task_waiting_for_its_thread_runs_on_with_its_timer_until_the_
     returned.  The client gets its 504 at the timeout; the request has not
     ended when the interrupt's grace is over (with kill on, the kill comes
     here); once the thread is back, the task is cancelled at its next
-    await.  (Before, the task was cancelled at once and the driver heard
-    the request end while its thread slept on.)"""
+    await, and the driver says that the request ended.  (Before, the task
+    was cancelled at once and the driver heard the request end while its
+    thread slept on; then, the driver forgot the request once it had said
+    that it ran on, and never said that it ended.)"""
     status, body = get(uvicorn.port, "/thread-then-await?s=2.5", WAIT, "asgi-to-thread")
     assert (status, body) == GATEWAY_TIMEOUT
     pid = driver_pid(uvicorn, "/thread-then-await", "asgi-to-thread")
@@ -714,6 +739,7 @@ def test_uvicorn_a_task_waiting_for_its_thread_runs_on_with_its_timer_until_the_
         r".*; it runs on \(kill is off\)$"
     )
     uvicorn.wait_for("asgi_stuck: /thread-then-await cancelled once its thread had returned")
+    uvicorn.wait_for(r"GET /thread-then-await \(request asgi-to-thread, .*\) ended [\d.]+ s after it was interrupted$")
     assert "cancelled while its thread ran" not in uvicorn.log()
 
 

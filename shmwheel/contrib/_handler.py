@@ -23,7 +23,9 @@ one add and one cancel a request:
    the same signal tell its worker to end the request
    (:mod:`shmwheel.contrib._interrupt`), and a follow-up
    ``interrupt_grace`` later says whether it has: a request that has ended
-   tells the driver so, and is left alone;
+   tells the driver so, and is left alone; one that has not, with kill
+   off, runs on, and is remembered until it ends (its worker tells the
+   driver, which says so) or its worker is gone;
 3. optionally ``kill_signal`` (graceful: the worker may finish up), once
    the stack is written or, for an interrupted request, once the grace is
    over and it has not ended; then, ``kill_after`` seconds later if the
@@ -273,6 +275,7 @@ _OWN_KINDS = frozenset(bytes([kind]) for kind in (*FOLLOW_UPS, KIND_LATE))  # wh
 WARNED, TIMED_OUT = "warned", "timed out"  # the stage a late request is at
 FORGET_AFTER = 600.0  # s: how long a worker sent kill_signal, or a late request, is remembered, at most
 HELD_IDLE = 1.0  # s: how long the thread that brings kept follow-ups back waits for another before it ends
+RUNNING_ON_KEPT = 4096  # requests running on past their interrupt's grace (kill off) kept at most, to say their end
 
 
 def _running(record: RequestRecord) -> str:
@@ -353,6 +356,11 @@ class TimeoutHandler:
         self._kept: dict[bytes, list[int]] = {}  # request: the handles of its fires kept in flight
         self._due: dict[bytes, tuple[int, float]] = {}  # request: this driver's follow-ups of it still to come, since
         self._ended: dict[bytes, float] = {}  # requests whose worker said they ended while no stage ran here: when
+        # Requests interrupted that had not ended when the grace was over,
+        # with kill off: they run on, and their worker's word that they
+        # ended is still said (_heard).  (pid, start) of the worker, and
+        # when it was asked to end the request.
+        self._running_on: dict[bytes, tuple[tuple[int, int], float]] = {}
 
     def spare(self, pid: int) -> None:
         """Never signal ``pid`` (the server's master, which maps the wheel
@@ -545,7 +553,15 @@ class TimeoutHandler:
         return DUMP_TIME + actions.interrupt_grace + DUMP_TIME + actions.kill_after + 1.0
 
     def _heard(self, late: _Late | None, record: RequestRecord, key: bytes) -> None:
-        """The worker's word about a request whose follow-ups are due."""
+        """The worker's word about a request whose follow-ups are due, or
+        that runs on past its interrupt's grace."""
+        if late is None and record.kind != KIND_ANSWER and key in self._running_on:
+            _, interrupted_at = self._running_on.pop(key)
+            if record.kind == KIND_FINISHED:
+                _log.info(
+                    "%s ended %.3f s after it was interrupted", record.describe(), time.monotonic() - interrupted_at
+                )
+            return
         if late is None and record.kind != KIND_ANSWER and key in self._due:
             self._ended[key] = time.monotonic()  # its stage waits to begin again (_told_late): it need not
             return
@@ -755,7 +771,8 @@ class TimeoutHandler:
         return True
 
     def _grace_over(self, fire: Fire, record: RequestRecord, there: bool) -> None:
-        """interrupt_grace after the interrupt: a request that has not ended is logged, and with kill, killed."""
+        """interrupt_grace after the interrupt: a request that has not ended is logged, and with kill, killed;
+        without, remembered until it ends (:meth:`_runs_on`)."""
         late = self._late.pop(fire.payload[1:], None)
         if not there or (late is not None and late.ended):
             return
@@ -780,6 +797,7 @@ class TimeoutHandler:
             then,
         )
         if not actions.kill:
+            self._runs_on(fire.payload[1:], record, late)
             return
         if late is not None and late.dumped_at and time.monotonic() - late.dumped_at < DUMP_TIME:
             # faulthandler may be writing yet: kill_signal could end the worker mid-dump.
@@ -787,6 +805,30 @@ class TimeoutHandler:
             self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
             return
         self._graceful(fire, record, late)
+
+    def _runs_on(self, key: bytes, record: RequestRecord, late: _Late | None) -> None:
+        """Keep a request that runs on past its interrupt's grace (kill is
+        off), so that its end, which its worker tells, is still said.
+
+        Forgotten when its worker says it ended, or once its worker is gone
+        (a worker that dies says nothing: its requests are looked for each
+        time another request begins to run on, one /proc read a worker).
+        Not after a time: a request that runs on may end an hour later, and
+        that it did is what the line is for.  Its worker's word can also be
+        lost while the worker lives (a wheel full to its reserve), so at
+        most RUNNING_ON_KEPT are kept, the oldest let go first: past that
+        many requests stuck at once, with kill off, the operator has more
+        pressing news than when each of them ends."""
+        interrupted_at = late.interrupted_at if late is not None and late.interrupted_at else 0.0
+        if not interrupted_at:  # not known here (a driver that took over): the grace is over now
+            interrupted_at = time.monotonic() - self.actions.interrupt_grace
+        running_on = self._running_on
+        gone = {worker for worker in {worker for worker, _ in running_on.values()} if not alive(*worker)}
+        if gone:
+            self._running_on = running_on = {k: v for k, v in running_on.items() if v[0] not in gone}
+        while len(running_on) >= RUNNING_ON_KEPT:
+            del running_on[next(iter(running_on))]
+        running_on[key] = ((record.pid, record.start), interrupted_at)
 
     def _finished(self, record: RequestRecord) -> None:
         _log.info("%s has finished since it timed out: worker pid %d is left alone", record.describe(), record.pid)
