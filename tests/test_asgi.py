@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import inspect
+import logging
 import os
 import signal
 import subprocess
@@ -107,7 +108,9 @@ def test_a_request_whose_app_raises_is_cancelled(make_wheel) -> None:
     assert len(wheel) == 0 and wheel.stats().cancelled == 1
 
 
-def test_an_app_wrapped_twice_is_timed_once_by_the_outer_middleware(make_wheel) -> None:
+def test_an_app_wrapped_twice_is_timed_once_by_the_outer_middleware(make_wheel, caplog) -> None:
+    """The inner middleware passes the request through, and says once that
+    its settings do nothing, naming the outer one's, which win."""
     outer_wheel, inner_wheel = make_wheel(payload_size=PAYLOAD_SIZE), make_wheel(payload_size=PAYLOAD_SIZE)
     seen: list[int] = []
 
@@ -116,10 +119,20 @@ def test_an_app_wrapped_twice_is_timed_once_by_the_outer_middleware(make_wheel) 
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
-    inner = TimeoutMiddleware(app, 30.0, name=inner_wheel.name, tracebacks=False)
-    run(TimeoutMiddleware(inner, 30.0, name=outer_wheel.name, tracebacks=False), http())
-    assert seen == [1]
-    assert (outer_wheel.stats().added, inner_wheel.stats().added) == (1, 0)
+    inner = TimeoutMiddleware(app, 20.0, name=inner_wheel.name, tracebacks=False, interrupt=True)
+    outer = TimeoutMiddleware(inner, 30.0, name=outer_wheel.name, tracebacks=False)
+    with caplog.at_level(logging.WARNING, "shmwheel"):
+        run(outer, http())
+        run(outer, http())
+    assert seen == [1, 1]
+    assert (outer_wheel.stats().added, inner_wheel.stats().added) == (2, 0)
+    [said] = [r.getMessage() for r in caplog.records]
+    assert said == (
+        f"shmwheel: {__name__}.test_an_app_wrapped_twice_is_timed_once_by_the_outer_middleware.<locals>.app is "
+        "wrapped in shmwheel.contrib.asgi.TimeoutMiddleware (timeout 20 s, interrupt) inside another, which times its "
+        f"requests already (timeout 30 s, on wheel {outer_wheel.name!r}): the outer one's settings win, and this "
+        "one's do nothing; wrap the application once"
+    )
 
 
 def test_websockets_are_timed_only_when_asked_and_lifespan_passes_through(make_wheel) -> None:

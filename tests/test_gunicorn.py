@@ -1,16 +1,20 @@
 """Gunicorn's hooks (shmwheel.contrib.gunicorn's install()): what Gunicorn
 accepts of them, their arguments checked, the hooks in C (shmwheel._fast's
 Hooks) filing what the Python hooks file, headers of other shapes, the
-config's own hooks kept, and a second install().  (test_servers.py runs
-real Gunicorn servers.)"""
+config's own hooks kept, and a second install(); and, under real Gunicorn,
+an application wrapped both by hand and by install(), which says once which
+settings win.  (test_servers.py runs real Gunicorn servers for the rest.)"""
 
 from __future__ import annotations
 
+import re
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
 from _contrib import RAW_REQUESTS, _greenlet_that_meddles, _gunicorn_hooks, _gunicorn_request, _reuse_freed_memory
+from _servers import GATEWAY_TIMEOUT, WAIT, Server, free_port, get, gunicorn_app, pid_of, serve, stopped_cleanly
 
 from shmwheel.contrib import gunicorn as contrib_gunicorn
 from shmwheel.contrib._record import decode_request
@@ -202,3 +206,98 @@ def test_a_second_install_in_one_config_takes_the_place_of_the_first(make_wheel,
     hooks["post_request"](None, req, {}, None)
     assert len(wheel) == 0 and not timer._active
     assert calls == ["pre", "post"]
+
+
+# -- an application wrapped both by hand and by install(), under real Gunicorn ----
+
+GUNICORN_LINE = r"^\[[^]\n]+\] \[\d+\] \[WARNING\] shmwheel: "  # Gunicorn's error log, in its format
+
+
+def said_once(server: Server, line: str) -> None:
+    """``line`` (a pattern) is in the server's log, in Gunicorn's format, once."""
+    server.wait_for(GUNICORN_LINE + line)
+    assert len(re.findall(GUNICORN_LINE + line, server.log(), re.M)) == 1, server.log()[-4000:]
+
+
+@pytest.mark.parametrize("worker_class", ["uvicorn_worker.UvicornWorker", "uvicorn.workers.UvicornWorker"])
+def test_an_asgi_application_wrapped_already_is_timed_by_its_own_settings_and_the_worker_says_so(
+    worker_class: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The application is TimeoutMiddleware(app, 30 s) itself: install()
+    (1 s) does not wrap it again, so the middleware's settings time each
+    request and install()'s do nothing; the worker says so at boot, once,
+    in Gunicorn's log.  A request of 2 s is not timed out.  (Before,
+    nothing was said: install()'s settings did nothing, silently.)"""
+    monkeypatch.setenv("SHMWHEEL_TEST_TIMEOUT", "30")  # asgi_stuck's app
+    port = free_port()
+    cmd = gunicorn_app(tmp_path, port, worker_class, "--workers", "1", install="timeout=1.0", app="asgi_stuck:app")
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        said_once(
+            server,
+            r"the application is wrapped in shmwheel\.contrib\.asgi\.TimeoutMiddleware already, so install\(\) does "
+            r"not wrap it again: that middleware's settings time each request \(timeout 30 s\), and install\(\)'s "
+            r"\(timeout 1 s\) do nothing; install\(\)'s driver acts on its timeouts \(no kill, interrupt_grace 1 s\); "
+            r"wrap the application or call install\(\), not both$",
+        )
+        pid_of(get(port, "/await-sleep?s=2", WAIT, "own-settings"))
+        assert "request timed out" not in server.log(), server.log()[-4000:]
+
+
+def test_an_asgi_middleware_that_install_wraps_again_says_at_its_first_request_that_the_outer_one_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The application is a function around TimeoutMiddleware(app, 30 s):
+    install() wraps it in a middleware of its own (1 s), which times each
+    request; the inner one passes them through, and says so at its first
+    request, once, in Gunicorn's log.  A request of 2 s times out at 1 s.
+    (Before, nothing was said: the inner one's settings did nothing,
+    silently.)"""
+    monkeypatch.setenv("SHMWHEEL_TEST_TIMEOUT", "30")
+    port = free_port()
+    cmd = gunicorn_app(
+        tmp_path, port, "uvicorn_worker.UvicornWorker", "--workers", "1", install="timeout=1.0", app="asgi_stuck:nested"
+    )
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        pid_of(get(port, "/await-sleep?s=2", WAIT, "outer-wins"))
+        server.wait_for(r"request timed out: GET /await-sleep \(request outer-wins, ")
+        pid_of(get(port, "/"))
+        said_once(
+            server,
+            r"asgi_stuck\.spin_anywhere is wrapped in shmwheel\.contrib\.asgi\.TimeoutMiddleware \(timeout 30 s\) "
+            r"inside another, which times its requests already \(timeout 1 s, on wheel 'gunicorn-\d+': under "
+            r"Gunicorn, install\(\) wraps the application in one\): the outer one's settings win, and this one's do "
+            r"nothing; wrap the application once$",
+        )
+
+
+@pytest.mark.parametrize("worker_class", ["sync", "gthread"])
+def test_a_wsgi_application_wrapped_by_hand_too_is_timed_once_by_install_which_says_so(
+    worker_class: str, tmp_path: Path
+) -> None:
+    """The application is wsgi.TimeoutMiddleware(app, 30 s) on install()'s
+    wheel, and install()'s hooks (1 s, interrupt) time every request
+    already: the middleware passes its requests through untimed, and the
+    worker says so at boot, once.  A request that calls no_timeout() is
+    exempt, and runs its 2 s; one that sleeps 2 s is answered 504, timed
+    out once.  (Before, both timed each request: no_timeout() reached the
+    middleware's timer only, and install()'s ended the request with a 504
+    all the same.)"""
+    port = free_port()
+    cmd = gunicorn_app(
+        tmp_path, port, worker_class, "--workers", "1", install="timeout=1.0, interrupt=True",
+        app="flask_wrapped:application",
+    )  # fmt: skip
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        status, body = get(port, "/no-timeout?s=2", WAIT, "exempt")
+        assert body.startswith("no_timeout() returned True; "), (status, body)
+        pid_of((status, body))
+        assert get(port, "/sleep?s=2", WAIT, "timed-once") == GATEWAY_TIMEOUT
+        assert len(re.findall(r"request timed out: GET /sleep \(request timed-once, ", server.log())) == 1
+        said_once(
+            server,
+            r"install\(\)'s hooks time every request of this worker \(timeout 1 s, interrupt\), and the "
+            r"shmwheel\.contrib\.wsgi\.TimeoutMiddleware its application made \(timeout 30 s, on wheel "
+            r"'gunicorn-\d+'\) would time them again: install\(\)'s settings win, and the middleware passes its "
+            r"requests through untimed; wrap the application or call install\(\), not both$",
+        )
+        assert "request timed out: GET /no-timeout" not in server.log()

@@ -656,6 +656,16 @@ def test_uwsgi_dropping_to_nobody_times_out_and_leaves_nothing(drop: str, tmp_pa
         times_out_then_stops(server)
 
 
+def no_config(tmp_path: Path) -> Path:
+    """An empty Gunicorn config: without one, Gunicorn reads the
+    gunicorn.conf.py of its working directory, examples/, whose install()
+    would time every request too, and the WSGI middleware would pass them
+    through."""
+    config = tmp_path / "empty.conf.py"
+    config.write_text("# no install(): the application's WSGI middleware times its requests\n")
+    return config
+
+
 RESTART_APP = """
 import os, sys
 sys.path.insert(0, {examples!r})
@@ -689,7 +699,8 @@ def test_a_standalone_driver_restarted_under_a_serving_gunicorn_keeps_timing_req
     started: list[subprocess.Popen[bytes]] = []
     driver = start_driver()
     port = free_port()
-    cmd = [str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--workers", "2", "--pythonpath", str(tmp_path)]
+    cmd = [str(BIN / "gunicorn"), "-c", str(no_config(tmp_path)), "--bind", f"127.0.0.1:{port}", "--workers", "2"]
+    cmd += ["--pythonpath", str(tmp_path)]
     try:
         with serve([*cmd, "--no-control-socket", "restart_app:application"], port, tmp_path, "gunicorn") as server:
             for round_ in range(3):
@@ -879,8 +890,8 @@ def test_the_wsgi_middleware_keeps_the_servers_sendfile_and_times_the_file_until
             time.sleep(0.05)
         port = free_port()
         if server_name == "gunicorn":
-            cmd = [str(BIN / "gunicorn"), "--bind", f"127.0.0.1:{port}", "--pythonpath", str(tmp_path)]
-            cmd += ["--no-control-socket", "file_app:application"]
+            cmd = [str(BIN / "gunicorn"), "-c", str(no_config(tmp_path)), "--bind", f"127.0.0.1:{port}"]
+            cmd += ["--pythonpath", str(tmp_path), "--no-control-socket", "file_app:application"]
         else:
             cmd = [str(BIN / "uwsgi"), "--http-socket", f"127.0.0.1:{port}", "--pythonpath", str(tmp_path)]
             cmd += ["--module", "file_app:application", "--need-app", "--master", "--die-on-term"]

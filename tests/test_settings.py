@@ -142,3 +142,18 @@ def test_actions_take_signal_names_and_round_trip_through_the_command_line() -> 
     assert actions.kill_signal == signal.SIGABRT
     again = TimeoutActions.from_args(timeouts._parser("shmwheel timeouts").parse_args(["w", *actions.as_args()]))
     assert again == actions
+
+
+def test_settings_and_actions_say_in_a_few_words_what_they_set_for_a_log_line() -> None:
+    """What the warnings about an application wrapped twice name of each side."""
+    assert TimeoutSettings(30.0).summary() == "timeout 30 s"
+    full = TimeoutSettings(
+        2.5, warn_after=1.0, interrupt=True, routes={"/x": 1}, on_timeout=_report, x_request_start=True
+    )
+    assert full.summary() == "timeout 2.5 s, warn_after 1 s, interrupt, routes, on_timeout, x_request_start"
+    assert TimeoutActions().summary() == "no kill, interrupt_grace 1 s"
+    assert (
+        TimeoutActions(kill=True, kill_signal="ABRT", kill_after=3, interrupt_grace=0.5, tracebacks=False, log=False)
+        .summary()
+        == "kill (SIGABRT, SIGKILL 3 s later), interrupt_grace 0.5 s, no stacks, no log"
+    )  # fmt: skip

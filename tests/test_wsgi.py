@@ -280,6 +280,28 @@ def test_the_middleware_called_directly_in_c_is_the_middleware(make_wheel) -> No
     assert TimeoutMiddleware(mw.app, wheel.name, 30.0, interrupt=True).direct().__class__ is TimeoutMiddleware
 
 
+def test_a_middleware_that_stands_aside_passes_requests_through_untimed_however_it_is_called(make_wheel) -> None:
+    """What Gunicorn's install() does to a WSGI middleware of an application
+    whose requests its hooks time already: neither its own call nor its C
+    callable, which had a Clerk from a request before, adds a timer."""
+    wheel = make_wheel(payload_size=256)
+    seen: list[object] = []
+
+    def app(env: dict[str, object], start_response: object) -> list[bytes]:
+        seen.append(env.get("shmwheel.handle", "untimed"))
+        return [b"ok"]
+
+    mw = TimeoutMiddleware(app, wheel.name, 30.0, traceback_signal=None)
+    direct = mw.direct()
+    body = direct({"PATH_INFO": "/before"}, lambda *a: None)
+    assert list(body) == [b"ok"] and len(wheel) == 1
+    body.close()  # type: ignore[attr-defined]
+    mw.stand_aside("install()")
+    for call in (direct, mw):
+        assert list(call({"PATH_INFO": "/aside"}, lambda *a: None)) == [b"ok"]
+    assert seen[1:] == ["untimed", "untimed"] and wheel.stats().added == 1 and len(wheel) == 0
+
+
 def test_the_middlewares_c_call_keeps_the_environs_values_that_python_run_meanwhile_drops(
     make_wheel, monkeypatch
 ) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .._checks import CAPACITIES, check_flag, check_int, check_seconds, check_signal
-from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal
+from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal, signal_name
 from ._routes import Lookup, Routes, compile_routes
 
 __all__ = [
@@ -90,6 +90,19 @@ class TimeoutActions:
             interrupt_grace=args.interrupt_grace,
         )
 
+    def summary(self) -> str:
+        """What the driver does, in a few words for a log line:
+        ``kill (SIGTERM, SIGKILL 5 s later), interrupt_grace 1 s``."""
+        parts = [
+            f"kill ({signal_name(self.kill_signal)}, SIGKILL {self.kill_after:g} s later)" if self.kill else "no kill"
+        ]
+        parts.append(f"interrupt_grace {self.interrupt_grace:g} s")
+        if not self.tracebacks:
+            parts.append("no stacks")
+        if not self.log:
+            parts.append("no log")
+        return ", ".join(parts)
+
     def as_args(self) -> list[str]:
         """The same settings as command-line arguments of ``python -m shmwheel.contrib.timeouts``."""
         args = [
@@ -156,6 +169,20 @@ class TimeoutSettings:
                 "the driver tells the worker that a request of its is late"
             )
         object.__setattr__(self, "lookup", compile_routes(self.routes, round(timeout * 1e9)))
+
+    def summary(self) -> str:
+        """What each request gets, in a few words for a log line:
+        ``timeout 30 s, warn_after 10 s, interrupt, routes``."""
+        parts = [f"timeout {self.timeout:g} s"]
+        if self.warn_after is not None:
+            parts.append(f"warn_after {self.warn_after:g} s")
+        flags = {
+            "interrupt": self.interrupt,
+            "routes": self.routes is not None,
+            "on_timeout": self.on_timeout is not None,
+            "x_request_start": self.x_request_start,
+        }
+        return ", ".join(parts + [name for name, on in flags.items() if on])
 
     @property
     def staged(self) -> bool:

@@ -81,6 +81,7 @@ __all__ = [
     "queued_ns",
     "rearm_here",
     "timed_apps",
+    "timer_here",
     "times_requests",
 ]
 
@@ -827,6 +828,13 @@ def _here() -> tuple[RequestTimer, int] | None:
             return mine
     current = _current.get()
     return current if current is not None and current[1] in current[0]._active else None
+
+
+def timer_here() -> RequestTimer | None:
+    """The timer of the request in progress here (this thread's, task's or
+    greenlet's), if one is."""
+    current = _here()
+    return None if current is None else current[0]
 
 
 def extend(seconds: float) -> bool:

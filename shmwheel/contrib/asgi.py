@@ -25,7 +25,9 @@ timed unless ``websocket=True``, and then for as long as the connection
 lasts; ``lifespan`` and any other scope pass straight through.  A scope
 that an outer TimeoutMiddleware has timed already carries
 ``"shmwheel.handle"`` (the handle, or None without a timer) and is passed
-through, so wrapping an application twice times it once, by the outer one.
+through, so wrapping an application twice times it once, by the outer one;
+the inner one says so, once a process, at its first such request, since
+its settings then do nothing.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from ._settings import (
     TimeoutSettings,
 )
 from ._stacks import server_logger
-from ._worker import RequestTimer, timed_apps
+from ._worker import RequestTimer, timed_apps, timer_here
 
 __all__ = ["TIMED", "TimeoutMiddleware", "own_wheel_name"]
 
@@ -182,6 +184,7 @@ class TimeoutMiddleware:
         self._lock = threading.Lock()
         self._timer: RequestTimer | None = None
         self._timer_pid = 0
+        self._said_inside = 0  # the process that has said an outer middleware times this one's requests
         timed_apps.add(self)
 
     @property
@@ -230,9 +233,12 @@ class TimeoutMiddleware:
         tried the request and gave it back, so its timer takes the waiting
         path (RequestTimer.start_declined)."""
         kind = scope["type"]
-        if TIMED in scope or not (kind == "http" or (kind == "websocket" and self.websocket)):
+        ours = kind == "http" or (kind == "websocket" and self.websocket)
+        if TIMED in scope or not ours:
             if kind == "lifespan":
                 self.timer.prepare()  # the wheel, its driver and the traceback signal before the first request
+            elif ours and self._said_inside != _process.pid:
+                self._say_inside()
             return self.app(scope, receive, send)
         timer = self.timer
         task = _task()
@@ -243,6 +249,30 @@ class TimeoutMiddleware:
         else:
             handle = timer.start(method, path, request_id, task, queued_since)
         return _Exchange(timer, handle, task, kind, receive, send).run(self.app, {**scope, TIMED: handle})
+
+    def _say_inside(self) -> None:
+        """Say, once a process, that another TimeoutMiddleware outside this
+        one times its requests already, so that this one's settings do
+        nothing: an application wrapped twice, by hand, or by hand and by
+        Gunicorn's ``install()``, which wraps it again unless this is the
+        application itself."""
+        self._said_inside = _process.pid
+        outer = timer_here()  # the outer one's request, in this task
+        app = self.app
+        inner = f"{getattr(app, '__module__', None) or '?'}.{getattr(app, '__qualname__', type(app).__qualname__)}"
+        whose = ""
+        if outer is not None:
+            whose = f" ({outer.settings.summary()}, on wheel {outer.name!r}"
+            if outer.name == os.environ.get(WHEEL_ENV):
+                whose += ": under Gunicorn, install() wraps the application in one"
+            whose += ")"
+        server_logger().warning(
+            "shmwheel: %s is wrapped in shmwheel.contrib.asgi.TimeoutMiddleware (%s) inside another, which times its "
+            "requests already%s: the outer one's settings win, and this one's do nothing; wrap the application once",
+            inner,
+            self.settings.summary(),
+            whose,
+        )
 
 
 # The C way: the call of an instance goes to shmwheel._fast.Coroutine,

@@ -18,7 +18,10 @@ calls any that were defined above it, so it must come after them):
   (Uvicorn's ``uvicorn_worker.UvicornWorker`` or the older
   ``uvicorn.workers.UvicornWorker``, Gunicorn's ``asgi``) it wraps the
   application in :class:`shmwheel.contrib.asgi.TimeoutMiddleware` on the
-  master's wheel (an application wrapped already is timed once); with
+  master's wheel (an application that is the middleware already is not
+  wrapped again, and the worker says that its settings win); with the
+  classes that call the request hooks, a WSGI middleware the application
+  made passes its requests through untimed, and the worker says so; with
   another class that calls no request hooks, it logs an ERROR unless the
   application is wrapped in one of the middlewares;
 * ``pre_request`` / ``post_request`` (each worker, in the thread that runs
@@ -69,6 +72,7 @@ from ._supervisor import DriverSupervisor
 from ._worker import RequestTimer, timed_apps
 from .asgi import TimeoutMiddleware
 from .wsgi import InterruptibleApp
+from .wsgi import TimeoutMiddleware as WSGIMiddleware
 
 __all__ = ["install"]
 
@@ -183,6 +187,7 @@ def install(
     def post_worker_init(worker: Any) -> None:
         if _state.timer is not None:
             _state.timer.prepare()
+            _time_once(worker, _state.timer)
             if _state.timer.interrupt:  # a request it interrupts is answered 504
                 worker.wsgi = InterruptibleApp(worker.wsgi, _state.timer)
         elif _state.how == WRAP:
@@ -329,13 +334,66 @@ def _actions_for(settings: _Installed, worker_class: type) -> TimeoutActions:
 
 def _wrap(worker: Any, settings: _Installed) -> None:
     """Wrap a worker's ASGI application (Gunicorn's asgi worker keeps it in
-    ``worker.asgi``, Uvicorn's in ``worker.wsgi``) on the master's wheel."""
+    ``worker.asgi``, Uvicorn's in ``worker.wsgi``) on the master's wheel.
+
+    An application that is the middleware already is not wrapped again:
+    its settings time each request, and the worker says so, since
+    install()'s then do nothing.  (One whose middleware is further in is
+    wrapped: the outer one's settings win, and the inner one says so at
+    its first request.)"""
     attr = "asgi" if getattr(worker, "asgi", None) is not None else "wsgi"
     app = getattr(worker, attr)
-    if not isinstance(app, TimeoutMiddleware):
+    if isinstance(app, TimeoutMiddleware):
+        _wrapped_already(worker, app, settings)
+    else:
         app = TimeoutMiddleware.of(app, settings.timeouts, name=os.environ[WHEEL_ENV])
         setattr(worker, attr, app)
     app.timer.prepare()
+
+
+def _wrapped_already(worker: Any, app: TimeoutMiddleware, settings: _Installed) -> None:
+    """Say, at the worker's boot, that its ASGI application is the middleware
+    already, whose settings win over install()'s.  What the driver does at a
+    timeout is still install()'s (its driver acts on the master's wheel,
+    which a middleware without a name uses), not the middleware's own."""
+    wheel = os.environ[WHEEL_ENV]
+    if (app.name or wheel) == wheel:
+        driver = _actions_for(settings, type(worker))
+        then = f"install()'s driver acts on its timeouts ({driver.summary()})"
+        if app.actions.summary() != driver.summary():
+            then += f", not as the middleware's own settings say ({app.actions.summary()})"
+    else:
+        then = f"its timers go to wheel {app.name!r}, which install()'s driver, on wheel {wheel!r}, does not drive"
+    worker.log.warning(
+        "shmwheel: the application is wrapped in shmwheel.contrib.asgi.TimeoutMiddleware already, so install() does "
+        "not wrap it again: that middleware's settings time each request (%s), and install()'s (%s) do nothing; %s; "
+        "wrap the application or call install(), not both",
+        app.settings.summary(),
+        settings.timeouts.summary(),
+        then,
+    )
+
+
+def _time_once(worker: Any, timer: RequestTimer) -> None:
+    """Have each WSGI middleware of the worker's (an application wrapped by
+    hand as well) pass its requests through untimed, and say so: install()'s
+    hooks time every request already.  Two timers a request would each act
+    at their own timeout, and extend() and no_timeout() in the application
+    would reach only the middleware's, so that install()'s would end, or
+    kill, a request its code had exempted."""
+    for middleware in list(timed_apps):
+        if not isinstance(middleware, WSGIMiddleware) or middleware.timed_outside is not None:
+            continue
+        middleware.stand_aside("install()")
+        worker.log.warning(
+            "shmwheel: install()'s hooks time every request of this worker (%s), and the shmwheel.contrib.wsgi."
+            "TimeoutMiddleware its application made (%s, on wheel %r) would time them again: install()'s settings "
+            "win, and the middleware passes its requests through untimed; wrap the application or call install(), "
+            "not both",
+            timer.settings.summary(),
+            middleware.timer.settings.summary(),
+            middleware.timer.name,
+        )
 
 
 def _check_setup(server: Any, settings: _Installed, how: str) -> None:

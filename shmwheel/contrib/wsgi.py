@@ -96,9 +96,28 @@ class TimeoutMiddleware:
         # Whether every request takes the whole call in C when it can
         # (shmwheel._fast's Clerk.wsgi): not with what needs Python per request.
         self._plain = in_c(settings)
+        #: What times this process's requests outside the middleware (set by
+        #: :meth:`stand_aside`), which then passes them through untimed.
+        self.timed_outside: str | None = None
         timed_apps.add(self)
 
+    def stand_aside(self, by: str) -> None:
+        """Pass every request of this process through untimed, since ``by``
+        (Gunicorn's ``install()``, whose hooks time every request of its
+        workers) times them outside the middleware already: one timer a
+        request, as an ASGI application wrapped twice has, by the outer one.
+        Two would each act at their own timeout, and ``extend()`` and
+        ``no_timeout()``, which reach the innermost request only, would
+        leave the other to end or kill a request its code had exempted.
+        The timer's C path is let go, so that ``direct()``'s C callable,
+        which keeps the one of its last request, calls the middleware."""
+        self.timed_outside = by
+        with self.timer._lock:
+            self.timer._drop_fast()
+
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        if self.timed_outside is not None:
+            return self.app(environ, start_response)
         fast = self.timer._fast
         if fast is not None and self._plain:
             body: Iterable[bytes] | None = fast.wsgi(self.app, environ, start_response)
