@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 #define SHMW_MAGIC          0x6c656568776d6873ULL  /* a segment's first 8 bytes: "shmwheel", little-endian */
-#define SHMW_LAYOUT_VERSION 6                      /* the 4 bytes after them */
+#define SHMW_LAYOUT_VERSION 7                      /* the 4 bytes after them */
 /* The functions' signatures, one more each time one changes: shmwheel._fast
  * calls the cffi module's functions by address, and refuses to load beside
  * a module built from another version of this header. */
@@ -29,6 +29,7 @@
 #define SHMW_MAX_PAYLOAD    65536U
 #define SHMW_MAX_DELAY_NS   (1LL << 62)       /* about 146 years */
 #define SHMW_MAX_PRODUCERS  1024U             /* attached processes a segment records */
+#define SHMW_MAX_SHARDS     256U              /* wheels of their own, each with its own lock, in a segment */
 #define SHMW_LOCK_TIMEOUT_NS 10000000000LL    /* a lock not taken in this long is jammed */
 
 /* Return codes.  0 is success; everything else is negative, means one
@@ -129,6 +130,7 @@ struct shmw_stats {
     uint64_t removed;           /* 1: removed from its name or replaced */
     uint64_t reserve;           /* free entries only an add with SHMW_RESERVED may take */
     uint64_t refused;           /* fires the driver's handler refused to act on */
+    uint64_t shards;
 };
 
 /* What create is asked for. */
@@ -138,6 +140,8 @@ struct shmw_params {
     uint32_t wheel_bits;
     int64_t  tick_ns;
     uint32_t reserve;           /* entries only an add with SHMW_RESERVED may take; < capacity */
+    uint32_t shards;            /* wheels of their own, each with its own lock and an equal share of
+                                 * the capacity (rounded up to a multiple of them); 0 is 1 */
 };
 
 /* Process-private view of an open segment (opaque). */

@@ -84,9 +84,32 @@ static void *make(struct shmw_params *p, uint64_t *size, shmw_t **w, int64_t sta
     return base;
 }
 
-static void model_run(void)
+/* Which shard of `shards` a handle's entry is in, and whether every shard
+ * has at most `keep` entries free: an add that may not take them fails. */
+static uint32_t shard_of_handle(int64_t h, uint32_t shard_capacity)
 {
-    struct shmw_params p = { CAPACITY, 8, 4, 1000000, RESERVE };   /* W = 16, 1 ms tick */
+    return (uint32_t)((uint64_t)h & ((1ULL << shmw_index_bits(CAPACITY)) - 1)) / shard_capacity;
+}
+
+static int all_full(const struct model *m, uint32_t shards, uint32_t keep)
+{
+    uint32_t used[16] = { 0 }, k;
+    int j;
+
+    for (j = 0; j < m->n; j++)
+        used[shard_of_handle(m->handle[j], CAPACITY / shards)]++;
+    for (k = 0; k < shards; k++)
+        if (used[k] < CAPACITY / shards - keep)
+            return 0;
+    return 1;
+}
+
+/* The model: every operation's result against a list of what must be
+ * pending, on a wheel of `shards` shards (CAPACITY and RESERVE divide
+ * among them: adds spill from a full shard into the next). */
+static void model_run(uint32_t shards)
+{
+    struct shmw_params p = { CAPACITY, 8, 4, 1000000, RESERVE * shards, shards };   /* W = 16, 1 ms tick */
     struct model m = { .n = 0 };
     uint64_t size;
     shmw_t *ws[HANDLES], *w;
@@ -110,7 +133,7 @@ static void model_run(void)
         /* Half the adds may take the reserve. */
         uint32_t flags = (rnd() & 1) ? SHMW_RESERVED : 0;
         w = ws[rnd() % HANDLES];
-        if (r < 40 && m.n >= CAPACITY - (flags ? 0 : RESERVE)) {
+        if (r < 40 && all_full(&m, shards, flags ? 0 : RESERVE)) {
             EXPECT(shmw_add(w, 1.0, NULL, 0, flags) == SHMW_EFULL, "an add to a full wheel did not fail");
             full_adds++;
         } else if (r < 40) {
@@ -173,14 +196,15 @@ static void model_run(void)
     free(base);
 }
 
-static void scribble_run(void)
+static void scribble_run(uint32_t shards)
 {
-    struct shmw_params p = { 64, 8, 4, 1000000, 0 };
-    uint64_t size, mutex_lo, mutex_hi;
+    struct shmw_params p = { 64, 8, 4, 1000000, 0, shards };
+    uint64_t size, top_size = ALIGN_UP(sizeof(struct shmw_top), 64), mutex_lo, mutex_hi;
     char reason[256], records[64 * 64];
     int round;
 
-    /* The mutex: a scribble there is a jammed lock, which test_hostile covers. */
+    /* The mutexes: a scribble there is a jammed lock, which test_hostile
+     * covers.  The parameters: the top's, and every shard's header's. */
     mutex_lo = offsetof(struct shmw_header, mutex);
     mutex_hi = mutex_lo + sizeof(pthread_mutex_t);
     for (round = 0; round < SCRIBBLES; round++) {
@@ -192,10 +216,11 @@ static void scribble_run(void)
         for (k = 0; k < 8; k++)
             handles[k] = shmw_add_at_ns(w, now_ns + (1LL << (3 * k)) * 1000000LL, "x", 1, 0);
         for (k = 0; k < 1 + (int)(rnd() % 6); k++) {
-            uint64_t off = rnd() % size;
-            if (off >= mutex_lo && off < mutex_hi)
+            uint64_t off = rnd() % size, in_shard = off < top_size ? 0 : (off - top_size) % ((size - top_size) / shards);
+            if (off >= top_size && in_shard >= mutex_lo && in_shard < mutex_hi)
                 continue;
-            params_hit |= off < offsetof(struct shmw_header, elapsed);
+            params_hit |= off < offsetof(struct shmw_top, producers)
+                || (off >= top_size && in_shard < offsetof(struct shmw_header, elapsed));
             base[off] = (char)rnd();
         }
         /* Every operation; any result is fine, a sanitizer report is not. */
@@ -252,7 +277,7 @@ static void trylock_checks(shmw_t *w)
     kept = shmw_add(w, 30.0, "k", 1, SHMW_TRYLOCK);
     EXPECT(kept >= 0, "a try-add on a free lock failed: %lld", (long long)kept);
     EXPECT(shmw_add(w, 30.0, "x", 1, SHMW_TRYLOCK | 4) == SHMW_EINVAL, "an unknown add flag was taken");
-    h.m = &w->hdr->mutex;
+    h.m = &home_of(w)->hdr->mutex;
     pthread_mutex_init(&h.gate, NULL);
     pthread_mutex_lock(&h.gate);
     if (pthread_create(&t, NULL, hold, &h))
@@ -320,7 +345,7 @@ static void sift_run(void)
     uint32_t payload_size;
 
     for (payload_size = 0; payload_size <= 8; payload_size += 8) {
-        struct shmw_params p = { 64, payload_size, 4, 1000000, 0 };
+        struct shmw_params p = { 64, payload_size, 4, 1000000, 0, 1 };
         uint64_t size;
         shmw_t *w;
         char *base = make(&p, &size, &w, shmw_now_ns());
@@ -333,7 +358,7 @@ static void sift_run(void)
 
 static void trylock_run(void)
 {
-    struct shmw_params p = { 64, 8, 4, 1000000, 0 };
+    struct shmw_params p = { 64, 8, 4, 1000000, 0, 2 };
     uint64_t size;
     shmw_t *w;
     char *base = make(&p, &size, &w, shmw_now_ns());
@@ -345,8 +370,10 @@ static void trylock_run(void)
 
 int main(void)
 {
-    model_run();
-    scribble_run();
+    model_run(1);
+    model_run(4);
+    scribble_run(1);
+    scribble_run(3);
     trylock_run();
     sift_run();
     if (failures) {

@@ -53,9 +53,10 @@ int shmw_test_layout(shmw_t *w, uint64_t *buckets_off, uint64_t *heap_off, uint6
 {
     if (!w)
         return SHMW_ECLOSED;
-    *buckets_off = (uint64_t)((char *)w->buckets - w->base);
-    *heap_off = (uint64_t)((char *)w->heap - w->base);
-    *lists_off = (uint64_t)((char *)w->lists - w->base);
-    *slab_off = (uint64_t)(w->slab - w->base);
+    /* Shard 0's, from the segment's first byte. */
+    *buckets_off = (uint64_t)((char *)w->shard[0].buckets - (char *)w->top);
+    *heap_off = (uint64_t)((char *)w->shard[0].heap - (char *)w->top);
+    *lists_off = (uint64_t)((char *)w->shard[0].lists - (char *)w->top);
+    *slab_off = (uint64_t)(w->shard[0].slab - (char *)w->top);
     return SHMW_OK;
 }

@@ -108,6 +108,7 @@ class WheelStats:
     wheel_size: int
     levels: int
     payload_size: int
+    shards: int  #: wheels of their own in the segment, each with its own lock (create(shards=))
     clock: float  #: the wheel clock (last tick advanced to), monotonic seconds
     next_expiry: float | None  #: when the earliest non-empty bucket comes due
     level_pending: tuple[int, ...]  #: timers in each level, lowest first

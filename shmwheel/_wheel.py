@@ -623,6 +623,7 @@ class Wheel:
             wheel_size=st.wheel_size,
             levels=st.levels,
             payload_size=st.payload_size,
+            shards=st.shards,
             clock=st.elapsed * tick_ns / 1e9,
             next_expiry=None if st.next_expiry_ns < 0 else st.next_expiry_ns / 1e9,
             level_pending=tuple(st.level_pending[0 : st.levels]),
@@ -795,6 +796,7 @@ def create(
     tick: float = 0.001,
     payload_size: int = 64,
     reserve: int = 0,
+    shards: int = 1,
     mode: int = 0o600,
     wheel_size: int = 256,
     lock_timeout: float = LOCK_TIMEOUT,
@@ -819,6 +821,13 @@ def create(
     capacity = check_int(capacity, "capacity", *CAPACITIES)
     payload_size = check_int(payload_size, "payload_size", *PAYLOAD_SIZES)
     reserve = check_int(reserve, "reserve", 0, capacity - 1)
+    shards = check_int(shards, "shards", 1, min(lib.SHMW_MAX_SHARDS, capacity))
+    shard_capacity = -(-capacity // shards)
+    if -(-reserve // shards) >= shard_capacity:
+        raise ValueError(
+            f"reserve {reserve} leaves no room for other adds in shards of {shard_capacity} slots "
+            f"(capacity {capacity} in {shards} shards)"
+        )
     mode = check_int(mode, "mode", 0, 0o777)
     wheel_size = check_int(wheel_size, "wheel_size", *WHEEL_SIZES)
     if problem := not_a_wheel_size(wheel_size):
@@ -837,6 +846,7 @@ def create(
             "wheel_bits": wheel_size.bit_length() - 1,
             "reserve": reserve,
             "tick_ns": round(tick * 1e9),
+            "shards": shards,
         },
     )
     size_out = ffi.new("uint64_t *")

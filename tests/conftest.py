@@ -227,16 +227,35 @@ def mutex_span() -> tuple[int, int]:
     return hi - hi % 64, hi
 
 
+def top_size() -> int:
+    """Where shard 0 begins: the top, rounded up to 64 bytes."""
+    return -(-ffi.sizeof("struct shmw_top") // 64) * 64
+
+
+def top(w: shmwheel.Wheel):  # type: ignore[no-untyped-def]
+    """The segment's top: what its shards share (the producer table, the futex words)."""
+    return ffi.cast("struct shmw_top *", w._buf)
+
+
+def header(w: shmwheel.Wheel, shard: int = 0):  # type: ignore[no-untyped-def]
+    """Shard ``shard``'s header, as a ``struct shmw_header *`` (of a wheel made
+    without ``shards``, the only one)."""
+    return ffi.cast("struct shmw_header *", w._buf + top_size() + shard * top(w).shard_size)
+
+
 def entry(w: shmwheel.Wheel, index: int):  # type: ignore[no-untyped-def]
-    """Slab slot ``index`` as a ``struct shmw_entry *``, to read or scribble on."""
-    stride = ffi.cast("struct shmw_header *", w._buf).stride
-    return ffi.cast("struct shmw_entry *", w._buf + layout(w).slab + index * stride)
+    """Slab slot ``index`` (of the whole slab) as a ``struct shmw_entry *``, to read or scribble on."""
+    shard, index = divmod(index, top(w).shard_capacity)
+    return ffi.cast(
+        "struct shmw_entry *",
+        w._buf + layout(w).slab + shard * top(w).shard_size + index * header(w).stride,
+    )
 
 
 def handle_of(w: shmwheel.Wheel, index: int, generation: int) -> int:
     """The handle of slab slot ``index`` at ``generation``, as the C core makes it."""
     index_bits = lib.shmw_index_bits(w.capacity)
-    key = ffi.cast("struct shmw_header *", w._buf).handle_key & ((1 << (63 - index_bits)) - 1)
+    key = header(w).handle_key & ((1 << (63 - index_bits)) - 1)
     return (generation ^ key) << index_bits | index
 
 

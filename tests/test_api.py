@@ -17,14 +17,10 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from conftest import TESTING_CORE_MISSING, entry, fresh_name, handle_of
+from conftest import TESTING_CORE_MISSING, entry, fresh_name, handle_of, header, top
 
 import shmwheel
 from shmwheel._binding import ffi, lib
-
-
-def header(w: shmwheel.Wheel):
-    return ffi.cast("struct shmw_header *", w._buf)
 
 
 def to_ns(seconds: float) -> int:
@@ -206,9 +202,10 @@ def test_attach_gives_up_on_a_segment_that_never_gets_initialised(name: str) -> 
 @pytest.mark.parametrize("field, match", [("version", "layout version"), ("entry_size", "struct sizes")])
 def test_attach_refuses_another_version_or_abi(make_wheel, field: str, match: str) -> None:
     w = make_wheel(capacity=4)
-    h = ffi.cast("struct shmw_header *", w._buf)
+    h = header(w)
+    t = top(w)  # the version is the segment's, in its first bytes; the struct sizes each shard's too
     if field == "version":
-        h.version += 1
+        t.version += 1
     else:
         ffi.cast("uint32_t *", ffi.addressof(h, "version"))[2] += 8  # version, header_size, entry_size
     try:
@@ -216,7 +213,7 @@ def test_attach_refuses_another_version_or_abi(make_wheel, field: str, match: st
             shmwheel.attach(w.name)
     finally:
         if field == "version":
-            h.version -= 1
+            t.version -= 1
         else:
             ffi.cast("uint32_t *", ffi.addressof(h, "version"))[2] -= 8
 

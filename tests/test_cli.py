@@ -21,10 +21,10 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from conftest import foreign_segment, fresh_name, wait_for
+from conftest import foreign_segment, fresh_name, header, wait_for
 
 import shmwheel
-from shmwheel._binding import ffi, lib
+from shmwheel._binding import lib
 from shmwheel._wheel import observe
 
 SHM = Path("/dev/shm")
@@ -328,12 +328,12 @@ def test_check_a_good_wheel(make_wheel: MakeWheel) -> None:
 def test_check_a_corrupt_wheel_names_the_broken_invariant(make_wheel: MakeWheel) -> None:
     w = make_wheel()
     w.add(1)
-    header = ffi.cast("struct shmw_header *", w._buf)
-    header.free_count += 1
+    hd = header(w)
+    hd.free_count += 1
     try:
         error = one_line_error(run("check", w.name))
     finally:
-        header.free_count -= 1
+        hd.free_count -= 1
     assert error.startswith(f"shmwheel: segment {w.name!r} is corrupt: ")
     assert f"free_count is {w.capacity} but {w.capacity - 1} entries are free" in error
 
@@ -367,7 +367,7 @@ def test_unlink_refuses_a_damaged_wheel_in_use_too(name: str) -> None:
     """A wheel marked damaged is still looked into, and still in use."""
     assert run("create", name, "--capacity", "10").returncode == 0
     with shmwheel.attach(name) as w:
-        ffi.cast("struct shmw_header *", w._buf).flags |= lib.SHMW_F_DAMAGED
+        header(w).flags |= lib.SHMW_F_DAMAGED
         assert f"wheel {name!r} is in use: 1 process attached" in one_line_error(run("unlink", name))
         assert (SHM / name).exists()
         w.repair()

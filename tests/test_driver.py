@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import entry, script_processes, wait_for
+from conftest import entry, header, script_processes, wait_for
 
 import shmwheel
-from shmwheel._binding import ffi, lib
+from shmwheel._binding import lib
 from shmwheel._cli import _json_line, _JsonLinesDriver
 from shmwheel._driver import OutputFailed
 from shmwheel._process import start_time
@@ -202,7 +202,7 @@ def test_an_earlier_timer_wakes_a_driver_sleeping_for_an_hour(make_wheel, tmp_pa
     fires within a minute only if the add woke it."""
     wheel = make_wheel(capacity=10)
     wheel.add(3600, b"later")
-    hd, tick_ns = ffi.cast("struct shmw_header *", wheel._buf), round(wheel.tick * 1e9)
+    hd, tick_ns = header(wheel), round(wheel.tick * 1e9)
     with script_processes(tmp_path, _DRIVER_WITHOUT_CAP, "driver") as run:
         proc = run([str(Path(__file__).parent), wheel.name])
         for n in range(1, 4):

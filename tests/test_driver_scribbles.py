@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import entry, layout, mutex_span, put_in_flight, wait_for
+from conftest import entry, header, layout, mutex_span, put_in_flight, wait_for
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -73,7 +73,7 @@ def test_a_damaged_fire_does_not_hold_back_the_healthy_ones_taken_with_it(make_w
     for k in range(5):
         w.add(0, bytes([k]))
     put_in_flight(w, 5)  # a driver died with them in flight
-    entry(w, ffi.cast("struct shmw_header *", w._buf).inflight_tail).payload_len = 999
+    entry(w, header(w).inflight_tail).payload_len = 999
     r = drive(w.name)
     wait_for(lambda: len(r.payloads) == 4, timeout=10)
     r.stop()
@@ -122,11 +122,11 @@ def test_a_scribble_does_not_keep_a_driver_from_starting(make_wheel, drive, scri
     """It used to raise at attach or registration, and so at every restart."""
     w = make_wheel(capacity=64, payload_size=8)
     w.add(0.2, b"healthy")
-    header = ffi.cast("struct shmw_header *", w._buf)
+    hd = header(w)
     if scribble == "damaged flag":
-        header.flags |= lib.SHMW_F_DAMAGED
+        hd.flags |= lib.SHMW_F_DAMAGED
     else:
-        header.inflight = 1  # and the list is empty
+        hd.inflight = 1  # and the list is empty
     r = drive(w.name)
     assert r.error is None, r.error
     wait_for(lambda: r.payloads == [b"healthy"], timeout=5)

@@ -18,15 +18,11 @@ import threading
 import time
 
 import pytest
-from conftest import entry, layout, mutex_span, put_in_flight, wait_for
+from conftest import entry, header, layout, mutex_span, put_in_flight, wait_for
 
 import shmwheel
 from shmwheel._binding import ffi, lib
 from shmwheel._process import alive, start_time
-
-
-def header(w: shmwheel.Wheel):
-    return ffi.cast("struct shmw_header *", w._buf)
 
 
 def heap(w: shmwheel.Wheel):

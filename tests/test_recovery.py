@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest import fresh_name, handle_of, layout
+from conftest import fresh_name, handle_of, header, layout
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -204,7 +204,7 @@ def in_flight(w: shmwheel.Wheel) -> list[int]:
 def entries(w: shmwheel.Wheel) -> list[tuple[int, Any]]:
     """(index, struct shmw_entry *) for every slot of the slab."""
     slab = layout(w).slab
-    stride = ffi.cast("struct shmw_header *", w._buf).stride
+    stride = header(w).stride
     return [(i, ffi.cast("struct shmw_entry *", w._buf + slab + i * stride)) for i in range(w.capacity)]
 
 
@@ -215,7 +215,7 @@ def case_with_fires_sent() -> Case:
     me = os.getpid()
     assert lib.shmw_driver_register(case.wheel.core, me, start_time(me), 0, 0) == 0
     run_clock(case.wheel, 0.02)
-    hd = ffi.cast("struct shmw_header *", case.wheel._buf)
+    hd = header(case.wheel)
     case.extra["in_flight"] = sorted(in_flight(case.wheel))
     assert len(case.extra["in_flight"]) == hd.inflight >= 5
     hd.inflight_unsent = lib.SHMW_NIL  # all of it taken, as shmw_driver_take marks it
@@ -300,7 +300,7 @@ def test_a_producer_crash_leaves_what_the_driver_has_sent_alone() -> None:
         case.wheel.add(30, b"NEW")
 
     def verify(case: Case, crashed: bool) -> None:
-        hd = ffi.cast("struct shmw_header *", case.wheel._buf)
+        hd = header(case.wheel)
         assert hd.inflight_unsent == lib.SHMW_NIL, "the driver would send its fires again"
         assert sorted(in_flight(case.wheel)) == case.extra["in_flight"]
         assert case.wheel.stats().redelivered == 0

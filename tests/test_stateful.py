@@ -10,7 +10,7 @@ step the C invariant checker runs and ``len()`` must equal the model.
 from __future__ import annotations
 
 import hypothesis.strategies as st
-from conftest import fresh_name
+from conftest import fresh_name, header
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
@@ -92,7 +92,7 @@ class WheelMachine(RuleBasedStateMachine):
         return h
 
     def wheel_clock(self) -> int:
-        return ffi.cast("struct shmw_header *", self.wheel._buf).elapsed
+        return header(self.wheel).elapsed
 
     @rule(h=handles)
     def cancel(self, h: int) -> None:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 from _contrib import driver_pid, wait_until
-from conftest import foreign_segment
+from conftest import foreign_segment, header
 
 import shmwheel
-from shmwheel._binding import ffi, lib
+from shmwheel._binding import lib
 from shmwheel._process import start_time
 from shmwheel.contrib import DriverSupervisor, TimeoutActions, create_wheel
 
@@ -121,7 +121,7 @@ def test_a_sound_wheel_no_driver_runs_on_is_taken_over_with_its_timers(name: str
 def test_a_wheel_that_is_not_sound_is_replaced_not_taken_over(name: str, caplog) -> None:
     create_wheel(name)
     with shmwheel._wheel.observe(name) as old:
-        ffi.cast("struct shmw_header *", old._buf).free_count -= 1  # a scribble
+        header(old).free_count -= 1  # a scribble
     with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
         assert create_wheel(name) is True
     assert "replacing a segment no driver runs on (segment" in caplog.text

@@ -18,7 +18,7 @@
     } while (0)
 
 /* The header: identity, the parameters as they were at open, the level clocks. */
-static int check_header(const shmw_t *w, char *reason, uint32_t reason_len)
+static int check_header(const shard_t *w, char *reason, uint32_t reason_len)
 {
     const struct shmw_header *h = w->hdr;
     uint32_t l;
@@ -29,7 +29,8 @@ static int check_header(const shmw_t *w, char *reason, uint32_t reason_len)
         FAIL("header: a process died holding the lock and left the segment inconsistent");
     if (h->capacity != w->capacity || h->tick_ns != w->tick_ns || h->payload_size != w->payload_size
         || h->wheel_bits != w->wheel_bits || h->levels != w->levels || h->stride != w->stride
-        || h->index_bits != w->index_bits || (h->handle_key & w->max_generation) != w->handle_key)
+        || h->index_bits != w->index_bits || (h->handle_key & w->max_generation) != w->handle_key
+        || h->shard != w->shard || h->shards != w->shards)
         FAIL("header: parameters changed since open");
     for (l = 0; l < w->levels; l++)
         if (h->level_clock[l] != shmw_bucket_expiry(h->elapsed, l, w->wheel_bits))
@@ -42,7 +43,7 @@ static int check_header(const shmw_t *w, char *reason, uint32_t reason_len)
 
 /* Every entry on its own, and the counters against the states; the
  * number of pending entries into *pending. */
-static int check_slab(const shmw_t *w, uint64_t *pending, char *reason, uint32_t reason_len)
+static int check_slab(const shard_t *w, uint64_t *pending, char *reason, uint32_t reason_len)
 {
     const struct shmw_header *h = w->hdr;
     uint64_t seen[SHMW_INFLIGHT + 1] = { 0 };
@@ -79,7 +80,7 @@ static int check_slab(const shmw_t *w, uint64_t *pending, char *reason, uint32_t
  * free entries, and are free_count long together.  Lists that end in NIL
  * and share an entry share their last one, so distinct last entries (and
  * the walks' total) put every free entry on exactly one list. */
-static int check_free_lists(const shmw_t *w, char *reason, uint32_t reason_len)
+static int check_free_lists(const shard_t *w, char *reason, uint32_t reason_len)
 {
     const struct shmw_header *h = w->hdr;
     uint32_t last[SHMW_LANES + 1], lane, total = 0, i, k, l;
@@ -118,7 +119,7 @@ static int check_free_lists(const shmw_t *w, char *reason, uint32_t reason_len)
 /* Lane `lane`'s list of non-empty bucket b: count long, doubly linked,
  * pending entries of that lane that point back at b, each due within the
  * bucket. */
-static int check_list(const shmw_t *w, uint32_t b, uint32_t lane, char *reason, uint32_t reason_len)
+static int check_list(const shard_t *w, uint32_t b, uint32_t lane, char *reason, uint32_t reason_len)
 {
     const struct shmw_bucket *bk = &w->buckets[b];
     const struct shmw_list *ls = list_of(w, lane, b);
@@ -131,7 +132,7 @@ static int check_list(const shmw_t *w, uint32_t b, uint32_t lane, char *reason, 
         if (i >= w->capacity)
             FAIL("bucket %u: lane %u step %u has index %u out of bounds", b, lane, k, i);
         e = entry_at(w, i);
-        if (e->state != SHMW_PENDING || e->bucket != b || e->prev != prev || lane_of(e->producer) != lane)
+        if (e->state != SHMW_PENDING || e->bucket != b || e->prev != prev || lane_of(w, e->producer) != lane)
             FAIL("bucket %u: entry %u is not linked as a pending member of lane %u", b, i, lane);
         t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
         /* Level 0 holds its own tick, and overdue timers only in the
@@ -152,7 +153,7 @@ static int check_list(const shmw_t *w, uint32_t b, uint32_t lane, char *reason, 
  * is at its heap position, not behind the clock, at the slot its expiry
  * gives, within its level's window, and each of its lists checks.  The
  * entries in it are added to *entries. */
-static int check_bucket(const shmw_t *w, uint32_t b, uint64_t *entries, char *reason, uint32_t reason_len)
+static int check_bucket(const shard_t *w, uint32_t b, uint64_t *entries, char *reason, uint32_t reason_len)
 {
     const struct shmw_header *h = w->hdr;
     const struct shmw_bucket *bk = &w->buckets[b];
@@ -195,7 +196,7 @@ static int check_bucket(const shmw_t *w, uint32_t b, uint64_t *entries, char *re
 /* Every bucket, then the delay-heap: as many buckets in it as are
  * non-empty, holding `pending` entries, each position no earlier than its
  * parent. */
-static int check_wheel(const shmw_t *w, uint64_t pending, char *reason, uint32_t reason_len)
+static int check_wheel(const shard_t *w, uint64_t pending, char *reason, uint32_t reason_len)
 {
     const struct shmw_header *h = w->hdr;
     uint64_t entries = 0, nonempty = 0;
@@ -220,7 +221,7 @@ static int check_wheel(const shmw_t *w, uint64_t pending, char *reason, uint32_t
     return SHMW_OK;
 }
 
-int shmw__check_locked(shmw_t *w, char *reason, uint32_t reason_len)
+int shmw__check_locked(shard_t *w, char *reason, uint32_t reason_len)
 {
     uint64_t pending = 0;
     int rc;
@@ -234,12 +235,10 @@ int shmw__check_locked(shmw_t *w, char *reason, uint32_t reason_len)
     return SHMW_OK;
 }
 
-int shmw_check(shmw_t *w, char *reason, uint32_t reason_len)
+static int check_shard(shard_t *w, char *reason, uint32_t reason_len)
 {
     int rc;
 
-    if (!w)
-        return SHMW_ECLOSED;
     if ((rc = shmw__lock(w))) {
         if (reason)
             snprintf(reason, reason_len, rc == SHMW_ECORRUPT
@@ -250,4 +249,36 @@ int shmw_check(shmw_t *w, char *reason, uint32_t reason_len)
     rc = shmw__check_locked(w, reason, reason_len);
     shmw__unlock(w);
     return rc;
+}
+
+void shmw__name_shard(const shmw_t *w, uint32_t k, const char *said, char *reason, uint32_t reason_len)
+{
+    if (w->shards == 1)
+        snprintf(reason, reason_len, "%s", said);
+    else
+        snprintf(reason, reason_len, "shard %u: %s", k, said);
+}
+
+int shmw_check(shmw_t *w, char *reason, uint32_t reason_len)
+{
+    /* The top's identity, then each shard under its own lock. */
+    char mine[200];
+    uint32_t k;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (__atomic_load_n(&w->top->magic, __ATOMIC_ACQUIRE) != SHMW_MAGIC)
+        FAIL("header: magic overwritten");
+    if (w->top->shards != w->shards || w->top->shard_capacity != w->shard_capacity)
+        FAIL("header: parameters changed since open");
+    for (k = 0; k < w->shards; k++) {
+        mine[0] = '\0';
+        if ((rc = check_shard(&w->shard[k], mine, sizeof(mine)))) {
+            if (reason)
+                shmw__name_shard(w, k, mine, reason, reason_len);
+            return rc;
+        }
+    }
+    return SHMW_OK;
 }

@@ -43,6 +43,8 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+typedef struct shard shard_t;   /* one shard's view (below) */
+
 #define SHMW_NIL            0xffffffffU       /* no slab index: ends a list */
 #define SHMW_NO_PRODUCER    0xffffU           /* an entry added by no attached process */
 #define SHMW_LANES          8U                /* lists a bucket, magazines a segment */
@@ -86,6 +88,33 @@ struct shmw_producer {
     int64_t  start;             /* its start time: /proc/PID/stat field 22, ticks since boot */
 };
 
+/* The segment's first bytes: what its shards share.  Written at create,
+ * but for the producer table, whose row g is written under the lock of
+ * shard g % shards (so that an attach locks only its own shard), and the
+ * counters and futex words, which are changed with atomics. */
+struct shmw_top {
+    uint64_t magic;             /* SHMW_MAGIC, stored last at create */
+    uint32_t version;           /* SHMW_LAYOUT_VERSION */
+    uint32_t top_size;          /* ABI signature: sizeof(struct shmw_top) */
+    uint32_t shards;            /* S, at least 1 */
+    uint32_t shard_capacity;    /* slab entries a shard: the capacity is S times this */
+    uint64_t shard_size;        /* bytes a shard: its header, wheel and slab */
+    uint64_t segment_size;      /* bytes, as computed by shmw_segment_size */
+    uint32_t next_shard;        /* an attach's shard, round robin (atomic) */
+    uint32_t _pad;
+
+    struct shmw_producer producers[SHMW_MAX_PRODUCERS];   /* by producer id */
+
+    /* Futex words, each on a line of its own.  Changed with atomics under
+     * a shard's mutex and waited on outside it; the waker calls
+     * FUTEX_WAKE after unlocking, so no system call runs under a lock, and
+     * no wake-up is lost because the waiter passes the value it read
+     * before it looked at the shards to FUTEX_WAIT. */
+    uint32_t wake_word __attribute__((aligned(64)));     /* a producer bumps it to wake the clock */
+    uint32_t outbox_word __attribute__((aligned(64)));   /* the clock bumps it to wake the dispatcher or writer */
+} __attribute__((aligned(64)));
+
+/* A shard's header: a whole wheel of its own, over its part of the slab. */
 struct shmw_header {
     /* Identity: checked at open. */
     uint64_t magic;             /* SHMW_MAGIC, stored last at create */
@@ -100,19 +129,22 @@ struct shmw_header {
                                  * before it was counted: the same layout) */
 
     /* Parameters: fixed at create, copied to private memory at open. */
-    uint64_t segment_size;      /* bytes, as computed by shmw_segment_size */
+    uint64_t segment_size;      /* bytes of this shard: the top's shard_size */
     int64_t  tick_ns;           /* length of a tick */
-    uint32_t capacity;          /* slab entries */
+    uint32_t capacity;          /* slab entries of this shard */
     uint32_t payload_size;      /* payload bytes an entry */
     uint32_t wheel_bits;        /* W = 1 << wheel_bits buckets a level */
     uint32_t levels;            /* derived from tick_ns and wheel_bits */
-    uint32_t index_bits;        /* handle bits that hold the slab index */
+    uint32_t index_bits;        /* handle bits that hold the slab index: of the whole slab's */
     uint32_t stride;            /* bytes a slab entry */
     int64_t  created_ns;        /* CLOCK_MONOTONIC at create */
     int32_t  creator_pid;
     uint32_t reserve;           /* the last free entries, for SHMW_RESERVED adds (0 in a
                                  * segment made before there was a reserve: the same layout) */
-    uint64_t handle_key;        /* XORed into the generation bits of every handle */
+    uint64_t handle_key;        /* XORed into the generation bits of every handle: the same in every shard */
+    uint32_t shard;             /* this shard's place: its entries are slab indices
+                                 * [shard * capacity, (shard + 1) * capacity) */
+    uint32_t shards;            /* as the top's */
 
     /* Mutable state: read and written under the mutex only. */
     uint64_t elapsed;                      /* wheel clock, in ticks */
@@ -147,15 +179,6 @@ struct shmw_header {
     uint64_t redelivered;
     uint64_t handler_errors;
     uint64_t recoveries;        /* repairs after a lock holder died */
-
-    struct shmw_producer producers[SHMW_MAX_PRODUCERS];   /* by producer id */
-
-    /* Futex words.  Changed with atomics under the mutex and waited on
-     * outside it; the waker calls FUTEX_WAKE after unlocking, so no system
-     * call runs under the lock, and no wake-up is lost because the waiter
-     * passes the value it read under the lock to FUTEX_WAIT. */
-    uint32_t wake_word;         /* a producer bumps it to wake the clock */
-    uint32_t outbox_word;       /* the clock bumps it to wake the dispatcher or writer */
 
     /* Process-shared, robust, and on one 64-byte line with everything an
      * add or a cancel writes in the header every time (40 + 24 bytes with
@@ -208,18 +231,23 @@ struct shmw_entry {
 
 /* ---- cffi end ------------------------------------------------------------ */
 
-/* A process's view of an open segment.  Private copies of the parameters:
- * bounds are checked against these, never against the segment. */
-struct shmw {
-    char                *base;
+/* A process's view of one shard of an open segment.  Private copies of
+ * the parameters: bounds are checked against these, never against the
+ * segment.  Its slab indices are its own, from 0; a handle holds the
+ * index in the whole slab, index_base more (handle_of, handle_index). */
+struct shard {
+    char                *base;          /* the shard's first byte: its header */
     struct shmw_header  *hdr;
+    struct shmw_top     *top;
     struct shmw_bucket  *buckets;
     uint32_t            *heap;
     struct shmw_list    *lists;
     char                *slab;
+    uint32_t            *wake_word;     /* the top's */
+    uint32_t            *outbox_word;   /* the top's */
     uint64_t             size;
     int64_t              tick_ns;
-    uint32_t             capacity;
+    uint32_t             capacity;      /* this shard's */
     uint32_t             payload_size;
     uint32_t             wheel_bits;
     uint32_t             wheel_mask;
@@ -228,6 +256,9 @@ struct shmw {
     uint32_t             index_bits;
     uint32_t             stride;
     uint32_t             reserve;       /* the header's, checked to be below capacity */
+    uint32_t             index_base;    /* shard * capacity */
+    uint32_t             shard;
+    uint32_t             shards;
     uint64_t             max_generation;
     uint64_t             handle_key;    /* the header's, masked to the generation bits */
     int64_t              lock_timeout_ns;
@@ -235,6 +266,23 @@ struct shmw {
     pid_t                producer_pid;  /* the pid that id was taken for (fork changes it) */
     uint32_t             fire_lane;     /* the clock's: the lane a due bucket's next entry is
                                          * looked for from, each lane in turn (see advance) */
+    uint64_t             due;           /* the clock's: the tick its earliest bucket was due at
+                                         * when it last looked, UINT64_MAX for none */
+};
+
+/* A process's view of an open segment: the shmw_t of the public calls. */
+struct shmw {
+    struct shmw_top     *top;
+    uint64_t             size;
+    uint32_t             shards;
+    uint32_t             capacity;      /* shards * shard_capacity */
+    uint32_t             shard_capacity;
+    uint32_t             payload_size;
+    uint32_t             index_bits;
+    uint32_t             producer;      /* as each shard's view has it */
+    pid_t                producer_pid;
+    uint32_t             take_from;     /* the dispatcher's: the shard its next take looks at first */
+    struct shard         shard[];       /* `shards` of them */
 };
 
 #define ALIGN_UP(x, a) (((x) + (uint64_t)(a) - 1) & ~((uint64_t)(a) - 1))
@@ -262,7 +310,7 @@ void shmw__crash_now(void);
 #endif
 
 /* The clock's longest sleep: SHMW_MAX_SLEEP_NS, but in the tests' build a
- * variable that shmw_test_clock_cap (testing.h) may stretch, so that a test
+ * variable that shard_test_clock_cap (testing.h) may stretch, so that a test
  * can tell a clock that a producer woke from one that its cap woke. */
 #ifdef SHMW_TESTING
 extern int64_t shmw__clock_cap_ns;
@@ -287,24 +335,26 @@ extern int64_t shmw__clock_cap_ns;
  * and refreshed in the child after fork (segment.c). */
 extern pid_t shmw__pid;
 
-static inline struct shmw_entry *entry_at(const shmw_t *w, uint32_t i)
+static inline struct shmw_entry *entry_at(const shard_t *w, uint32_t i)
 {
     return (struct shmw_entry *)(w->slab + (uint64_t)i * w->stride);
 }
 
-static inline uint32_t lane_of(uint32_t producer)
+/* A producer's lane in a shard: producer ids go round the shards
+ * (attach), so consecutive ids of one shard are `shards` apart. */
+static inline uint32_t lane_of(const shard_t *w, uint32_t producer)
 {
-    return producer % SHMW_LANES;
+    return producer / w->shards % SHMW_LANES;
 }
 
-static inline struct shmw_list *list_of(const shmw_t *w, uint32_t lane, uint32_t b)
+static inline struct shmw_list *list_of(const shard_t *w, uint32_t lane, uint32_t b)
 {
     return &w->lists[(uint64_t)lane * w->nbuckets + b];
 }
 
 /* The producer id this process's timers are filed under: its own, or none
  * in a child forked since attach (it shares no id with its parent). */
-static inline uint16_t my_producer(const shmw_t *w)
+static inline uint16_t my_producer(const shard_t *w)
 {
     return (uint16_t)(w->producer_pid == shmw__pid ? w->producer : SHMW_NO_PRODUCER);
 }
@@ -312,25 +362,43 @@ static inline uint16_t my_producer(const shmw_t *w)
 /* A handle from a slab index and the generation bits, and back.  The
  * caller has checked that the entry's generation is at most max_generation
  * (shmw__entry_sane), which keeps the handle below 2^63. */
-static inline int64_t handle_of(const shmw_t *w, uint32_t i)
+static inline int64_t handle_of(const shard_t *w, uint32_t i)
 {
-    return (int64_t)((entry_at(w, i)->generation ^ w->handle_key) << w->index_bits | i);
+    return (int64_t)((entry_at(w, i)->generation ^ w->handle_key) << w->index_bits | (i + w->index_base));
 }
 
-/* The slab index a handle names (maybe out of bounds: the caller checks). */
-static inline uint32_t handle_index(const shmw_t *w, int64_t handle)
+/* The shard's slab index a handle names (maybe out of bounds, or of
+ * another shard, which wraps to one: the caller checks). */
+static inline uint32_t handle_index(const shard_t *w, int64_t handle)
 {
-    return (uint32_t)((uint64_t)handle & ((1ULL << w->index_bits) - 1));
+    return (uint32_t)((uint64_t)handle & ((1ULL << w->index_bits) - 1)) - w->index_base;
+}
+
+/* The shard a handle names, or NULL if none: the caller checks the rest. */
+static inline shard_t *shard_of(shmw_t *w, int64_t handle)
+{
+    uint32_t k = (uint32_t)((uint64_t)handle & ((1ULL << w->index_bits) - 1)) / w->shard_capacity;
+
+    return k < w->shards ? &w->shard[k] : NULL;
+}
+
+/* The shard this process adds to: its producer id's, or else (not
+ * attached, or a child forked since) its pid's. */
+static inline shard_t *home_of(shmw_t *w)
+{
+    uint32_t k = w->producer_pid == shmw__pid ? w->producer : (uint32_t)shmw__pid;
+
+    return &w->shard[k % w->shards];
 }
 
 /* The generation a handle expects at its index. */
-static inline uint64_t handle_generation(const shmw_t *w, int64_t handle)
+static inline uint64_t handle_generation(const shard_t *w, int64_t handle)
 {
     return ((uint64_t)handle >> w->index_bits) ^ w->handle_key;
 }
 
 /* Bytes a fire record takes: struct shmw_fire, then the payload rounded up to 8. */
-static inline uint32_t record_stride(const shmw_t *w)
+static inline uint32_t record_stride(const shard_t *w)
 {
     return (uint32_t)(sizeof(struct shmw_fire) + ALIGN_UP(w->payload_size, 8));
 }
@@ -338,7 +406,7 @@ static inline uint32_t record_stride(const shmw_t *w)
 /* A tick as a CLOCK_MONOTONIC time, saturated: a tick read back from the
  * segment may be anything, and a product that wrapped negative would read
  * as "no deadline" to a futex wait. */
-static inline int64_t ticks_to_ns(const shmw_t *w, uint64_t t)
+static inline int64_t ticks_to_ns(const shard_t *w, uint64_t t)
 {
     return t > (uint64_t)INT64_MAX / (uint64_t)w->tick_ns ? INT64_MAX : (int64_t)(t * (uint64_t)w->tick_ns);
 }
@@ -352,16 +420,16 @@ void shmw__pid_init(void);                      /* once a process, before the pi
 /* lock.c: take the lock (repairing after a holder that died); shmw__lock
  * also refuses a segment flagged damaged.  With wait 0 (the _try forms),
  * SHMW_EBUSY after SHMW_TRY_SPINS looks at a lock another holds. */
-int  shmw__lock_raw(shmw_t *w, int wait);
-int  shmw__lock_mode(shmw_t *w, int wait);
-static inline int shmw__lock(shmw_t *w) { return shmw__lock_mode(w, 1); }
-void shmw__unlock(shmw_t *w);
+int  shmw__lock_raw(shard_t *w, int wait);
+int  shmw__lock_mode(shard_t *w, int wait);
+static inline int shmw__lock(shard_t *w) { return shmw__lock_mode(w, 1); }
+void shmw__unlock(shard_t *w);
 /* A public call's lock: SHMW_ECLOSED for a closed handle, else shmw__lock. */
-static inline int shmw__enter(shmw_t *w) { return w ? shmw__lock(w) : SHMW_ECLOSED; }
-static inline int shmw__try_enter(shmw_t *w) { return w ? shmw__lock_mode(w, 0) : SHMW_ECLOSED; }
+static inline int shmw__enter(shard_t *w) { return w ? shmw__lock(w) : SHMW_ECLOSED; }
+static inline int shmw__try_enter(shard_t *w) { return w ? shmw__lock_mode(w, 0) : SHMW_ECLOSED; }
 /* The lock of a call on many handles: SHMW_EHANDLE, before any lock, if
  * one is negative (no handle is). */
-static inline int shmw__enter_handles(shmw_t *w, const int64_t *handles, uint32_t n)
+static inline int shmw__enter_handles(shard_t *w, const int64_t *handles, uint32_t n)
 {
     uint32_t k;
 
@@ -370,38 +438,40 @@ static inline int shmw__enter_handles(shmw_t *w, const int64_t *handles, uint32_
             return SHMW_EHANDLE;
     return shmw__enter(w);
 }
-int  shmw__wake_for(shmw_t *w, uint64_t expires);
+int  shmw__wake_for(shard_t *w, uint64_t expires);
 void shmw__futex_wake_all(uint32_t *word);                  /* no lock */
 void shmw__futex_wait_until(uint32_t *word, uint32_t seen, int64_t deadline_ns);   /* no lock */
 
 /* slab.c: entries and magazines. */
-uint32_t shmw__lookup(const shmw_t *w, int64_t handle, uint8_t state);
-int  shmw__entry_sane(const shmw_t *w, const struct shmw_entry *e);
-int  shmw__slab_take(shmw_t *w, uint32_t lane, int reserved, uint32_t *out);
-void shmw__slab_free(shmw_t *w, uint32_t i, uint64_t *count);
+uint32_t shmw__lookup(const shard_t *w, int64_t handle, uint8_t state);
+int  shmw__entry_sane(const shard_t *w, const struct shmw_entry *e);
+int  shmw__slab_take(shard_t *w, uint32_t lane, int reserved, uint32_t *out);
+void shmw__slab_free(shard_t *w, uint32_t i, uint64_t *count);
 
 /* wheel.c: buckets and the advance. */
-int  shmw__place(const shmw_t *w, uint64_t elapsed, uint64_t t, uint32_t *bucket, uint64_t *expires);
-int  shmw__bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i);
-int  shmw__list_unlink(shmw_t *w, uint32_t *head, uint32_t *tail, uint32_t i);
-int  shmw__cancel_entry(shmw_t *w, uint32_t i);
-void shmw__set_elapsed(shmw_t *w, uint64_t t, int64_t now_ns);
-int  shmw__advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, char *records,
+int  shmw__place(const shard_t *w, uint64_t elapsed, uint64_t t, uint32_t *bucket, uint64_t *expires);
+int  shmw__bucket_append(shard_t *w, uint32_t b, uint64_t expires, uint32_t i);
+int  shmw__list_unlink(shard_t *w, uint32_t *head, uint32_t *tail, uint32_t i);
+int  shmw__cancel_entry(shard_t *w, uint32_t i);
+void shmw__set_elapsed(shard_t *w, uint64_t t, int64_t now_ns);
+int  shmw__advance(shard_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, char *records,
                    uint32_t *fired, int *more);
 
 /* driver.c: the in-flight FIFO. */
-int  shmw__inflight_can_take(const shmw_t *w);
-void shmw__inflight_append(shmw_t *w, uint32_t i);
-int  shmw__inflight_audit(const shmw_t *w, char *reason, uint32_t reason_len);
-int  shmw__ack_entry(shmw_t *w, uint32_t i);
-int  shmw__inflight_drain(shmw_t *w, uint32_t max, char *records, uint32_t *n);
-void shmw__write_record(const shmw_t *w, uint32_t i, char *rec);
+int  shmw__inflight_can_take(const shard_t *w);
+void shmw__inflight_append(shard_t *w, uint32_t i);
+int  shmw__inflight_audit(const shard_t *w, char *reason, uint32_t reason_len);
+int  shmw__ack_entry(shard_t *w, uint32_t i);
+int  shmw__inflight_drain(shard_t *w, uint32_t max, char *records, uint32_t *n);
+void shmw__write_record(const shard_t *w, uint32_t i, char *rec);
 
 /* stats.c */
-uint32_t shmw__pending_locked(const shmw_t *w);
+uint32_t shmw__pending_locked(const shard_t *w);
 
 /* recovery.c and check.c */
-int  shmw__repair_locked(shmw_t *w, int64_t clock_limit_ns, char *reason, uint32_t reason_len);
-int  shmw__check_locked(shmw_t *w, char *reason, uint32_t reason_len);
+int  shmw__repair_locked(shard_t *w, int64_t clock_limit_ns, char *reason, uint32_t reason_len);
+int  shmw__check_locked(shard_t *w, char *reason, uint32_t reason_len);
+/* What a shard's check or repair said, with the shard named if there are many. */
+void shmw__name_shard(const shmw_t *w, uint32_t k, const char *said, char *reason, uint32_t reason_len);
 
 #endif /* SHMWHEEL_CORE_H */

@@ -25,7 +25,7 @@
 
 /* ---- the in-flight FIFO ----------------------------------------------------- */
 
-int shmw__inflight_can_take(const shmw_t *w)
+int shmw__inflight_can_take(const shard_t *w)
 {
     /* Whether the FIFO's tail can be appended to (checked before the entry
      * leaves its bucket). */
@@ -36,7 +36,7 @@ int shmw__inflight_can_take(const shmw_t *w)
     return h->inflight > 0 && h->inflight_tail < w->capacity ? SHMW_OK : SHMW_ECORRUPT;
 }
 
-void shmw__inflight_append(shmw_t *w, uint32_t i)
+void shmw__inflight_append(shard_t *w, uint32_t i)
 {
     struct shmw_header *h = w->hdr;
     struct shmw_entry *e = entry_at(w, i);
@@ -60,7 +60,7 @@ void shmw__inflight_append(shmw_t *w, uint32_t i)
         return SHMW_ECORRUPT; \
     } while (0)
 
-int shmw__inflight_audit(const shmw_t *w, char *reason, uint32_t reason_len)
+int shmw__inflight_audit(const shard_t *w, char *reason, uint32_t reason_len)
 {
     /* The one walk of the whole FIFO: `inflight` steps from the head, each
      * an entry in flight linked back to the one before, then NIL at the
@@ -96,7 +96,7 @@ int shmw__inflight_audit(const shmw_t *w, char *reason, uint32_t reason_len)
 
 #undef FAIL
 
-static int inflight_unlink(shmw_t *w, uint32_t i)
+static int inflight_unlink(shard_t *w, uint32_t i)
 {
     struct shmw_header *h = w->hdr;
     uint32_t next = entry_at(w, i)->next;
@@ -111,7 +111,7 @@ static int inflight_unlink(shmw_t *w, uint32_t i)
     return SHMW_OK;
 }
 
-int shmw__ack_entry(shmw_t *w, uint32_t i)
+int shmw__ack_entry(shard_t *w, uint32_t i)
 {
     /* In-flight entry i off the FIFO, freed and counted acknowledged. */
     int rc = inflight_unlink(w, i);
@@ -121,7 +121,7 @@ int shmw__ack_entry(shmw_t *w, uint32_t i)
     return rc;
 }
 
-void shmw__write_record(const shmw_t *w, uint32_t i, char *rec)
+void shmw__write_record(const shard_t *w, uint32_t i, char *rec)
 {
     /* One fire record from entry i. */
     struct shmw_entry *e = entry_at(w, i);
@@ -139,7 +139,7 @@ void shmw__write_record(const shmw_t *w, uint32_t i, char *rec)
         memcpy(rec + sizeof(*f), (char *)(e + 1), len);
 }
 
-int shmw__inflight_drain(shmw_t *w, uint32_t max, char *records, uint32_t *n)
+int shmw__inflight_drain(shard_t *w, uint32_t max, char *records, uint32_t *n)
 {
     /* For poll, on a wheel with no driver: up to `max` fires left in
      * flight by a dead driver, into `records`, acknowledged at once. */
@@ -166,24 +166,25 @@ void shmw_wake(shmw_t *w)
 {
     if (!w)
         return;
-    __atomic_add_fetch(&w->hdr->wake_word, 1, __ATOMIC_SEQ_CST);
-    __atomic_add_fetch(&w->hdr->outbox_word, 1, __ATOMIC_SEQ_CST);
-    shmw__futex_wake_all(&w->hdr->wake_word);
-    shmw__futex_wake_all(&w->hdr->outbox_word);
+    __atomic_add_fetch(&w->top->wake_word, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&w->top->outbox_word, 1, __ATOMIC_SEQ_CST);
+    shmw__futex_wake_all(&w->top->wake_word);
+    shmw__futex_wake_all(&w->top->outbox_word);
 }
 
-int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_pid, int64_t expect_start)
+/* One shard's registration, under its lock: only if it is the one the
+ * caller expects, unless `force`. */
+static int register_shard(shard_t *w, int32_t pid, int64_t start, int32_t expect_pid, int64_t expect_start,
+                          int force)
 {
     struct shmw_header *h;
     uint32_t i;
     int rc;
 
-    if (pid < 0)
-        return SHMW_EINVAL;
-    if ((rc = shmw__enter(w)))
+    if ((rc = shmw__lock(w)))
         return rc;
     h = w->hdr;
-    if (h->driver_pid != expect_pid || (expect_pid != 0 && h->driver_start != expect_start)) {
+    if (!force && (h->driver_pid != expect_pid || (expect_pid != 0 && h->driver_start != expect_start))) {
         shmw__unlock(w);
         return SHMW_ENOTDRIVER;
     }
@@ -208,147 +209,232 @@ int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_p
     return SHMW_OK;
 }
 
-int shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state)
+int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_pid, int64_t expect_start)
 {
+    /* Shard 0 decides: the caller whose expectation it meets registers
+     * there, and then in every other shard whatever they hold (one that
+     * died half-way through the shards left them mixed), in order, so
+     * that two callers never both go past shard 0. */
+    uint32_t k;
     int rc;
 
+    if (!w)
+        return SHMW_ECLOSED;
+    if (pid < 0)
+        return SHMW_EINVAL;
+    if ((rc = register_shard(&w->shard[0], pid, start, expect_pid, expect_start, 0)))
+        return rc;
+    for (k = 1; k < w->shards; k++)
+        if ((rc = register_shard(&w->shard[k], pid, start, expect_pid, expect_start, 1)))
+            return rc;
+    return SHMW_OK;
+}
+
+int shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state)
+{
+    uint32_t k;
+    int rc = SHMW_OK;
+
+    if (!w)
+        return SHMW_ECLOSED;
     if (state > SHMW_DRIVER_STOPPING)
         return SHMW_EINVAL;
-    if ((rc = shmw__enter(w)))
-        return rc;
-    if (w->hdr->driver_pid != pid)
-        rc = SHMW_ENOTDRIVER;
-    else
-        STORE(w->hdr->driver_state, state);
-    shmw__unlock(w);
+    for (k = 0; k < w->shards && rc == SHMW_OK; k++) {
+        shard_t *s = &w->shard[k];
+        if ((rc = shmw__lock(s)))
+            return rc;
+        if (s->hdr->driver_pid != pid)
+            rc = SHMW_ENOTDRIVER;
+        else
+            STORE(s->hdr->driver_state, state);
+        shmw__unlock(s);
+    }
     return rc;
 }
 
 /* ---- the clock ------------------------------------------------------------------ */
 
+/* One shard's turn of the clock, under its lock: fires what is due, at
+ * most `batch`, then (if nothing more is) says until when it sleeps.
+ * *until_ns is lowered to the shard's next due time; *more set if it has
+ * more due now; *fired counts what it moved in flight. */
+static int clock_shard(shard_t *w, int64_t now_ns, uint32_t batch, int64_t *until_ns, int *more, uint32_t *fired)
+{
+    struct shmw_header *h = w->hdr;
+    uint32_t n = 0;
+    uint64_t next;
+    int rc, left = 0;
+
+    if ((rc = shmw__lock(w)))
+        return rc;
+    if (h->driver_pid != shmw__pid) {
+        shmw__unlock(w);
+        return SHMW_ENOTDRIVER;   /* someone took over: stop at once */
+    }
+    STORE(h->sleep_until, 0);
+    rc = shmw__advance(w, (uint64_t)now_ns / (uint64_t)w->tick_ns, now_ns, batch, NULL, &n, &left);
+    if (n)
+        __atomic_add_fetch(w->outbox_word, 1, __ATOMIC_SEQ_CST);
+    *fired += n;
+    if (rc == SHMW_OK && !left) {
+        /* Nothing more is due: it sleeps until its earliest bucket, and a
+         * producer that adds an earlier one wakes the clock (wake_for). */
+        if (heap_top(w, &next)) {
+            STORE(h->sleep_until, next);
+            w->due = next;
+            if (ticks_to_ns(w, next) < *until_ns)
+                *until_ns = ticks_to_ns(w, next);
+        } else {
+            STORE(h->sleep_until, UINT64_MAX);
+            w->due = UINT64_MAX;
+        }
+    }
+    *more |= left;
+    shmw__unlock(w);
+    return rc;
+}
+
 int shmw_driver_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
 {
     /* Fires what is due in batches of at most `batch` per lock hold, so a
      * burst of a million timers does not shut producers out, then sleeps
-     * until the earliest bucket is due or a producer adds an earlier one.
-     * There is no periodic tick: an idle wheel sleeps in FUTEX_WAIT. */
-    struct shmw_header *h;
-    int rc;
+     * until the earliest bucket of any shard is due or a producer adds an
+     * earlier one.  There is no periodic tick: an idle wheel sleeps in
+     * FUTEX_WAIT.
+     *
+     * A shard is looked at (locked) only when something of it is due by
+     * the clock's own reckoning (`due`, what its heap said last time) or a
+     * producer has woken the clock for it (its sleep_until lowered below
+     * what the clock left there).  The top's word is read before the
+     * shards are: a producer that lowers a shard's sleep_until after the
+     * clock looked at that shard bumps the word after it, and FUTEX_WAIT
+     * then returns at once. */
+    struct shmw_top *top;
+    int rc = SHMW_OK;
 
     if (!w)
         return SHMW_ECLOSED;
     if (batch == 0)
         return SHMW_EINVAL;
-    h = w->hdr;
+    top = w->top;
     while (!*stop) {
-        int64_t now_ns = shmw_now_ns();
-        int64_t until_ns = -1;
-        uint32_t fired = 0, seen;
-        uint64_t next;
+        int64_t now_ns, until_ns;
+        uint32_t fired = 0, seen, k;
+        uint64_t now_tick;
         int more = 0;
 
-        if ((rc = shmw__lock(w)))
-            return rc;
-        if (h->driver_pid != shmw__pid) {
-            shmw__unlock(w);
-            return SHMW_ENOTDRIVER;   /* someone took over: stop at once */
-        }
-        STORE(h->sleep_until, 0);
-        rc = shmw__advance(w, (uint64_t)now_ns / (uint64_t)w->tick_ns, now_ns, batch, NULL, &fired, &more);
-        if (fired)
-            __atomic_add_fetch(&h->outbox_word, 1, __ATOMIC_SEQ_CST);
-        if (rc) {
-            shmw__unlock(w);
-            if (fired)          /* what it moved in flight before the error is the dispatcher's */
-                shmw__futex_wake_all(&h->outbox_word);
-            return rc;
-        }
-        if (!more) {
-            /* Nothing more is due: sleep until the earliest bucket, but
-             * never longer than SHMW_MAX_SLEEP_NS.  The cap bounds the
-             * stall if a producer dies between lowering sleep_until and
-             * its FUTEX_WAKE (or under the lock): a later add for the same
-             * moment skips the wake, so only the sleeper can recover. */
-            until_ns = now_ns + CLOCK_CAP_NS();
-            if (heap_top(w, &next)) {
-                STORE(h->sleep_until, next);
-                if (ticks_to_ns(w, next) < until_ns)
-                    until_ns = ticks_to_ns(w, next);
-            } else {
-                STORE(h->sleep_until, UINT64_MAX);
+        seen = __atomic_load_n(&top->wake_word, __ATOMIC_SEQ_CST);
+        now_ns = shmw_now_ns();
+        now_tick = (uint64_t)now_ns / (uint64_t)w->shard[0].tick_ns;
+        /* Never longer than SHMW_MAX_SLEEP_NS.  The cap bounds the stall
+         * if a producer dies between lowering sleep_until and its
+         * FUTEX_WAKE (or under the lock): a later add for the same moment
+         * skips the wake, so only the sleeper can recover. */
+        until_ns = now_ns + CLOCK_CAP_NS();
+        for (k = 0; k < w->shards; k++) {
+            shard_t *s = &w->shard[k];
+            uint64_t asleep = __atomic_load_n(&s->hdr->sleep_until, __ATOMIC_SEQ_CST);
+            if (s->due > now_tick && asleep == s->due && s->due != 0) {
+                if (s->due != UINT64_MAX && ticks_to_ns(s, s->due) < until_ns)
+                    until_ns = ticks_to_ns(s, s->due);
+                continue;       /* nothing due, and no producer woke the clock for it */
             }
+            if ((rc = clock_shard(s, now_ns, batch, &until_ns, &more, &fired)))
+                break;
         }
-        seen = __atomic_load_n(&h->wake_word, __ATOMIC_SEQ_CST);
-        shmw__unlock(w);
         if (fired)
-            shmw__futex_wake_all(&h->outbox_word);
+            shmw__futex_wake_all(&top->outbox_word);
+        if (rc)
+            return rc;          /* what it moved in flight before the error is the dispatcher's */
         if (!more && !*stop)
-            shmw__futex_wait_until(&h->wake_word, seen, until_ns);
+            shmw__futex_wait_until(&top->wake_word, seen, until_ns);
     }
     return SHMW_OK;
 }
 
 /* ---- the dispatcher and the writer ------------------------------------------- */
 
+/* Up to `cap` unsent fires of one shard into buf, marked sent, under its
+ * lock; how many into *n. */
+static int take_shard(shard_t *w, char *buf, uint32_t cap, uint32_t *n)
+{
+    struct shmw_header *h = w->hdr;
+    uint32_t stride = record_stride(w), i;
+    int rc;
+
+    *n = 0;
+    if (__atomic_load_n(&h->inflight_unsent, __ATOMIC_RELAXED) == SHMW_NIL
+        && __atomic_load_n(&h->driver_pid, __ATOMIC_RELAXED) == shmw__pid)
+        return SHMW_OK;         /* nothing to take: no lock (a stale look is caught by the word) */
+    if ((rc = shmw__lock(w)))
+        return rc;
+    if (h->driver_pid != shmw__pid) {
+        shmw__unlock(w);
+        return SHMW_ENOTDRIVER;
+    }
+    i = h->inflight_unsent;
+    while (*n < cap && i != SHMW_NIL) {
+        struct shmw_entry *e;
+        /* An entry marked sent is one the cursor should be past: a
+         * scribbled cursor, which would hand it out twice. */
+        if (i >= w->capacity || (e = entry_at(w, i))->state != SHMW_INFLIGHT || !shmw__entry_sane(w, e)
+            || (e->flags & SHMW_SENT)) {
+            if (*n > 0)
+                break;      /* hand out what was taken; the next take meets it */
+            shmw__unlock(w);
+            return SHMW_ECORRUPT;
+        }
+        shmw__write_record(w, i, buf + (uint64_t)*n * stride);
+        STORE(e->flags, e->flags | SHMW_SENT);
+        (*n)++;
+        i = e->next;
+    }
+    STORE(h->inflight_unsent, i);
+    shmw__unlock(w);
+    return SHMW_OK;
+}
+
 int shmw_driver_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t cap)
 {
-    /* Copies up to `cap` unsent fires out of the segment under the lock
-     * and marks them sent; with none unsent, sleeps until the clock fires
-     * some.  Returns how many, or 0 once *stop is set and nothing is left
-     * unsent. */
-    struct shmw_header *h;
+    /* Copies up to `cap` unsent fires out of the shards, each under its
+     * lock, and marks them sent; with none unsent, sleeps until the clock
+     * fires some.  Returns how many, or 0 once *stop is set and nothing is
+     * left unsent.  The shards are taken from in turn, from the one after
+     * where the last take began. */
     uint32_t stride;
-    int rc;
 
     if (!w)
         return SHMW_ECLOSED;
     if (cap == 0 || cap > INT32_MAX)
         return SHMW_EINVAL;
-    h = w->hdr;
-    stride = record_stride(w);
+    stride = record_stride(&w->shard[0]);
     for (;;) {
-        uint32_t n = 0, seen, i;
-        int stopping;
+        uint32_t n = 0, seen, t, first;
+        int stopping, rc;
 
-        if ((rc = shmw__lock(w)))
-            return rc;
-        if (h->driver_pid != shmw__pid) {
-            shmw__unlock(w);
-            return SHMW_ENOTDRIVER;
-        }
         /* *stop is read after the word: a stop set before this load is
          * seen here, and one set after it bumps the word past `seen`, so
-         * the FUTEX_WAIT below returns at once.  No stop is missed. */
-        seen = __atomic_load_n(&h->outbox_word, __ATOMIC_SEQ_CST);
+         * the FUTEX_WAIT below returns at once.  No stop is missed, nor a
+         * fire the clock moves in flight after its shard was looked at. */
+        seen = __atomic_load_n(&w->top->outbox_word, __ATOMIC_SEQ_CST);
         stopping = __atomic_load_n(stop, __ATOMIC_SEQ_CST);
-        i = h->inflight_unsent;
-        while (n < cap && i != SHMW_NIL) {
-            struct shmw_entry *e;
-            /* An entry marked sent is one the cursor should be past: a
-             * scribbled cursor, which would hand it out twice. */
-            if (i >= w->capacity || (e = entry_at(w, i))->state != SHMW_INFLIGHT || !shmw__entry_sane(w, e)
-                || (e->flags & SHMW_SENT)) {
-                if (n > 0)
-                    break;      /* hand out what was taken; the next take meets it */
-                shmw__unlock(w);
-                return SHMW_ECORRUPT;
-            }
-            shmw__write_record(w, i, buf + (uint64_t)n * stride);
-            STORE(e->flags, e->flags | SHMW_SENT);
-            n++;
-            i = e->next;
+        first = w->take_from++;
+        for (t = 0; t < w->shards && n < cap; t++) {
+            uint32_t got = 0;
+            rc = take_shard(&w->shard[(first + t) % w->shards], buf + (uint64_t)n * stride, cap - n, &got);
+            n += got;
+            if (rc)
+                return n ? (int)n : rc;
         }
-        STORE(h->inflight_unsent, i);
-        shmw__unlock(w);
         if (n)
             return (int)n;
         if (stopping)
             return 0;
-        shmw__futex_wait_until(&h->outbox_word, seen, -1);
+        shmw__futex_wait_until(&w->top->outbox_word, seen, -1);
     }
 }
 
-uint32_t shmw_sift(const shmw_t *w, char *buf, uint32_t n, const int32_t *owners, uint32_t n_owners,
+uint32_t shmw_sift(const shmw_t *wheel, char *buf, uint32_t n, const int32_t *owners, uint32_t n_owners,
                    const char *spare, uint32_t n_spare, int64_t *handles, int32_t *pids, uint32_t *taken)
 {
     /* A forger's hundred thousand timers cost this loop a few nanoseconds
@@ -356,6 +442,7 @@ uint32_t shmw_sift(const shmw_t *w, char *buf, uint32_t n, const int32_t *owners
      * clock fired after them is handed out milliseconds later, not tenths
      * of a second.  The owner lists are a dispatcher's few refusals, so a
      * linear look-up. */
+    const shard_t *w = &wheel->shard[0];
     uint32_t stride = record_stride(w), k, j, left = 0;
 
     *taken = 0;
@@ -408,50 +495,70 @@ int shmw_driver_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, u
     if (!w)
         return SHMW_ECLOSED;
     while ((n = shmw_driver_take(w, stop, buf, cap)) > 0) {
-        int rc = write_all(fd, buf, (size_t)n * record_stride(w));
+        int rc = write_all(fd, buf, (size_t)n * record_stride(&w->shard[0]));
         if (rc)
             return rc;
     }
     return n;
 }
 
+/* Calls each(shard, entry) for the handles of shard k, under its lock once;
+ * how many it was called for, or an error. */
+static int for_in_flight(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors, uint32_t refused,
+                         int (*each)(shard_t *, uint32_t))
+{
+    uint32_t k, j;
+    int rc = SHMW_OK, done = 0;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    for (j = 0; j < n; j++)
+        if (handles[j] < 0)
+            return SHMW_EHANDLE;
+    for (k = 0; k < w->shards && rc == SHMW_OK; k++) {
+        shard_t *s = &w->shard[k];
+        int locked = 0;
+
+        if (k == 0 && (errors || refused)) {
+            if ((rc = shmw__lock(s)))
+                return rc;
+            locked = 1;
+            STORE(s->hdr->handler_errors, s->hdr->handler_errors + errors);
+            STORE(s->hdr->refused, s->hdr->refused > UINT32_MAX - refused ? UINT32_MAX : s->hdr->refused + refused);
+        }
+        for (j = 0; j < n && rc == SHMW_OK; j++) {
+            uint32_t i;
+            if (shard_of(w, handles[j]) != s)
+                continue;
+            if (!locked && (rc = shmw__lock(s)))
+                return done ? done : rc;
+            locked = 1;
+            i = shmw__lookup(s, handles[j], SHMW_INFLIGHT);
+            if (i == SHMW_NIL)
+                continue;
+            if ((rc = each(s, i)) == SHMW_OK)
+                done++;
+        }
+        if (locked)
+            shmw__unlock(s);
+    }
+    return rc ? rc : done;
+}
+
+static int keep_entry(shard_t *w, uint32_t i)
+{
+    STORE(entry_at(w, i)->flags, (uint8_t)(entry_at(w, i)->flags | SHMW_KEPT));
+    return SHMW_OK;
+}
+
 int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors, uint32_t refused)
 {
-    uint32_t k, done = 0;
-    int rc;
-
-    if ((rc = shmw__enter_handles(w, handles, n)))
-        return rc;
-    STORE(w->hdr->handler_errors, w->hdr->handler_errors + errors);
-    STORE(w->hdr->refused, w->hdr->refused > UINT32_MAX - refused ? UINT32_MAX : w->hdr->refused + refused);
-    for (k = 0; k < n; k++) {
-        uint32_t i = shmw__lookup(w, handles[k], SHMW_INFLIGHT);
-        if (i == SHMW_NIL)
-            continue;
-        if ((rc = shmw__ack_entry(w, i)))
-            break;
-        done++;
-    }
-    shmw__unlock(w);
-    return rc ? rc : (int)done;
+    return for_in_flight(w, handles, n, errors, refused, shmw__ack_entry);
 }
 
 int shmw_keep_many(shmw_t *w, const int64_t *handles, uint32_t n)
 {
     /* Only a mark: the entry stays on the FIFO where it is, sent, until
      * shmw_ack_many frees it or a new driver sends it again. */
-    uint32_t k, done = 0;
-    int rc;
-
-    if ((rc = shmw__enter_handles(w, handles, n)))
-        return rc;
-    for (k = 0; k < n; k++) {
-        uint32_t i = shmw__lookup(w, handles[k], SHMW_INFLIGHT);
-        if (i == SHMW_NIL)
-            continue;
-        STORE(entry_at(w, i)->flags, (uint8_t)(entry_at(w, i)->flags | SHMW_KEPT));
-        done++;
-    }
-    shmw__unlock(w);
-    return (int)done;
+    return for_in_flight(w, handles, n, 0, 0, keep_entry);
 }

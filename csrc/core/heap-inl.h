@@ -15,18 +15,18 @@
 
 #include "core.h"
 
-static inline int heap_less(const shmw_t *w, uint32_t a, uint32_t b)
+static inline int heap_less(const shard_t *w, uint32_t a, uint32_t b)
 {
     return w->buckets[a].expires < w->buckets[b].expires;
 }
 
-static inline void heap_place(shmw_t *w, uint32_t pos, uint32_t b)
+static inline void heap_place(shard_t *w, uint32_t pos, uint32_t b)
 {
     STORE(w->heap[pos], b);
     STORE(w->buckets[b].heap_pos, pos);
 }
 
-static inline int heap_sift_up(shmw_t *w, uint32_t pos)
+static inline int heap_sift_up(shard_t *w, uint32_t pos)
 {
     uint32_t b;
 
@@ -46,7 +46,7 @@ static inline int heap_sift_up(shmw_t *w, uint32_t pos)
     return SHMW_OK;
 }
 
-static inline int heap_sift_down(shmw_t *w, uint32_t pos, uint32_t len)
+static inline int heap_sift_down(shard_t *w, uint32_t pos, uint32_t len)
 {
     uint32_t b = w->heap[pos];
 
@@ -76,7 +76,7 @@ static inline int heap_sift_down(shmw_t *w, uint32_t pos, uint32_t len)
     return SHMW_OK;
 }
 
-static inline int heap_push(shmw_t *w, uint32_t b)
+static inline int heap_push(shard_t *w, uint32_t b)
 {
     uint32_t len = w->hdr->heap_len;
 
@@ -87,7 +87,7 @@ static inline int heap_push(shmw_t *w, uint32_t b)
     return heap_sift_up(w, len);
 }
 
-static inline int heap_remove(shmw_t *w, uint32_t b)
+static inline int heap_remove(shard_t *w, uint32_t b)
 {
     uint32_t pos = w->buckets[b].heap_pos;
     uint32_t len = w->hdr->heap_len;
@@ -114,7 +114,7 @@ static inline int heap_remove(shmw_t *w, uint32_t b)
 
 /* The earliest non-empty bucket's expiry in *expires, or 0 if the heap is
  * empty or its top is out of bounds. */
-static inline int heap_top(const shmw_t *w, uint64_t *expires)
+static inline int heap_top(const shard_t *w, uint64_t *expires)
 {
     const struct shmw_header *h = w->hdr;
 

@@ -47,7 +47,7 @@ static inline int mutex_may_be_free(pthread_mutex_t *m)
 #endif
 }
 
-int shmw__lock_raw(shmw_t *w, int wait)
+int shmw__lock_raw(shard_t *w, int wait)
 {
     /* Uncontended, trylock is the whole cost.  Contended, spin briefly
      * first: a producer's hold is a few dozen nanoseconds, and sleeping on
@@ -92,7 +92,7 @@ int shmw__lock_raw(shmw_t *w, int wait)
     return rc ? SHMW_ELOCK : SHMW_OK;
 }
 
-int shmw__lock_mode(shmw_t *w, int wait)
+int shmw__lock_mode(shard_t *w, int wait)
 {
     int rc = shmw__lock_raw(w, wait);
 
@@ -105,33 +105,45 @@ int shmw__lock_mode(shmw_t *w, int wait)
     return SHMW_OK;
 }
 
-void shmw__unlock(shmw_t *w)
+void shmw__unlock(shard_t *w)
 {
     pthread_mutex_unlock(&w->hdr->mutex);
 }
 
 int shmw_set_lock_timeout(shmw_t *w, int64_t timeout_ns)
 {
+    uint32_t k;
+
     if (!w)
         return SHMW_ECLOSED;
     if (timeout_ns <= 0)
         return SHMW_EINVAL;
-    w->lock_timeout_ns = timeout_ns;
+    for (k = 0; k < w->shards; k++)
+        w->shard[k].lock_timeout_ns = timeout_ns;
     return SHMW_OK;
 }
 
 int32_t shmw_lock_holder(shmw_t *w)
 {
     /* The thread ID glibc keeps in a robust mutex's lock word, as the
-     * holder's own PID namespace numbers it; read without the lock, so it
-     * may be stale by the time the caller looks the thread up. */
+     * holder's own PID namespace numbers it, of the first shard whose lock
+     * is held; read without the locks, so it may be stale by the time the
+     * caller looks the thread up. */
+    uint32_t k;
+
     if (!w)
         return 0;
 #ifdef __GLIBC__
-    return (int32_t)(__atomic_load_n(&w->hdr->mutex.__data.__lock, __ATOMIC_RELAXED) & FUTEX_TID_MASK);
+    for (k = 0; k < w->shards; k++) {
+        int32_t tid = (int32_t)(__atomic_load_n(&w->shard[k].hdr->mutex.__data.__lock, __ATOMIC_RELAXED)
+                                & FUTEX_TID_MASK);
+        if (tid)
+            return tid;
+    }
 #else
-    return 0;
+    (void)k;
 #endif
+    return 0;
 }
 
 /* ---- futexes -------------------------------------------------------------- */
@@ -161,18 +173,18 @@ void shmw__futex_wait_until(uint32_t *word, uint32_t seen, int64_t deadline_ns)
     futex(word, FUTEX_WAIT_BITSET, seen, &ts);
 }
 
-/* The clock sleeps until h->sleep_until (0 while it is awake or there is
- * no driver).  A timer due before that must wake it: the word is bumped
- * here, under the lock, and the caller wakes the clock after unlocking if
+/* The clock sleeps until the earliest of the shards' sleep_until (each 0
+ * while the clock looks at it, or there is no driver).  A timer due before
+ * its shard's must wake it: the top's word is bumped here, under the lock, and the caller wakes the clock after unlocking if
  * this returns 1.  Lowering sleep_until makes later adds for the same
  * moment skip the system call. */
-int shmw__wake_for(shmw_t *w, uint64_t expires)
+int shmw__wake_for(shard_t *w, uint64_t expires)
 {
     struct shmw_header *h = w->hdr;
 
     if (expires >= h->sleep_until)
         return 0;
     STORE(h->sleep_until, expires);
-    __atomic_add_fetch(&h->wake_word, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(w->wake_word, 1, __ATOMIC_SEQ_CST);
     return 1;
 }

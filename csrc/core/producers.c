@@ -1,116 +1,180 @@
 /*
  * producers.c - the producer table: which processes have attached.
  *
- * A producer id is an index into the header's table of SHMW_MAX_PRODUCERS;
+ * A producer id is an index into the top's table of SHMW_MAX_PRODUCERS;
  * it holds the process's pid, PID namespace and start time, so that a pid
  * reused by another process is never taken for it.  An attached process's
- * timers are filed under its id (the id picks the lane), and its
+ * timers are filed under its id (the id picks the shard and the lane), and its
  * SHMW_CANCEL_ON_EXIT timers are cancelled by the driver once the process
  * is gone (reap), after which its id is freed (release).  The pid is the
  * store that commits an id.
  */
 #include "core.h"
 
-int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns)
+/* Row g of the table is written under the lock of shard g % shards (the
+ * shard of that producer's adds), and only there. */
+
+static int find_own(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns, uint32_t *id)
 {
-    struct shmw_header *h;
-    uint32_t k, id = SHMW_NO_PRODUCER;
+    /* Whether this process holds an id already (attached before). */
+    const struct shmw_producer *rows = w->top->producers;
+    uint32_t k, g;
     int rc;
 
+    for (k = 0; k < w->shards; k++) {
+        if ((rc = shmw__lock(&w->shard[k])))
+            return rc;
+        for (g = k; g < SHMW_MAX_PRODUCERS; g += w->shards)
+            if (rows[g].pid == pid && rows[g].start == start && rows[g].pidns == pidns)
+                break;
+        shmw__unlock(&w->shard[k]);
+        if (g < SHMW_MAX_PRODUCERS) {
+            *id = g;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns)
+{
+    /* An id of the next shard round the table that has one free, so that
+     * the attached processes spread evenly over the shards. */
+    struct shmw_producer *rows;
+    uint32_t t, k, g, id = SHMW_NO_PRODUCER, first;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
     if (pid <= 0)
         return SHMW_EINVAL;
-    if ((rc = shmw__enter(w)))
+    rows = w->top->producers;
+    if ((rc = find_own(w, pid, start, pidns, &id)) < 0)
         return rc;
-    h = w->hdr;
-    for (k = 0; k < SHMW_MAX_PRODUCERS; k++) {
-        const struct shmw_producer *p = &h->producers[k];
-        if (p->pid == pid && p->start == start && p->pidns == pidns) {
-            id = k;             /* this process attached before */
-            break;
+    first = __atomic_fetch_add(&w->top->next_shard, 1, __ATOMIC_RELAXED);
+    for (t = 0; rc == 0 && t < w->shards; t++) {
+        k = (first + t) % w->shards;
+        if ((rc = shmw__lock(&w->shard[k])))
+            return rc;
+        for (g = k; g < SHMW_MAX_PRODUCERS && rows[g].pid != 0; g += w->shards)
+            ;
+        if (g < SHMW_MAX_PRODUCERS) {
+            STORE(rows[g].start, start);
+            STORE(rows[g].pidns, pidns);
+            COMMIT(rows[g].pid, pid);      /* commits the id */
+            id = g;
+            rc = 1;
         }
-        if (p->pid == 0 && id == SHMW_NO_PRODUCER)
-            id = k;
+        shmw__unlock(&w->shard[k]);
     }
-    if (id != SHMW_NO_PRODUCER && h->producers[id].pid != pid) {
-        STORE(h->producers[id].start, start);
-        STORE(h->producers[id].pidns, pidns);
-        COMMIT(h->producers[id].pid, pid);      /* commits the id */
-    }
-    shmw__unlock(w);
     if (id == SHMW_NO_PRODUCER)
         return SHMW_EPRODUCERS;
     w->producer = id;
     w->producer_pid = pid;
+    for (k = 0; k < w->shards; k++) {
+        w->shard[k].producer = id;
+        w->shard[k].producer_pid = pid;
+    }
     return (int)id;
 }
 
 int shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t *pidns, uint32_t max)
 {
     /* The whole table, by id (pid 0: free); returns the ids in use. */
-    uint32_t k, n = 0;
+    const struct shmw_producer *rows;
+    uint32_t k, g, n = 0;
     int rc;
 
     if (!w)
         return SHMW_ECLOSED;
     if (max < SHMW_MAX_PRODUCERS)
         return SHMW_EINVAL;
-    if ((rc = shmw__lock_raw(w, 1)))     /* a look, which a damaged segment allows */
-        return rc;
-    for (k = 0; k < SHMW_MAX_PRODUCERS; k++) {
-        pids[k] = w->hdr->producers[k].pid;
-        starts[k] = w->hdr->producers[k].start;
-        pidns[k] = w->hdr->producers[k].pidns;
-        n += pids[k] != 0;
+    rows = w->top->producers;
+    for (k = 0; k < w->shards; k++) {
+        if ((rc = shmw__lock_raw(&w->shard[k], 1)))     /* a look, which a damaged segment allows */
+            return rc;
+        for (g = k; g < SHMW_MAX_PRODUCERS; g += w->shards) {
+            pids[g] = rows[g].pid;
+            starts[g] = rows[g].start;
+            pidns[g] = rows[g].pidns;
+            n += pids[g] != 0;
+        }
+        shmw__unlock(&w->shard[k]);
     }
-    shmw__unlock(w);
     return (int)n;
 }
 
+/* Whether row id still holds that process.  Read under another shard's
+ * lock by reap: the row of a dead producer changes only at its release. */
 static int producer_is(const shmw_t *w, uint32_t id, int32_t pid, int64_t start)
 {
-    return id < SHMW_MAX_PRODUCERS && pid > 0 && w->hdr->producers[id].pid == pid
-        && w->hdr->producers[id].start == start;
+    const struct shmw_producer *rows = w->top->producers;
+
+    return id < SHMW_MAX_PRODUCERS && pid > 0 && __atomic_load_n(&rows[id].pid, __ATOMIC_RELAXED) == pid
+        && __atomic_load_n(&rows[id].start, __ATOMIC_RELAXED) == start;
 }
 
 int shmw_producer_reap(shmw_t *w, uint32_t id, int32_t pid, int64_t start, uint32_t from, uint32_t count)
 {
-    /* O(count) under the lock: the caller sweeps the slab in ranges so
-     * that no hold is long. */
-    uint32_t i, end, done = 0;
-    int rc;
+    /* O(count) under the locks of the shards the slab indices [from,
+     * from + count) fall in, one at a time: the caller sweeps the slab in
+     * ranges so that no hold is long.  Its timers are in every shard its
+     * adds spilled into, not only its own. */
+    uint32_t k, i, end, done = 0;
+    int rc = SHMW_OK;
 
-    if ((rc = shmw__enter(w)))
-        return rc;
-    if (!producer_is(w, id, pid, start)) {
-        shmw__unlock(w);
-        return SHMW_ESTALE;
-    }
+    if (!w)
+        return SHMW_ECLOSED;
     end = from < w->capacity && count < w->capacity - from ? from + count : w->capacity;
-    for (i = from; i < end; i++) {
-        struct shmw_entry *e = entry_at(w, i);
-        if (e->state != SHMW_PENDING || e->producer != id || !(e->flags & SHMW_CANCEL_ON_EXIT))
-            continue;
-        if ((rc = shmw__cancel_entry(w, i)))
-            break;
-        done++;
+    for (k = from / w->shard_capacity; k < w->shards && k * w->shard_capacity < end; k++) {
+        shard_t *s = &w->shard[k];
+        uint32_t lo = from > s->index_base ? from - s->index_base : 0;
+        uint32_t hi = end - s->index_base < s->capacity ? end - s->index_base : s->capacity;
+
+        if ((rc = shmw__enter(s)))
+            return rc;
+        if (!producer_is(w, id, pid, start)) {
+            shmw__unlock(s);
+            return SHMW_ESTALE;
+        }
+        for (i = lo; i < hi; i++) {
+            struct shmw_entry *e = entry_at(s, i);
+            if (e->state != SHMW_PENDING || e->producer != id || !(e->flags & SHMW_CANCEL_ON_EXIT))
+                continue;
+            if ((rc = shmw__cancel_entry(s, i)))
+                break;
+            done++;
+        }
+        shmw__unlock(s);
+        if (rc)
+            return rc;
     }
-    shmw__unlock(w);
-    return rc ? rc : (int)done;
+    if (done == 0 && !producer_is(w, id, pid, start))
+        return SHMW_ESTALE;     /* a range past the slab: the check all the same */
+    return (int)done;
 }
 
 int shmw_producer_release(shmw_t *w, uint32_t id, int32_t pid, int64_t start)
 {
+    struct shmw_producer *rows;
+    shard_t *s;
     int rc;
 
-    if ((rc = shmw__enter(w)))
+    if (!w)
+        return SHMW_ECLOSED;
+    if (id >= SHMW_MAX_PRODUCERS)
+        return SHMW_ESTALE;
+    rows = w->top->producers;
+    s = &w->shard[id % w->shards];
+    if ((rc = shmw__enter(s)))
         return rc;
     if (producer_is(w, id, pid, start)) {
-        STORE(w->hdr->producers[id].pid, 0);
-        STORE(w->hdr->producers[id].start, 0);
-        STORE(w->hdr->producers[id].pidns, 0);
+        STORE(rows[id].pid, 0);
+        STORE(rows[id].start, 0);
+        STORE(rows[id].pidns, 0);
     } else {
         rc = SHMW_ESTALE;
     }
-    shmw__unlock(w);
+    shmw__unlock(s);
     return rc;
 }

@@ -23,7 +23,7 @@
 #include <stdio.h>
 
 /* Retires entry i for good, whatever it was: a repair found it nonsensical. */
-static void quarantine(shmw_t *w, uint32_t i)
+static void quarantine(shard_t *w, uint32_t i)
 {
     struct shmw_entry *e = entry_at(w, i);
 
@@ -37,7 +37,7 @@ static void quarantine(shmw_t *w, uint32_t i)
         if (reason && !said) { snprintf(reason, reason_len, __VA_ARGS__); said = 1; } \
     } while (0)
 
-int shmw__repair_locked(shmw_t *w, int64_t clock_limit_ns, char *reason, uint32_t reason_len)
+int shmw__repair_locked(shard_t *w, int64_t clock_limit_ns, char *reason, uint32_t reason_len)
 {
     /* clock_limit_ns >= 0: a wheel clock past that time is set back to it
      * (a scribbled clock would fire every timer early).  The first thing
@@ -154,6 +154,9 @@ int shmw__repair_locked(shmw_t *w, int64_t clock_limit_ns, char *reason, uint32_
     } else if (h->driver_state == SHMW_DRIVER_NONE || h->driver_state > SHMW_DRIVER_STOPPING) {
         STORE(h->driver_state, SHMW_DRIVER_RUNNING);
     }
+    /* The clock looks at this shard again at its next turn: the heap it
+     * slept on is rebuilt. */
+    STORE(h->sleep_until, 0);
     STORE(h->flags, h->flags & ~SHMW_F_DAMAGED);
     STORE(h->recoveries, h->recoveries + 1);
     return SHMW_OK;
@@ -161,16 +164,10 @@ int shmw__repair_locked(shmw_t *w, int64_t clock_limit_ns, char *reason, uint32_
 
 #undef SAY
 
-int shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len)
+static int repair_shard(shard_t *w, int64_t now_ns, char *reason, uint32_t reason_len)
 {
     int rc;
 
-    if (!w)
-        return SHMW_ECLOSED;
-    if (now_ns < 0)
-        return SHMW_EINVAL;
-    if (reason && reason_len)
-        reason[0] = '\0';
     if ((rc = shmw__lock_raw(w, 1)))
         return rc;
     /* The clock is read again under the lock: the driver's clock may have
@@ -192,10 +189,36 @@ int shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len)
     }
     /* The clock may be asleep on a bucket the repair moved, the dispatcher
      * on fires the rebuilt list put back: both look again. */
-    __atomic_add_fetch(&w->hdr->wake_word, 1, __ATOMIC_SEQ_CST);
-    __atomic_add_fetch(&w->hdr->outbox_word, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(w->wake_word, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(w->outbox_word, 1, __ATOMIC_SEQ_CST);
     shmw__unlock(w);
-    shmw__futex_wake_all(&w->hdr->wake_word);
-    shmw__futex_wake_all(&w->hdr->outbox_word);
+    shmw__futex_wake_all(w->wake_word);
+    shmw__futex_wake_all(w->outbox_word);
     return rc ? rc : 1;
+}
+
+int shmw_repair(shmw_t *w, int64_t now_ns, char *reason, uint32_t reason_len)
+{
+    /* Each shard in turn, under its own lock; the reason is the first
+     * shard's that was repaired (or could not be), named. */
+    char mine[200];
+    uint32_t k;
+    int rc, repaired = 0;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (now_ns < 0)
+        return SHMW_EINVAL;
+    if (reason && reason_len)
+        reason[0] = '\0';
+    for (k = 0; k < w->shards; k++) {
+        mine[0] = '\0';
+        rc = repair_shard(&w->shard[k], now_ns, mine, sizeof(mine));
+        if (rc != 0 && reason && reason_len && !reason[0])
+            shmw__name_shard(w, k, mine, reason, reason_len);
+        if (rc < 0)
+            return rc;
+        repaired |= rc;
+    }
+    return repaired;
 }

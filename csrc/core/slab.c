@@ -20,7 +20,7 @@
  */
 #include "core.h"
 
-uint32_t shmw__lookup(const shmw_t *w, int64_t handle, uint8_t state)
+uint32_t shmw__lookup(const shard_t *w, int64_t handle, uint8_t state)
 {
     /* The entry a handle names if it is in `state`, or NIL. */
     uint32_t i = handle_index(w, handle);
@@ -34,7 +34,7 @@ uint32_t shmw__lookup(const shmw_t *w, int64_t handle, uint8_t state)
     return i;
 }
 
-int shmw__entry_sane(const shmw_t *w, const struct shmw_entry *e)
+int shmw__entry_sane(const shard_t *w, const struct shmw_entry *e)
 {
     /* Whether what a pending or in-flight entry says about itself can be
      * turned into a fire: a generation that makes a handle, a payload
@@ -55,7 +55,7 @@ int shmw__entry_sane(const shmw_t *w, const struct shmw_entry *e)
  * the list must hold `max`.  One walk checks them all, and the link left
  * behind, before anything changes: ECORRUPT if an entry is not free or a
  * link is out of bounds.  Returns how many (0: the list is empty). */
-static int chain_cut(shmw_t *w, uint32_t *head, uint32_t max, int exact, uint32_t *first, uint32_t *last)
+static int chain_cut(shard_t *w, uint32_t *head, uint32_t max, int exact, uint32_t *first, uint32_t *last)
 {
     uint32_t i = *head, prev = SHMW_NIL, n = 0;
 
@@ -79,7 +79,7 @@ static int chain_cut(shmw_t *w, uint32_t *head, uint32_t max, int exact, uint32_
 
 /* Fills an empty magazine: from the shared list, or, when that is empty
  * too (the wheel is nearly full), from the first magazine with any. */
-static int magazine_refill(shmw_t *w, struct shmw_magazine *mag)
+static int magazine_refill(shard_t *w, struct shmw_magazine *mag)
 {
     struct shmw_header *h = w->hdr;
     uint32_t first = SHMW_NIL, last, k;
@@ -110,7 +110,7 @@ static int magazine_refill(shmw_t *w, struct shmw_magazine *mag)
 /* Gives the top SHMW_MAGAZINE entries of a full magazine back to the
  * shared list.  A magazine that does not walk is left as it is, for check
  * to report: nothing has been lost yet. */
-static void magazine_spill(shmw_t *w, struct shmw_magazine *mag)
+static void magazine_spill(shard_t *w, struct shmw_magazine *mag)
 {
     struct shmw_header *h = w->hdr;
     uint32_t first, last;
@@ -122,14 +122,14 @@ static void magazine_spill(shmw_t *w, struct shmw_magazine *mag)
     STORE(h->free_head, first);
 }
 
-void shmw__slab_free(shmw_t *w, uint32_t i, uint64_t *count)
+void shmw__slab_free(shard_t *w, uint32_t i, uint64_t *count)
 {
     /* Entry i, off every list, to the magazine of the process that frees
      * it, or retired if its generations are used up; counted in *count
      * (the header's cancelled or acked), unless it is NULL. */
     struct shmw_entry *e = entry_at(w, i);
     struct shmw_header *h = w->hdr;
-    struct shmw_magazine *mag = &h->magazines[lane_of(my_producer(w))];
+    struct shmw_magazine *mag = &h->magazines[lane_of(w, my_producer(w))];
 
     if (count)
         STORE(*count, *count + 1);
@@ -151,7 +151,7 @@ void shmw__slab_free(shmw_t *w, uint32_t i, uint64_t *count)
         magazine_spill(w, mag);
 }
 
-int shmw__slab_take(shmw_t *w, uint32_t lane, int reserved, uint32_t *out)
+int shmw__slab_take(shard_t *w, uint32_t lane, int reserved, uint32_t *out)
 {
     /* A free entry for a timer of `lane`, from its magazine, with its
      * generation moved on; the last w->reserve only if `reserved`. */

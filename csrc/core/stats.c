@@ -11,7 +11,7 @@
 
 #include <string.h>
 
-uint32_t shmw__pending_locked(const shmw_t *w)
+uint32_t shmw__pending_locked(const shard_t *w)
 {
     /* (A scribbled count gives 0 rather than a wrapped number.) */
     const struct shmw_header *h = w->hdr;
@@ -22,45 +22,39 @@ uint32_t shmw__pending_locked(const shmw_t *w)
 
 int shmw_pending(shmw_t *w)
 {
-    uint32_t n;
-    int rc;
-
-    if ((rc = shmw__enter(w)))
-        return rc;
-    n = shmw__pending_locked(w);     /* <= capacity <= SHMW_MAX_CAPACITY: fits an int */
-    shmw__unlock(w);
-    return (int)n;
-}
-
-int shmw_stats(shmw_t *w, struct shmw_stats *out)
-{
-    struct shmw_header *h;
-    uint64_t next;
+    uint64_t n = 0;
     uint32_t k;
     int rc;
 
     if (!w)
         return SHMW_ECLOSED;
-    h = w->hdr;
-    memset(out, 0, sizeof(*out));
-    if ((rc = shmw__lock_raw(w, 1)))     /* a damaged segment can still be looked at, and opened to repair */
-        return rc;
-    out->capacity = w->capacity;
-    out->pending = shmw__pending_locked(w);
-    out->free = h->free_count;
-    out->reserve = w->reserve;
-    out->retired = h->retired;
-    out->added = h->added;
-    out->cancelled = h->cancelled;
-    out->fired = h->fired;
-    out->resets = h->resets;
-    out->elapsed = h->elapsed;
-    out->tick_ns = w->tick_ns;
-    out->payload_size = w->payload_size;
-    out->wheel_size = 1ULL << w->wheel_bits;
-    out->levels = w->levels;
-    out->buckets_in_heap = h->heap_len;
-    out->next_expiry_ns = heap_top(w, &next) ? ticks_to_ns(w, next) : -1;
+    for (k = 0; k < w->shards; k++) {
+        if ((rc = shmw__lock(&w->shard[k])))
+            return rc;
+        n += shmw__pending_locked(&w->shard[k]);
+        shmw__unlock(&w->shard[k]);
+    }
+    return (int)n;      /* <= capacity <= SHMW_MAX_CAPACITY: fits an int */
+}
+
+/* One shard's figures added to *out (its lock held). */
+static void add_shard(const shard_t *w, struct shmw_stats *out)
+{
+    const struct shmw_header *h = w->hdr;
+    uint64_t next;
+    uint32_t k;
+
+    out->pending += shmw__pending_locked(w);
+    out->free += h->free_count;
+    out->reserve += w->reserve;
+    out->retired += h->retired;
+    out->added += h->added;
+    out->cancelled += h->cancelled;
+    out->fired += h->fired;
+    out->resets += h->resets;
+    out->buckets_in_heap += h->heap_len;
+    if (heap_top(w, &next) && (out->next_expiry_ns < 0 || ticks_to_ns(w, next) < out->next_expiry_ns))
+        out->next_expiry_ns = ticks_to_ns(w, next);
     for (k = 0; k < h->heap_len && k < w->nbuckets; k++) {
         uint32_t b = w->heap[k], l = b >> w->wheel_bits, m;
         if (b >= w->nbuckets || l >= w->levels)
@@ -68,20 +62,54 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
         for (m = w->buckets[b].lane_mask & ((1U << SHMW_LANES) - 1); m; m &= m - 1)  /* the lanes in use */
             out->level_pending[l] += list_of(w, (uint32_t)__builtin_ctz(m), b)->count;
     }
-    out->driver_pid = h->driver_pid;
-    out->driver_start = h->driver_start;
-    out->driver_state = h->driver_state;
-    out->inflight = h->inflight;
-    out->acked = h->acked;
-    out->redelivered = h->redelivered;
-    out->handler_errors = h->handler_errors;
-    out->refused = h->refused;
-    out->advanced_ns = h->advanced_ns;
-    out->clock_ns = ticks_to_ns(w, h->elapsed);
-    out->recoveries = h->recoveries;
-    out->repairs = h->repairs;
-    out->quarantined = h->quarantined;
-    out->removed = h->removed != 0;
-    shmw__unlock(w);
+    out->inflight += h->inflight;
+    out->acked += h->acked;
+    out->redelivered += h->redelivered;
+    out->handler_errors += h->handler_errors;
+    out->refused += h->refused;
+    out->recoveries += h->recoveries;
+    out->repairs += h->repairs;
+    out->quarantined += h->quarantined;
+    /* The clock: the shard it moved last (it moves the others only when
+     * they have something due or a producer wakes it for them). */
+    if (h->advanced_ns > out->advanced_ns) {
+        out->advanced_ns = h->advanced_ns;
+        out->elapsed = h->elapsed;
+        out->clock_ns = ticks_to_ns(w, h->elapsed);
+    }
+    out->removed |= h->removed != 0;
+}
+
+int shmw_stats(shmw_t *w, struct shmw_stats *out)
+{
+    /* The shards' figures summed, each read under its own lock; the
+     * driver's registration as shard 0 has it. */
+    const struct shmw_header *h0;
+    uint32_t k;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    memset(out, 0, sizeof(*out));
+    out->capacity = w->capacity;
+    out->tick_ns = w->shard[0].tick_ns;
+    out->payload_size = w->payload_size;
+    out->wheel_size = 1ULL << w->shard[0].wheel_bits;
+    out->levels = w->shard[0].levels;
+    out->shards = w->shards;
+    out->next_expiry_ns = -1;
+    out->advanced_ns = INT64_MIN;
+    for (k = 0; k < w->shards; k++) {
+        if ((rc = shmw__lock_raw(&w->shard[k], 1)))     /* a damaged segment can still be looked at, and opened to repair */
+            return rc;
+        add_shard(&w->shard[k], out);
+        if (k == 0) {
+            h0 = w->shard[0].hdr;
+            out->driver_pid = h0->driver_pid;
+            out->driver_start = h0->driver_start;
+            out->driver_state = h0->driver_state;
+        }
+        shmw__unlock(&w->shard[k]);
+    }
     return SHMW_OK;
 }

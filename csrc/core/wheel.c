@@ -21,7 +21,7 @@
 
 /* ---- buckets ---------------------------------------------------------------- */
 
-int shmw__place(const shmw_t *w, uint64_t elapsed, uint64_t t, uint32_t *bucket, uint64_t *expires)
+int shmw__place(const shard_t *w, uint64_t elapsed, uint64_t t, uint32_t *bucket, uint64_t *expires)
 {
     /* Where a timer due at tick t goes with the wheel clock at `elapsed`.
      * A timer at or before the clock goes to the clock's own level-0
@@ -39,7 +39,7 @@ int shmw__place(const shmw_t *w, uint64_t elapsed, uint64_t t, uint32_t *bucket,
 /* Whether lane `lane` of bucket b can take an entry due at `expires`.
  * Operations check this before they change anything, so that one that
  * fails on a scribbled segment leaves it as it was. */
-static int bucket_can_take(const shmw_t *w, uint32_t b, uint32_t lane, uint64_t expires)
+static int bucket_can_take(const shard_t *w, uint32_t b, uint32_t lane, uint64_t expires)
 {
     const struct shmw_bucket *bk = &w->buckets[b];
     const struct shmw_list *ls = list_of(w, lane, b);
@@ -56,13 +56,13 @@ static int bucket_can_take(const shmw_t *w, uint32_t b, uint32_t lane, uint64_t 
     return ls->count > 0 && ls->tail < w->capacity ? SHMW_OK : SHMW_ECORRUPT;
 }
 
-int shmw__bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
+int shmw__bucket_append(shard_t *w, uint32_t b, uint64_t expires, uint32_t i)
 {
     /* Appends entry i, whose producer is already set, to its lane's list
      * of bucket b; the caller has checked bucket_can_take. */
     struct shmw_bucket *bk = &w->buckets[b];
     struct shmw_entry *e = entry_at(w, i);
-    uint32_t lane = lane_of(e->producer), bit = 1U << lane;
+    uint32_t lane = lane_of(w, e->producer), bit = 1U << lane;
     struct shmw_list *ls = list_of(w, lane, b);
 
     if (bk->lane_mask & bit) {
@@ -91,7 +91,7 @@ int shmw__bucket_append(shmw_t *w, uint32_t b, uint64_t expires, uint32_t i)
     return heap_push(w, b);
 }
 
-int shmw__list_unlink(shmw_t *w, uint32_t *head, uint32_t *tail, uint32_t i)
+int shmw__list_unlink(shard_t *w, uint32_t *head, uint32_t *tail, uint32_t i)
 {
     /* Takes entry i out of the doubly linked list whose ends are *head and
      * *tail (a bucket's, or the in-flight FIFO).  Checks the links around
@@ -123,16 +123,16 @@ int shmw__list_unlink(shmw_t *w, uint32_t *head, uint32_t *tail, uint32_t i)
  * it would name another lane's list, whose count the unlink would then
  * take down while the entry's real neighbours still agree with each
  * other.  Costs nothing: list_unlink reads these entries anyway. */
-static inline int same_list(const shmw_t *w, uint32_t n, uint32_t lane, uint32_t b)
+static inline int same_list(const shard_t *w, uint32_t n, uint32_t lane, uint32_t b)
 {
     return n == SHMW_NIL
-        || (n < w->capacity && lane_of(entry_at(w, n)->producer) == lane && entry_at(w, n)->bucket == b);
+        || (n < w->capacity && lane_of(w, entry_at(w, n)->producer) == lane && entry_at(w, n)->bucket == b);
 }
 
-static int bucket_unlink(shmw_t *w, uint32_t i)
+static int bucket_unlink(shard_t *w, uint32_t i)
 {
     struct shmw_entry *e = entry_at(w, i);
-    uint32_t b = e->bucket, lane = lane_of(e->producer), bit = 1U << lane;
+    uint32_t b = e->bucket, lane = lane_of(w, e->producer), bit = 1U << lane;
     struct shmw_bucket *bk;
     struct shmw_list *ls;
 
@@ -153,7 +153,7 @@ static int bucket_unlink(shmw_t *w, uint32_t i)
     return bk->lane_mask == 0 ? heap_remove(w, b) : SHMW_OK;
 }
 
-int shmw__cancel_entry(shmw_t *w, uint32_t i)
+int shmw__cancel_entry(shard_t *w, uint32_t i)
 {
     /* Pending entry i out of its bucket, freed and counted cancelled. */
     int rc = bucket_unlink(w, i);
@@ -167,7 +167,7 @@ int shmw__cancel_entry(shmw_t *w, uint32_t i)
 
 /* Takes a free entry, fills it and puts it in its bucket.  Everything is
  * checked before the first store, so a failure changes nothing. */
-static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags,
+static int insert_new(shard_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags,
                       int64_t *handle, int *wake)
 {
     struct shmw_header *h = w->hdr;
@@ -179,9 +179,9 @@ static int insert_new(shmw_t *w, int64_t deadline_ns, const char *payload, uint3
 
     rc = shmw__place(w, h->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
     if (rc == SHMW_OK)
-        rc = bucket_can_take(w, b, lane_of(producer), expires);
+        rc = bucket_can_take(w, b, lane_of(w, producer), expires);
     if (rc == SHMW_OK)
-        rc = shmw__slab_take(w, lane_of(producer), (flags & SHMW_RESERVED) != 0, &i);
+        rc = shmw__slab_take(w, lane_of(w, producer), (flags & SHMW_RESERVED) != 0, &i);
     if (rc)
         return rc;
     e = entry_at(w, i);
@@ -238,27 +238,17 @@ static int deadline_of(double seconds, int absolute, int64_t *now_ns, int64_t *d
     return rc ? rc : deadline_of_ns(ns, absolute, now_ns, deadline_ns);
 }
 
-static void wake_clock(shmw_t *w)
+static void wake_clock(shard_t *w)
 {
-    shmw__futex_wake_all(&w->hdr->wake_word);
+    shmw__futex_wake_all(w->wake_word);
 }
 
-/* An add of a deadline already checked by deadline_of[_ns]. */
-static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags)
+/* An add to one shard, of a deadline already checked by deadline_of[_ns]. */
+static int64_t add_to(shard_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags)
 {
     int64_t handle = 0;
     int rc, wake = 0;
 
-    if (!w)
-        return SHMW_ECLOSED;
-    if (len > w->payload_size)
-        return SHMW_EPAYLOAD;
-    if (flags & ~(uint32_t)(SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK | SHMW_RESERVED))
-        return SHMW_EINVAL;
-    /* Cancel-on-exit needs this process's own producer id; after a fork
-     * the id is the parent's, so the caller must attach again. */
-    if ((flags & SHMW_CANCEL_ON_EXIT) && my_producer(w) == SHMW_NO_PRODUCER)
-        return SHMW_ENOTATTACHED;
     if ((rc = shmw__lock_mode(w, !(flags & SHMW_TRYLOCK))))
         return rc;
     /* Read under the lock: an add that takes it after the mark fails, so
@@ -268,6 +258,31 @@ static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, 
     if (wake)
         wake_clock(w);
     return rc ? rc : handle;
+}
+
+/* An add of a deadline already checked by deadline_of[_ns]: to this
+ * process's own shard, or if that one is full, to the next that is not. */
+static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, uint32_t len, uint32_t flags)
+{
+    shard_t *home;
+    uint32_t k;
+    int64_t rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (len > w->payload_size)
+        return SHMW_EPAYLOAD;
+    if (flags & ~(uint32_t)(SHMW_CANCEL_ON_EXIT | SHMW_TRYLOCK | SHMW_RESERVED))
+        return SHMW_EINVAL;
+    home = home_of(w);
+    /* Cancel-on-exit needs this process's own producer id; after a fork
+     * the id is the parent's, so the caller must attach again. */
+    if ((flags & SHMW_CANCEL_ON_EXIT) && my_producer(home) == SHMW_NO_PRODUCER)
+        return SHMW_ENOTATTACHED;
+    rc = add_to(home, deadline_ns, payload, len, flags);
+    for (k = 1; rc == SHMW_EFULL && k < w->shards; k++)
+        rc = add_to(&w->shard[(home->shard + k) % w->shards], deadline_ns, payload, len, flags);
+    return rc;
 }
 
 static int64_t add_seconds(shmw_t *w, double seconds, int absolute, const char *payload, uint32_t len,
@@ -300,12 +315,15 @@ int64_t shmw_add_at_ns(shmw_t *w, int64_t deadline_ns, const char *payload, uint
 int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
                   const char *payloads, const uint32_t *lens, int64_t *handles)
 {
-    /* All or nothing: every argument is checked and the free count is
-     * checked before the first insert.  The deadlines are computed into
-     * the caller's handle array, then overwritten by the handles. */
+    /* All or nothing, into one shard: this process's own, or the next
+     * with room for all of them.  Every argument is checked and the free
+     * count is checked before the first insert.  The deadlines are
+     * computed into the caller's handle array, then overwritten by the
+     * handles. */
     int64_t now_ns = -1;
     uint64_t off = 0;
-    uint32_t k;
+    uint32_t k, t;
+    shard_t *s = NULL;
     int rc, wake = 0;
 
     if (!w)
@@ -316,28 +334,33 @@ int shmw_add_many(shmw_t *w, const double *delays, uint32_t n,
         if (lens && lens[k] > w->payload_size)
             return SHMW_EPAYLOAD;
     }
-    if ((rc = shmw__lock(w)))
-        return rc;
-    if (w->hdr->removed || w->hdr->free_count < (uint64_t)n + w->reserve) {
-        rc = w->hdr->removed ? SHMW_EREMOVED : SHMW_EFULL;
-        shmw__unlock(w);
-        return rc;
+    rc = SHMW_EFULL;
+    for (t = 0; rc == SHMW_EFULL && t < w->shards; t++) {
+        s = &w->shard[(home_of(w)->shard + t) % w->shards];
+        if ((rc = shmw__lock(s)))
+            return rc;
+        if (s->hdr->removed || s->hdr->free_count < (uint64_t)n + s->reserve) {
+            rc = s->hdr->removed ? SHMW_EREMOVED : SHMW_EFULL;
+            shmw__unlock(s);
+        }
     }
+    if (rc)
+        return rc;
     for (k = 0; k < n; k++) {
         uint32_t len = lens ? lens[k] : 0;
-        rc = insert_new(w, handles[k], len ? payloads + off : NULL, len, 0, &handles[k], &wake);
+        rc = insert_new(s, handles[k], len ? payloads + off : NULL, len, 0, &handles[k], &wake);
         if (rc)
             break;              /* only ECORRUPT gets here */
         off += len;
     }
-    shmw__unlock(w);
+    shmw__unlock(s);
     if (wake)
-        wake_clock(w);
+        wake_clock(s);
     return rc;
 }
 
-/* 1 if the handle named a pending timer, now cancelled; 0 if not. */
-static int cancel_locked(shmw_t *w, int64_t handle)
+/* 1 if the handle named a pending timer of the shard, now cancelled; 0 if not. */
+static int cancel_locked(shard_t *w, int64_t handle)
 {
     uint32_t i = shmw__lookup(w, handle, SHMW_PENDING);
     int rc;
@@ -349,14 +372,19 @@ static int cancel_locked(shmw_t *w, int64_t handle)
 
 static int cancel_one(shmw_t *w, int64_t handle, int wait)
 {
+    shard_t *s;
     int rc;
 
+    if (!w)
+        return SHMW_ECLOSED;
     if (handle < 0)
         return SHMW_EHANDLE;
-    if ((rc = wait ? shmw__enter(w) : shmw__try_enter(w)))
+    if (!(s = shard_of(w, handle)))
+        return 0;               /* no entry has that index: none pending */
+    if ((rc = wait ? shmw__lock(s) : shmw__lock_mode(s, 0)))
         return rc;
-    rc = cancel_locked(w, handle);
-    shmw__unlock(w);
+    rc = cancel_locked(s, handle);
+    shmw__unlock(s);
     return rc;
 }
 
@@ -372,34 +400,53 @@ int shmw_try_cancel(shmw_t *w, int64_t handle)
 
 int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
 {
-    uint32_t k;
-    int rc, done = 0;
+    /* Shard by shard, each under its own lock once, for the handles it
+     * holds. */
+    uint32_t k, j;
+    int rc = 0, done = 0;
 
-    if ((rc = shmw__enter_handles(w, handles, n)))
-        return rc;
-    for (k = 0; k < n; k++) {
-        rc = cancel_locked(w, handles[k]);
-        if (rc < 0)
-            break;
-        done += rc;
+    if (!w)
+        return SHMW_ECLOSED;
+    for (j = 0; j < n; j++)
+        if (handles[j] < 0)
+            return SHMW_EHANDLE;
+    for (k = 0; k < w->shards && rc >= 0; k++) {
+        shard_t *s = &w->shard[k];
+        int locked = 0;
+        for (j = 0; j < n && rc >= 0; j++) {
+            if (shard_of(w, handles[j]) != s)
+                continue;
+            if (!locked && (rc = shmw__lock(s)))
+                return done ? done : rc;
+            locked = 1;
+            rc = cancel_locked(s, handles[j]);
+            if (rc > 0)
+                done += rc;
+        }
+        if (locked)
+            shmw__unlock(s);
     }
-    shmw__unlock(w);
     return rc < 0 ? rc : done;
 }
 
-static int reset_checked(shmw_t *w, int64_t handle, double seconds, int absolute)
+static int reset_checked(shmw_t *wheel, int64_t handle, double seconds, int absolute)
 {
     struct shmw_entry *e;
     int64_t deadline_ns, now_ns = -1;
     uint64_t expires;
     uint32_t i, b;
+    shard_t *w;
     int rc, wake = 0;
 
+    if (!wheel)
+        return SHMW_ECLOSED;
     if ((rc = deadline_of(seconds, absolute, &now_ns, &deadline_ns)))
         return rc;
     if (handle < 0)
         return SHMW_EHANDLE;
-    if ((rc = shmw__enter(w)))
+    if (!(w = shard_of(wheel, handle)))
+        return 0;
+    if ((rc = shmw__lock(w)))
         return rc;
     i = shmw__lookup(w, handle, SHMW_PENDING);
     if (i == SHMW_NIL) {
@@ -409,7 +456,7 @@ static int reset_checked(shmw_t *w, int64_t handle, double seconds, int absolute
     e = entry_at(w, i);
     rc = shmw__place(w, w->hdr->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
     if (rc == SHMW_OK && b != e->bucket)
-        rc = bucket_can_take(w, b, lane_of(e->producer), expires);
+        rc = bucket_can_take(w, b, lane_of(w, e->producer), expires);
     if (rc == SHMW_OK) {
         /* The new deadline first: if this process dies before the entry
          * is relinked, recovery files it by the deadline it now has. */
@@ -442,7 +489,7 @@ int shmw_reset_at(shmw_t *w, int64_t handle, double deadline_s)
 
 /* ---- the advance ------------------------------------------------------------ */
 
-void shmw__set_elapsed(shmw_t *w, uint64_t t, int64_t now_ns)
+void shmw__set_elapsed(shard_t *w, uint64_t t, int64_t now_ns)
 {
     struct shmw_header *h = w->hdr;
     uint32_t l;
@@ -460,7 +507,7 @@ static uint32_t next_lane(uint32_t lanes, uint32_t from)
     return (uint32_t)__builtin_ctz(later ? later : lanes);
 }
 
-int shmw__advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, char *records,
+int shmw__advance(shard_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, char *records,
                   uint32_t *fired, int *more)
 {
     /* Advances the clock towards now_tick, firing at most `max` timers:
@@ -532,7 +579,7 @@ int shmw__advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, ch
         t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
         if (t > at) {
             if ((rc = shmw__place(w, at, t, &nb, &expires))
-                || (rc = bucket_can_take(w, nb, lane_of(e->producer), expires)))
+                || (rc = bucket_can_take(w, nb, lane_of(w, e->producer), expires)))
                 break;
         } else if (!records && (rc = shmw__inflight_can_take(w))) {
             break;
@@ -562,11 +609,14 @@ int shmw__advance(shmw_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, ch
 int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *records, int *more)
 {
     /* Hands out, first, whatever a dead driver left in flight (marked
-     * redelivered when its registration was released), then what is due. */
-    uint32_t n = 0, fired = 0;
+     * redelivered when its registration was released), then what is due:
+     * shard by shard, each under its own lock, from the one after where
+     * the last poll began, so that a shard that fills every call starves
+     * none of the others. */
+    uint32_t n = 0, t, first, stride;
     uint64_t now_tick;
     int64_t now_ns;
-    int rc;
+    int rc = SHMW_OK;
 
     if (!w)
         return SHMW_ECLOSED;
@@ -574,21 +624,34 @@ int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *record
         now_ns = shmw_now_ns();
     else if ((rc = shmw_seconds_to_ns(now_s, &now_ns)))
         return rc;
-    now_tick = (uint64_t)now_ns / (uint64_t)w->tick_ns;
+    now_tick = (uint64_t)now_ns / (uint64_t)w->shard[0].tick_ns;
+    stride = record_stride(&w->shard[0]);
 
     *more = 0;
-    if ((rc = shmw__lock(w)))
-        return rc;
-    if (w->hdr->driver_pid != 0)
-        rc = SHMW_EDRIVER;
-    else if ((rc = shmw__inflight_drain(w, max, records, &n)) == SHMW_OK)
-        rc = shmw__advance(w, now_tick, now_ns, max - n, records + (uint64_t)n * record_stride(w), &fired, more);
-    shmw__unlock(w);
+    first = w->take_from++;
+    for (t = 0; t < w->shards && n < max && rc == SHMW_OK; t++) {
+        shard_t *s = &w->shard[(first + t) % w->shards];
+        uint32_t drained = 0, fired = 0;
+        int left = 0;
+
+        if ((rc = shmw__lock(s)))
+            break;
+        if (s->hdr->driver_pid != 0)
+            rc = SHMW_EDRIVER;
+        else if ((rc = shmw__inflight_drain(s, max - n, records + (uint64_t)n * stride, &drained)) == SHMW_OK)
+            rc = shmw__advance(s, now_tick, now_ns, max - n - drained,
+                               records + (uint64_t)(n + drained) * stride, &fired, &left);
+        shmw__unlock(s);
+        n += drained + fired;
+        *more |= left;
+    }
+    if (n >= max && t < w->shards)
+        *more = 1;              /* shards it did not look at */
     /* The timers fired before an error are freed already: their records
      * must reach the caller.  The error comes again with the next call. */
-    if (rc && n + fired > 0) {
+    if (rc && n > 0) {
         *more = 1;
-        return (int)(n + fired);
+        return (int)n;
     }
-    return rc ? rc : (int)(n + fired);
+    return rc ? rc : (int)n;
 }
