@@ -3,7 +3,7 @@
  * share the segment, with no Python around it.
  *
  *     gcc -O2 -flto -std=gnu11 -Icsrc bench/contention.c csrc/core/[a-z]*.c -lpthread -lm -o /tmp/contention
- *     /tmp/contention [GAP_NS [SECONDS [MAX_PRODUCERS [ROUNDS]]]]
+ *     /tmp/contention [GAP_NS [SECONDS [MAX_PRODUCERS [ROUNDS [SHARDS]]]]]
  *
  * Each of 1 .. MAX_PRODUCERS (default 2) processes, forked onto one wheel in
  * anonymous shared memory, adds a timer due in 5 s, keeps it for a while (the
@@ -13,8 +13,10 @@
  * the time spent inside shmw_add and shmw_cancel, per operation, read with
  * clock_gettime around each call (two clock reads, some 50 ns, included).
  *
+ * The wheel has SHARDS shards (default: MAX_PRODUCERS, one a process, as
+ * a request-timeout wheel has one a CPU); 1 is the wheel of one lock.
  * Each process attaches as a producer, as shmwheel.attach does, and so
- * has a lane of its own.  Alone, that is the operation.  With a second
+ * has a shard, or with fewer shards than processes a lane, of its own.  Alone, that is the operation.  With a second
  * process it adds what the two pay for sharing: the lock, and the cache
  * line that holds it and the counters, which moves from one CPU's cache
  * to the other's on almost every operation.  What a move
@@ -175,17 +177,19 @@ int main(int argc, char **argv)
     double seconds = argc > 2 ? atof(argv[2]) : 1.0;
     int max_procs = argc > 3 ? atoi(argv[3]) : 2;
     int rounds = argc > 4 ? atoi(argv[4]) : 5;
+    int shards = argc > 5 ? atoi(argv[5]) : max_procs;
     struct shmw_params p = { .capacity = MAX_PROCS * RING, .payload_size = 8, .wheel_bits = 8,
-                             .tick_ns = 1000000 };
+                             .tick_ns = 1000000, .shards = (uint32_t)shards };
     static double shared_ns[MAX_PROCS + 1][MAX_ROUNDS], alone_ns[MAX_PROCS + 1][MAX_ROUNDS];
     void *bases[MAX_PROCS];
     struct report *reports;
     uint64_t size;
     uint32_t gap;
 
-    if (gap_ns < 0 || seconds <= 0 || max_procs < 1 || max_procs > MAX_PROCS || rounds < 1 || rounds > MAX_ROUNDS) {
-        fprintf(stderr, "usage: %s [GAP_NS [SECONDS [MAX_PRODUCERS (1-%d) [ROUNDS (1-%d)]]]]\n", argv[0],
-                MAX_PROCS, MAX_ROUNDS);
+    if (gap_ns < 0 || seconds <= 0 || max_procs < 1 || max_procs > MAX_PROCS || rounds < 1 || rounds > MAX_ROUNDS
+        || shards < 1 || shards > MAX_PROCS) {
+        fprintf(stderr, "usage: %s [GAP_NS [SECONDS [MAX_PRODUCERS (1-%d) [ROUNDS (1-%d) [SHARDS (1-%d)]]]]]\n",
+                argv[0], MAX_PROCS, MAX_ROUNDS, MAX_PROCS);
         return 2;
     }
     if (shmw_segment_size(&p, &size) != SHMW_OK)
@@ -203,9 +207,9 @@ int main(int argc, char **argv)
         return 1;
     }
     gap = rounds_for(gap_ns);
-    printf("ns per add or cancel, %lld ns of other work between operations, %g s a run;\n"
+    printf("ns per add or cancel, %lld ns of other work between operations, %g s a run, %d shard%s a wheel;\n"
            "each count of processes sharing one wheel, then alone: each on a wheel of its own\n",
-           (long long)gap_ns, seconds);
+           (long long)gap_ns, seconds, shards, shards > 1 ? "s" : "");
     for (int r = 0; r < rounds; r++) {
         printf("round %d:", r + 1);
         for (int n = 1; n <= max_procs; n++) {

@@ -221,10 +221,11 @@ def layout(w: shmwheel.Wheel) -> Layout:
 
 
 def mutex_span() -> tuple[int, int]:
-    """Where the header's mutex lies: it is 64-byte aligned and the free-list
-    head follows it (40 bytes with glibc on x86-64)."""
+    """Where shard 0's mutex lies, from the segment's first byte: it is
+    64-byte aligned and the free-list head follows it (40 bytes with glibc
+    on x86-64)."""
     hi = ffi.offsetof("struct shmw_header", "free_head")
-    return hi - hi % 64, hi
+    return top_size() + hi - hi % 64, top_size() + hi
 
 
 def top_size() -> int:

@@ -112,6 +112,9 @@ struct shmw_top {
      * before it looked at the shards to FUTEX_WAIT. */
     uint32_t wake_word __attribute__((aligned(64)));     /* a producer bumps it to wake the clock */
     uint32_t outbox_word __attribute__((aligned(64)));   /* the clock bumps it to wake the dispatcher or writer */
+    uint32_t _pad2;
+    int64_t  passed_ns;         /* CLOCK_MONOTONIC when the clock last passed over the shards:
+                                 * its heartbeat (it locks only the shards it must) */
 } __attribute__((aligned(64)));
 
 /* A shard's header: a whole wheel of its own, over its part of the slab. */

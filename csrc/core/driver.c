@@ -331,6 +331,7 @@ int shmw_driver_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
          * FUTEX_WAKE (or under the lock): a later add for the same moment
          * skips the wake, so only the sleeper can recover. */
         until_ns = now_ns + CLOCK_CAP_NS();
+        __atomic_store_n(&top->passed_ns, now_ns, __ATOMIC_RELAXED);
         for (k = 0; k < w->shards; k++) {
             shard_t *s = &w->shard[k];
             uint64_t asleep = __atomic_load_n(&s->hdr->sleep_until, __ATOMIC_SEQ_CST);

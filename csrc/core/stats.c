@@ -111,5 +111,7 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
         }
         shmw__unlock(&w->shard[k]);
     }
+    if (__atomic_load_n(&w->top->passed_ns, __ATOMIC_RELAXED) > out->advanced_ns)
+        out->advanced_ns = __atomic_load_n(&w->top->passed_ns, __ATOMIC_RELAXED);
     return SHMW_OK;
 }
