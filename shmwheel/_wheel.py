@@ -118,6 +118,7 @@ class Wheel:
         "_w",
         "_capacity",
         "_reserve",
+        "_shards",
         "_payload_size",
         "_tick",
         "_levels",
@@ -138,6 +139,7 @@ class Wheel:
     _fast: Any  # a _fast.Core over _w, once fast_core() has made it
     _capacity: int
     _reserve: int
+    _shards: int
     _payload_size: int
     _tick: float
     _levels: int
@@ -171,6 +173,7 @@ class Wheel:
         self._w = ffi.gc(out[0], lib.shmw_close)
         self._lock_timeout = lock_timeout
         self._capacity = self._reserve = self._payload_size = 0  # for an error message until the stats say
+        self._shards = 1
         lib.shmw_set_lock_timeout(self._w, round(lock_timeout * 1e9))
         try:
             st = self.raw_stats()
@@ -182,6 +185,7 @@ class Wheel:
             raise
         self._capacity = st.capacity
         self._reserve = st.reserve
+        self._shards = st.shards
         self._payload_size = st.payload_size
         self._tick = st.tick_ns / 1e9
         self._levels = st.levels
@@ -485,7 +489,9 @@ class Wheel:
     def add_many(self, delays: Iterable[float], payloads: Iterable[Payload] | None = None) -> list[int]:
         """Add one timer per delay in one call into C; all are added or none.
 
-        ``payloads``, if given, has one payload per delay.
+        ``payloads``, if given, has one payload per delay.  A batch goes
+        into one shard: this process's own, or the next with room for all
+        of it.
         """
         if not isinstance(delays, (list, tuple)):
             delays = list(delays)
@@ -510,14 +516,17 @@ class Wheel:
                 payloads = [check_payload(p) for p in payloads]
                 joined = b"".join(payloads)
             lens = ffi.new("uint32_t[]", [len(p) for p in payloads])
-        if n > self._capacity:  # the arguments are right, but they cannot fit
-            raise WheelFullError(f"add_many of {n} timers: the wheel holds at most {self._capacity}")
+        shards = self._shards
+        if n > self._capacity // shards:  # the arguments are right, but they cannot fit
+            where = "the wheel holds" if shards == 1 else f"a batch goes into one of the {shards} shards, which hold"
+            raise WheelFullError(f"add_many of {n} timers: {where} at most {self._capacity // shards}")
         handles = ffi.new("int64_t[]", n)
         rc = lib.shmw_add_many(self._w, c_delays, n, joined, lens, handles)
         if rc == lib.SHMW_EFULL:
             reserve = f" (besides the {self._reserve} kept in reserve)" if self._reserve else ""
+            where = "the wheel's" if shards == 1 else f"any one shard's {self._capacity // shards} of the wheel's"
             raise WheelFullError(
-                f"add_many of {n} timers: fewer than {n} of the wheel's {self._capacity} slots are free{reserve}; "
+                f"add_many of {n} timers: fewer than {n} of {where} {self._capacity} slots are free{reserve}; "
                 "none was added"
             )
         if rc < 0:

@@ -496,13 +496,12 @@ def test_live_scribbles_never_stop_the_driver_and_spare_the_healthy_timers(make_
     driver = shmwheel.start_driver(w.name, functools.partial(_record_fire, str(out)), audit_interval=0.2)
     hd = header(w)
     lay = layout(w)
-    top = top_size()  # the segment's own, then shard 0's header
-    spared = [
-        (0, top + ffi.offsetof("struct shmw_header", "elapsed")),
-        (top + ffi.offsetof("struct shmw_header", "removed"), top + ffi.offsetof("struct shmw_header", "removed") + 4),
-        (top + ffi.offsetof("struct shmw_header", "driver_pid"), top + ffi.offsetof("struct shmw_header", "sleep_until")),
-        mutex_span(),
-    ]
+
+    def field(name: str) -> int:  # shard 0's header's, from the segment's first byte (after the top's own)
+        return top_size() + ffi.offsetof("struct shmw_header", name)
+
+    spared = [(0, field("elapsed")), (field("removed"), field("removed") + 4)]
+    spared += [(field("driver_pid"), field("sleep_until")), mutex_span()]
     size = lay.slab + w.capacity * hd.stride
     hit_slots: set[int] = set()
     rng = random.Random(15)

@@ -39,10 +39,13 @@ def producer(wheel: shmwheel.Wheel, index: int, inboxes: list, results) -> None:
     wheel.close()
 
 
+@pytest.mark.parametrize("shards", [1, PRODUCERS], ids=["one shard", "a shard each"])
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-def test_producers_cancel_each_other_and_every_survivor_fires_once(make_wheel, method: str) -> None:
+def test_producers_cancel_each_other_and_every_survivor_fires_once(make_wheel, method: str, shards: int) -> None:
+    """Each producer cancels timers the others added: with a shard each,
+    across shards."""
     ctx = mp.get_context(method)
-    wheel = make_wheel(capacity=PRODUCERS * TIMERS_EACH)
+    wheel = make_wheel(capacity=PRODUCERS * TIMERS_EACH * 2, shards=shards)
     inboxes = [ctx.Queue() for _ in range(PRODUCERS)]
     results = ctx.Queue()
     procs = [ctx.Process(target=producer, args=(wheel, i, inboxes, results)) for i in range(PRODUCERS)]
@@ -87,11 +90,13 @@ def take_and_free_every_slot(name: str, capacity: int) -> None:
         assert all(w.cancel(h) for h in handles)
 
 
-def test_slots_freed_in_another_process_lane_are_all_reachable(make_wheel) -> None:
+@pytest.mark.parametrize("shards", [1, 4], ids=["one shard", "four shards"])
+def test_slots_freed_in_another_process_lane_are_all_reachable(make_wheel, shards: int) -> None:
     """A process keeps the slots it frees in its lane's magazine; another
     process must still reach every one of them once the shared list is
-    empty, and the wheel is full at exactly its capacity."""
-    wheel = make_wheel(capacity=100)
+    empty, and the wheel is full at exactly its capacity: with shards, each
+    process's adds spill from its own into the others."""
+    wheel = make_wheel(capacity=100, shards=shards)
     child = mp.get_context("spawn").Process(target=take_and_free_every_slot, args=(wheel.name, 100))
     child.start()
     child.join(30)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest import fresh_name, handle_of, header, layout
+from conftest import entry, fresh_name, handle_of, header
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -37,18 +37,35 @@ class Case:
 
 
 _made: list[shmwheel.Wheel] = []  # every wheel a sweep made, for its cleanup
+_shards = [1]  # of the wheels make_case makes: the test's parameter
+
+
+@pytest.fixture(autouse=True, params=[1, 2], ids=["one shard", "two shards"])
+def shards(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Every sweep on a wheel of one shard, and of two, whose timers are
+    spread over both: an operation crashed in one shard's lock leaves the
+    other alone, and the next locker of that one repairs it."""
+    _shards[0] = request.param
+    yield request.param
+    _shards[0] = 1
 
 
 def make_case(due: int = 3, later: int = 12) -> Case:
-    """A wheel with timers in several levels, `due` of them already due."""
-    w = shmwheel.create(fresh_name(), capacity=64, payload_size=8, wheel_size=16)
+    """A wheel with timers in several levels, `due` of them already due,
+    spread over its shards (added as producers of each in turn)."""
+    shards = _shards[0]
+    w = shmwheel.create(fresh_name(), capacity=64, payload_size=8, wheel_size=16, shards=shards)
     _made.append(w)
     now = w.stats().clock
     timers = {}
     delays = [-0.5] * due + [0.003 * (k + 1) ** 3 for k in range(later)]
     for k, d in enumerate(delays):
+        if shards > 1:  # the producer id, and so the shard, of the next add: ids go round the shards
+            assert lib.shmw_producer_attach(w.core, os.getpid(), 1_000_000 + k % shards, 0) >= 0
         h = w.add_at(max(0.0, now + d), b"t%d" % k)
         timers[h] = (round(max(0.0, now + d) * 1e9), b"t%d" % k)
+    if shards > 1:
+        assert all(header(w, k).free_count < 32 for k in range(shards)), "the timers are not spread"
     return Case(w, timers)
 
 
@@ -203,9 +220,7 @@ def in_flight(w: shmwheel.Wheel) -> list[int]:
 
 def entries(w: shmwheel.Wheel) -> list[tuple[int, Any]]:
     """(index, struct shmw_entry *) for every slot of the slab."""
-    slab = layout(w).slab
-    stride = header(w).stride
-    return [(i, ffi.cast("struct shmw_entry *", w._buf + slab + i * stride)) for i in range(w.capacity)]
+    return [(i, entry(w, i)) for i in range(w.capacity)]
 
 
 def case_with_fires_sent() -> Case:
@@ -215,10 +230,11 @@ def case_with_fires_sent() -> Case:
     me = os.getpid()
     assert lib.shmw_driver_register(case.wheel.core, me, start_time(me), 0, 0) == 0
     run_clock(case.wheel, 0.02)
-    hd = header(case.wheel)
+    shards = [header(case.wheel, k) for k in range(case.wheel.stats().shards)]
     case.extra["in_flight"] = sorted(in_flight(case.wheel))
-    assert len(case.extra["in_flight"]) == hd.inflight >= 5
-    hd.inflight_unsent = lib.SHMW_NIL  # all of it taken, as shmw_driver_take marks it
+    assert len(case.extra["in_flight"]) == sum(hd.inflight for hd in shards) >= 5
+    for hd in shards:
+        hd.inflight_unsent = lib.SHMW_NIL  # all of it taken, as shmw_driver_take marks it
     for _, e in entries(case.wheel):
         if e.state == lib.SHMW_INFLIGHT:
             e.flags |= lib.SHMW_SENT
@@ -272,11 +288,11 @@ def test_keep_killed_at_every_store() -> None:
 
 
 @pytest.mark.parametrize("capacity", [1_000_000])
-def test_repair_of_a_million_slot_segment(make_wheel, capacity: int) -> None:
+def test_repair_of_a_million_slot_segment(make_wheel, capacity: int, shards: int) -> None:
     """A holder killed mid-add on a full-sized wheel: everything survives, and
     the repair is counted (its time is measured in bench/, not here)."""
-    w = make_wheel(capacity=capacity, payload_size=0)
-    for _ in range(9):
+    w = make_wheel(capacity=capacity, payload_size=0, shards=shards)
+    for _ in range(9):  # with two shards, five batches in one and the rest spilled into the other
         w.add_many([3600.0 + i * 0.01 for i in range(100_000)])
     pid = os.fork()
     if pid == 0:  # the child: never returns, whatever it raises
@@ -300,8 +316,8 @@ def test_a_producer_crash_leaves_what_the_driver_has_sent_alone() -> None:
         case.wheel.add(30, b"NEW")
 
     def verify(case: Case, crashed: bool) -> None:
-        hd = header(case.wheel)
-        assert hd.inflight_unsent == lib.SHMW_NIL, "the driver would send its fires again"
+        for k in range(case.wheel.stats().shards):
+            assert header(case.wheel, k).inflight_unsent == lib.SHMW_NIL, "the driver would send its fires again"
         assert sorted(in_flight(case.wheel)) == case.extra["in_flight"]
         assert case.wheel.stats().redelivered == 0
         me = os.getpid()

@@ -53,10 +53,15 @@ payloads = st.binary(max_size=8)
 class WheelMachine(RuleBasedStateMachine):
     handles = Bundle("handles")
 
+    SHARDS = 1
+
     @initialize()
     def setup(self) -> None:
         self.name = fresh_name()
-        self.wheel = shmwheel.create(self.name, capacity=64, tick=TICK_NS / 1e9, payload_size=8, wheel_size=W)
+        self.wheel = shmwheel.create(
+            self.name, capacity=64, tick=TICK_NS / 1e9, payload_size=8, wheel_size=W, shards=self.SHARDS
+        )
+        self.index_mask = (1 << lib.shmw_index_bits(64)) - 1
         self.now_ns = round(self.wheel.stats().clock * 1e9)
         self.model: dict[int, tuple[int, bytes]] = {}
         # The tick each timer fires at: its own, or the wheel clock's if it
@@ -88,11 +93,15 @@ class WheelMachine(RuleBasedStateMachine):
         h = self.wheel.add_at(deadline, payload)
         assert h not in self.model
         self.model[h] = (to_ns(deadline), payload)
-        self.fire_tick[h] = max(ticks_ceil(to_ns(deadline)), self.wheel_clock())
+        self.fire_tick[h] = max(ticks_ceil(to_ns(deadline)), self.wheel_clock(h))
         return h
 
-    def wheel_clock(self) -> int:
-        return header(self.wheel).elapsed
+    def shard(self, h: int) -> int:
+        return (h & self.index_mask) // (64 // self.SHARDS)
+
+    def wheel_clock(self, h: int) -> int:
+        """The clock of the shard the timer is in."""
+        return header(self.wheel, self.shard(h)).elapsed
 
     @rule(h=handles)
     def cancel(self, h: int) -> None:
@@ -114,7 +123,7 @@ class WheelMachine(RuleBasedStateMachine):
         assert self.wheel.reset_at(h, deadline) is expected
         if expected:
             self.model[h] = (to_ns(deadline), self.model[h][1])
-            self.fire_tick[h] = max(ticks_ceil(to_ns(deadline)), self.wheel_clock())
+            self.fire_tick[h] = max(ticks_ceil(to_ns(deadline)), self.wheel_clock(h))
 
     @rule(ticks=offset_ticks, ns=sub_tick_ns, max_fires=st.one_of(st.none(), st.integers(0, 5)))
     def poll(self, ticks: int, ns: int, max_fires: int | None) -> None:
@@ -128,15 +137,16 @@ class WheelMachine(RuleBasedStateMachine):
             assert set(got) == due
         else:
             assert len(got) == min(max_fires, len(due)) and set(got) <= due
-        last_tick = 0
+        last_tick: dict[int, int] = {}  # a shard's fires come in order; a poll hands out the shards in turn
         for f in fires:
             deadline_ns, payload = self.model.pop(f.handle)
             assert f.deadline_ns == deadline_ns
             assert f.payload == payload
             assert f.fired_at_ns == to_ns(now_ns / 1e9)
             assert f.fired_at_ns >= f.deadline_ns, "fired before its deadline"
-            assert self.fire_tick[f.handle] >= last_tick, "out of firing order"
-            last_tick = self.fire_tick[f.handle]
+            shard = self.shard(f.handle)
+            assert self.fire_tick[f.handle] >= last_tick.get(shard, 0), "out of firing order"
+            last_tick[shard] = self.fire_tick[f.handle]
         self.now_ns = now_ns
 
     # -- invariants --------------------------------------------------------------
@@ -148,10 +158,19 @@ class WheelMachine(RuleBasedStateMachine):
             assert len(self.wheel) == len(self.model)
 
 
-WheelMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+class ShardedWheelMachine(WheelMachine):
+    """The same on a wheel of two shards of 32: the adds of this one
+    process spill from its shard into the other once it is full."""
+
+    SHARDS = 2
+
+
+for machine in (WheelMachine, ShardedWheelMachine):
+    machine.TestCase.settings = settings(
+        max_examples=150,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 TestWheelAgainstModel = WheelMachine.TestCase
+TestShardedWheelAgainstModel = ShardedWheelMachine.TestCase

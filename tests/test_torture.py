@@ -68,6 +68,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 import shmwheel
 from shmwheel._binding import ffi, lib
 
@@ -202,13 +204,14 @@ class Producer:
 # -- the test -------------------------------------------------------------------------------
 
 
-def test_kill_9_producers_and_driver(make_wheel, long_run: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shards", [1, PRODUCERS], ids=["one shard", "a shard each"])
+def test_kill_9_producers_and_driver(make_wheel, long_run: bool, tmp_path: Path, shards: int) -> None:
     producer_kills = LONG_PRODUCER_KILLS if long_run else PRODUCER_KILLS
     driver_kills = LONG_DRIVER_KILLS if long_run else DRIVER_KILLS
     seed = int(os.environ.get("SHMWHEEL_TORTURE_SEED") or random.SystemRandom().randrange(1 << 32))
     print(f"\ntorture: seed {seed} (SHMWHEEL_TORTURE_SEED={seed} replays the schedule)")
     rng = random.Random(seed)
-    wheel = make_wheel(capacity=CAPACITY, payload_size=PAYLOAD_SIZE)
+    wheel = make_wheel(capacity=CAPACITY, payload_size=PAYLOAD_SIZE, shards=shards)
     ctx = mp.get_context("fork")
     # A raw shared int, read without a lock: a producer killed while reading
     # it leaves nothing held (an mp.Event would leave its lock taken).

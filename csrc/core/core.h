@@ -19,17 +19,29 @@
  *
  * A min-heap of the non-empty buckets (the delay-heap) lets the clock jump
  * between them.  Timers are entries of a slab, linked by slab index
- * (SHMW_NIL ends a list); each bucket keeps one list per lane, a producer's
- * lane being its producer id modulo SHMW_LANES, and each lane has a
- * magazine of free entries.  The segment, from offset 0:
+ * (SHMW_NIL ends a list); each bucket keeps one list per lane, and each
+ * lane has a magazine of free entries.
  *
- *   struct shmw_header                       parameters, clocks, counters, mutex, magazines
- *   struct shmw_bucket[B], uint32_t heap[B]  B = levels << wheel_bits (64-byte aligned)
- *   struct shmw_list[SHMW_LANES][B]          lane k's list of bucket b at k * B + b (64-byte aligned)
- *   slab[capacity]                           `stride` bytes an entry: struct shmw_entry, then the payload
+ * A segment is S shards, each such a wheel of its own over its part of
+ * the slab, with its own lock, so that producers on different CPUs share
+ * no lock and no written cache line: a producer adds to the shard of its
+ * producer id (modulo S), in the lane of its id divided by S (modulo
+ * SHMW_LANES); a handle names its entry's index in the whole slab, which
+ * names the shard.  The segment, from offset 0:
+ *
+ *   struct shmw_top                          identity, producer table, the futex words
+ *   shard 0, shard 1, ... shard S-1          each `shard_size` bytes, 64-byte aligned:
+ *     struct shmw_header                       parameters, clocks, counters, mutex, magazines
+ *     struct shmw_bucket[B], uint32_t heap[B]  B = levels << wheel_bits (64-byte aligned)
+ *     struct shmw_list[SHMW_LANES][B]          lane k's list of bucket b at k * B + b (64-byte aligned)
+ *     slab[capacity]                           `stride` bytes an entry: struct shmw_entry, then the payload
+ *
+ * Every function of the core that works on a wheel takes a shard's view
+ * (shard_t) and locks only that shard; the public calls (shmw_t) pick the
+ * shard, or go through them in turn.
  *
  * Everything in the segment is untrusted: any process that maps it can
- * scribble on it.  Parameters are copied to struct shmw at open and bounds
+ * scribble on it.  Parameters are copied to the views at open and bounds
  * are checked against the copies; every index read back is checked before
  * it is used; every walk is bounded.
  */

@@ -419,7 +419,7 @@ int shmw_driver_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t ca
          * fire the clock moves in flight after its shard was looked at. */
         seen = __atomic_load_n(&w->top->outbox_word, __ATOMIC_SEQ_CST);
         stopping = __atomic_load_n(stop, __ATOMIC_SEQ_CST);
-        first = w->take_from++;
+        first = __atomic_fetch_add(&w->take_from, 1, __ATOMIC_RELAXED);
         for (t = 0; t < w->shards && n < cap; t++) {
             uint32_t got = 0;
             rc = take_shard(&w->shard[(first + t) % w->shards], buf + (uint64_t)n * stride, cap - n, &got);

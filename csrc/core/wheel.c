@@ -628,7 +628,7 @@ int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *record
     stride = record_stride(&w->shard[0]);
 
     *more = 0;
-    first = w->take_from++;
+    first = __atomic_fetch_add(&w->take_from, 1, __ATOMIC_RELAXED);
     for (t = 0; t < w->shards && n < max && rc == SHMW_OK; t++) {
         shard_t *s = &w->shard[(first + t) % w->shards];
         uint32_t drained = 0, fired = 0;

@@ -19,7 +19,7 @@ from .._segment import SHM, bare_name, segment_name
 from .._wheel import create
 from ._logs import LogTarget
 from ._record import PAYLOAD_SIZE
-from ._settings import COMMAND, DEFAULT_CAPACITY, TimeoutActions, reserve_for
+from ._settings import COMMAND, DEFAULT_CAPACITY, TimeoutActions, reserve_for, shards_for
 from ._stacks import server_logger
 
 __all__ = ["AutoDriver"]
@@ -61,7 +61,11 @@ class AutoDriver:
         """Create the wheel unless it is there (of two workers, one makes it)."""
         with contextlib.suppress(SegmentExistsError):
             create(
-                self.name, capacity=self.capacity, payload_size=PAYLOAD_SIZE, reserve=reserve_for(self.capacity)
+                self.name,
+                capacity=self.capacity,
+                payload_size=PAYLOAD_SIZE,
+                reserve=reserve_for(self.capacity),
+                shards=shards_for(self.capacity),
             ).close()
 
     def ensure_running(self) -> int | None:

@@ -9,6 +9,7 @@ driver's side both import from here, and neither from the other.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ __all__ = [
     "TimeoutActions",
     "TimeoutSettings",
     "reserve_for",
+    "shards_for",
 ]
 
 #: Timers a request-timeout wheel holds: one per request in progress.
@@ -42,6 +44,21 @@ DEFAULT_KILL_AFTER = 5.0
 #: not, and goes on to the kill stage if ``kill`` is on.  Python code sees
 #: the interrupt within milliseconds; a C call only once it returns.
 DEFAULT_INTERRUPT_GRACE = 1.0
+
+
+def shards_for(capacity: int) -> int:
+    """The shards of a request-timeout wheel: one a CPU this process may
+    run on (the workers' adds and cancels then share no lock, whichever
+    CPU each runs on), rounded up to a power of two, at most 64, and
+    never fewer than 256 slots a shard.  A wheel made with another count
+    (on another machine, or a container given other CPUs) is as good: only
+    the contention differs."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(1 << (cpus - 1).bit_length(), MAX_SHARDS, capacity // 256))
+
+
+#: The most shards shards_for gives a request-timeout wheel.
+MAX_SHARDS = 64
 
 
 def reserve_for(capacity: int) -> int:

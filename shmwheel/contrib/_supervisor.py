@@ -39,7 +39,7 @@ from .._segment import bare_name, segment_name, wheel_stat
 from .._wheel import Wheel, create, observe, unlink
 from ._logs import LogTarget
 from ._record import PAYLOAD_SIZE, signal_name
-from ._settings import COMMAND, DEFAULT_CAPACITY, TimeoutActions, reserve_for
+from ._settings import COMMAND, DEFAULT_CAPACITY, TimeoutActions, reserve_for, shards_for
 
 __all__ = [
     "IDLE_EXIT",
@@ -95,7 +95,7 @@ def create_wheel(
     for _ in range(2):
         try:
             create(name, capacity=capacity, tick=tick, payload_size=PAYLOAD_SIZE, reserve=reserve_for(capacity),
-                   owner=owner).close()  # fmt: skip
+                   shards=shards_for(capacity), owner=owner).close()  # fmt: skip
             return True
         except SegmentExistsError:
             pass
@@ -111,9 +111,10 @@ def create_wheel(
             raise DriverRunningError(f"wheel {name!r} is in use: its driver, pid {st.driver_pid}, is running")
         if problem is None:
             _log.info("wheel %r: taking over a wheel no driver runs on%s", name, _kept(st))
-            if st.reserve != reserve_for(capacity):  # made by an earlier version, with workers on it: kept
+            reserve = -(-reserve_for(capacity) // st.shards) * st.shards  # as create() divides it
+            if st.reserve != reserve:  # made by an earlier version, with workers on it: kept
                 _log.info("wheel %r keeps %d slots in reserve, not %d, until it is made again",
-                          name, st.reserve, reserve_for(capacity))  # fmt: skip
+                          name, st.reserve, reserve)  # fmt: skip
             return False
         # A driver that registers or a timer added from here to the unlink
         # goes with the segment: the name is the only lock there is.
@@ -138,7 +139,10 @@ def _why_not_take_over(
     old: Wheel, st: WheelStats, capacity: int, tick: float, owner: tuple[int, int] | None
 ) -> str | None:
     """Why create_wheel replaces a wheel rather than take it over, or None."""
-    if (st.capacity, st.payload_size) != (capacity, PAYLOAD_SIZE) or not math.isclose(st.tick, tick):
+    # The capacity as create() makes it: rounded up to a multiple of the
+    # shards.  A wheel of another shard count is taken over all the same.
+    made = -(-capacity // st.shards) * st.shards
+    if (st.capacity, st.payload_size) != (made, PAYLOAD_SIZE) or not math.isclose(st.tick, tick):
         return (
             f"capacity {st.capacity}, tick {st.tick:g} s and records of {st.payload_size} bytes, "
             f"not {capacity}, {tick:g} s and {PAYLOAD_SIZE}"
