@@ -83,8 +83,13 @@ def _child(root: str, cold: bool) -> None:
 
     for module in (shmwheel, core):  # the build asked for, not the editable install's
         assert module.__file__ is not None and module.__file__.startswith(root), module.__file__
+    from shmwheel.contrib import _settings
+
     name = f"shmwheel-wpath-{os.getpid()}"
-    wheel = shmwheel.create(name, capacity=65536, payload_size=256)
+    # As the servers make it: sharded by the CPUs, where the build shards.
+    shards_for = getattr(_settings, "shards_for", None)
+    sharded = {} if shards_for is None else {"shards": shards_for(65536)}
+    wheel = shmwheel.create(name, capacity=65536, payload_size=256, **sharded)
     try:
         timer = RequestTimer(name, 30.0)
         assert timer.prepare()

@@ -29,7 +29,8 @@
 #define SHMW_MAX_PAYLOAD    65536U
 #define SHMW_MAX_DELAY_NS   (1LL << 62)       /* about 146 years */
 #define SHMW_MAX_PRODUCERS  1024U             /* attached processes a segment records */
-#define SHMW_MAX_SHARDS     256U              /* wheels of their own, each with its own lock, in a segment */
+#define SHMW_MAX_SHARDS     128U              /* wheels of their own, each with its own lock, in a segment:
+                                               * each has producer ids of its own (SHMW_MAX_PRODUCERS / 8) */
 #define SHMW_LOCK_TIMEOUT_NS 10000000000LL    /* a lock not taken in this long is jammed */
 
 /* Return codes.  0 is success; everything else is negative, means one

@@ -124,7 +124,7 @@ static void model_run(uint32_t shards)
     for (k = 0; k < HANDLES; k++) {
         if (k > 0 && shmw_open(base, size, &ws[k]))
             abort();
-        if (k < HANDLES - 1 && shmw_producer_attach(ws[k], (int32_t)getpid(), k + 1, 0) != k)
+        if (k < HANDLES - 1 && shmw_producer_attach(ws[k], (int32_t)getpid(), k + 1, 0) < 0)
             abort();
     }
     for (step = 0; step < STEPS; step++) {
@@ -368,8 +368,32 @@ static void trylock_run(void)
     free(base);
 }
 
+/* Part five: the shard of a slab index by multiply and shift, against
+ * the division, at the edges and at random, for divisors from 1 to 2^31. */
+static void divide_run(void)
+{
+    static const uint32_t ds[] = { 1, 2, 3, 5, 7, 10, 641, 4096, 10923, 32768, 65535, 65537, 1000003,
+                                   0x40000000U, 0x40000001U, 0x7fffffffU };
+    unsigned k;
+    int j;
+
+    for (k = 0; k < sizeof(ds) / sizeof(ds[0]); k++) {
+        struct shmw_divisor v;
+        uint32_t d = ds[k];
+        shmw__divisor(&v, d);
+        for (j = 0; j < 100000; j++) {
+            uint32_t n = j < 64 ? (uint32_t)j : j < 128 ? 0x7fffffffU - (uint32_t)(j - 64)
+                       : j < 192 ? d * (uint32_t)(j % 8) - (uint32_t)(j % 3) + 1 : (uint32_t)(rnd() & 0x7fffffffU);
+            if (n > 0x7fffffffU)
+                continue;
+            EXPECT(shmw__divide(n, &v) == n / d, "%u / %u by multiply and shift gives %u", n, d, shmw__divide(n, &v));
+        }
+    }
+}
+
 int main(void)
 {
+    divide_run();
     model_run(1);
     model_run(4);
     scribble_run(1);

@@ -132,7 +132,7 @@ static int check_list(const shard_t *w, uint32_t b, uint32_t lane, char *reason,
         if (i >= w->capacity)
             FAIL("bucket %u: lane %u step %u has index %u out of bounds", b, lane, k, i);
         e = entry_at(w, i);
-        if (e->state != SHMW_PENDING || e->bucket != b || e->prev != prev || lane_of(w, e->producer) != lane)
+        if (e->state != SHMW_PENDING || e->bucket != b || e->prev != prev || lane_of(e->producer) != lane)
             FAIL("bucket %u: entry %u is not linked as a pending member of lane %u", b, i, lane);
         t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
         /* Level 0 holds its own tick, and overdue timers only in the

@@ -11,8 +11,15 @@
  */
 #include "core.h"
 
-/* Row g of the table is written under the lock of shard g % shards (the
- * shard of that producer's adds), and only there. */
+/* Row g of the table is written under the lock of the shard of that
+ * producer's adds (shard_of_producer), and only there. */
+
+/* The next id of shard k after g: its ids come in blocks of SHMW_LANES,
+ * every shards-th block. */
+static uint32_t next_id(const shmw_t *w, uint32_t g)
+{
+    return g % SHMW_LANES < SHMW_LANES - 1 ? g + 1 : g + 1 + (w->shards - 1) * SHMW_LANES;
+}
 
 static int find_own(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns, uint32_t *id)
 {
@@ -24,7 +31,7 @@ static int find_own(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns, uint3
     for (k = 0; k < w->shards; k++) {
         if ((rc = shmw__lock(&w->shard[k])))
             return rc;
-        for (g = k; g < SHMW_MAX_PRODUCERS; g += w->shards)
+        for (g = k * SHMW_LANES; g < SHMW_MAX_PRODUCERS; g = next_id(w, g))
             if (rows[g].pid == pid && rows[g].start == start && rows[g].pidns == pidns)
                 break;
         shmw__unlock(&w->shard[k]);
@@ -56,7 +63,7 @@ int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns)
         k = (first + t) % w->shards;
         if ((rc = shmw__lock(&w->shard[k])))
             return rc;
-        for (g = k; g < SHMW_MAX_PRODUCERS && rows[g].pid != 0; g += w->shards)
+        for (g = k * SHMW_LANES; g < SHMW_MAX_PRODUCERS && rows[g].pid != 0; g = next_id(w, g))
             ;
         if (g < SHMW_MAX_PRODUCERS) {
             STORE(rows[g].start, start);
@@ -70,7 +77,8 @@ int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns)
     if (id == SHMW_NO_PRODUCER)
         return SHMW_EPRODUCERS;
     w->producer = id;
-    w->producer_pid = pid;
+    w->home = &w->shard[shard_of_producer(w->shards, id)];
+    __atomic_store_n(&w->producer_pid, pid, __ATOMIC_RELEASE);     /* after home: home_of reads them the other way */
     for (k = 0; k < w->shards; k++) {
         w->shard[k].producer = id;
         w->shard[k].producer_pid = pid;
@@ -93,7 +101,7 @@ int shmw_producers(shmw_t *w, int32_t *pids, int64_t *starts, uint32_t *pidns, u
     for (k = 0; k < w->shards; k++) {
         if ((rc = shmw__lock_raw(&w->shard[k], 1)))     /* a look, which a damaged segment allows */
             return rc;
-        for (g = k; g < SHMW_MAX_PRODUCERS; g += w->shards) {
+        for (g = k * SHMW_LANES; g < SHMW_MAX_PRODUCERS; g = next_id(w, g)) {
             pids[g] = rows[g].pid;
             starts[g] = rows[g].start;
             pidns[g] = rows[g].pidns;
@@ -165,7 +173,7 @@ int shmw_producer_release(shmw_t *w, uint32_t id, int32_t pid, int64_t start)
     if (id >= SHMW_MAX_PRODUCERS)
         return SHMW_ESTALE;
     rows = w->top->producers;
-    s = &w->shard[id % w->shards];
+    s = &w->shard[shard_of_producer(w->shards, id)];
     if ((rc = shmw__enter(s)))
         return rc;
     if (producer_is(w, id, pid, start)) {

@@ -337,6 +337,8 @@ int shmw_open(void *base, uint64_t size, shmw_t **out)
     w->shard_capacity = l.shard_capacity;
     w->payload_size = p.payload_size;
     w->index_bits = shmw_index_bits(w->capacity);
+    w->index_mask = (1ULL << w->index_bits) - 1;
+    shmw__divisor(&w->by_shard, l.shard_capacity);
     w->producer = SHMW_NO_PRODUCER;
     for (k = 0; k < l.shards; k++) {
         if ((rc = open_shard(w, k, &p, &l, h0->handle_key))) {

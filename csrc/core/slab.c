@@ -129,7 +129,7 @@ void shmw__slab_free(shard_t *w, uint32_t i, uint64_t *count)
      * (the header's cancelled or acked), unless it is NULL. */
     struct shmw_entry *e = entry_at(w, i);
     struct shmw_header *h = w->hdr;
-    struct shmw_magazine *mag = &h->magazines[lane_of(w, my_producer(w))];
+    struct shmw_magazine *mag = &h->magazines[lane_of(my_producer(w))];
 
     if (count)
         STORE(*count, *count + 1);

@@ -62,7 +62,7 @@ int shmw__bucket_append(shard_t *w, uint32_t b, uint64_t expires, uint32_t i)
      * of bucket b; the caller has checked bucket_can_take. */
     struct shmw_bucket *bk = &w->buckets[b];
     struct shmw_entry *e = entry_at(w, i);
-    uint32_t lane = lane_of(w, e->producer), bit = 1U << lane;
+    uint32_t lane = lane_of(e->producer), bit = 1U << lane;
     struct shmw_list *ls = list_of(w, lane, b);
 
     if (bk->lane_mask & bit) {
@@ -126,13 +126,13 @@ int shmw__list_unlink(shard_t *w, uint32_t *head, uint32_t *tail, uint32_t i)
 static inline int same_list(const shard_t *w, uint32_t n, uint32_t lane, uint32_t b)
 {
     return n == SHMW_NIL
-        || (n < w->capacity && lane_of(w, entry_at(w, n)->producer) == lane && entry_at(w, n)->bucket == b);
+        || (n < w->capacity && lane_of(entry_at(w, n)->producer) == lane && entry_at(w, n)->bucket == b);
 }
 
 static int bucket_unlink(shard_t *w, uint32_t i)
 {
     struct shmw_entry *e = entry_at(w, i);
-    uint32_t b = e->bucket, lane = lane_of(w, e->producer), bit = 1U << lane;
+    uint32_t b = e->bucket, lane = lane_of(e->producer), bit = 1U << lane;
     struct shmw_bucket *bk;
     struct shmw_list *ls;
 
@@ -179,9 +179,9 @@ static int insert_new(shard_t *w, int64_t deadline_ns, const char *payload, uint
 
     rc = shmw__place(w, h->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
     if (rc == SHMW_OK)
-        rc = bucket_can_take(w, b, lane_of(w, producer), expires);
+        rc = bucket_can_take(w, b, lane_of(producer), expires);
     if (rc == SHMW_OK)
-        rc = shmw__slab_take(w, lane_of(w, producer), (flags & SHMW_RESERVED) != 0, &i);
+        rc = shmw__slab_take(w, lane_of(producer), (flags & SHMW_RESERVED) != 0, &i);
     if (rc)
         return rc;
     e = entry_at(w, i);
@@ -279,10 +279,11 @@ static int64_t add_checked(shmw_t *w, int64_t deadline_ns, const char *payload, 
      * the id is the parent's, so the caller must attach again. */
     if ((flags & SHMW_CANCEL_ON_EXIT) && my_producer(home) == SHMW_NO_PRODUCER)
         return SHMW_ENOTATTACHED;
-    rc = add_to(home, deadline_ns, payload, len, flags);
-    for (k = 1; rc == SHMW_EFULL && k < w->shards; k++)
-        rc = add_to(&w->shard[(home->shard + k) % w->shards], deadline_ns, payload, len, flags);
-    return rc;
+    for (k = 0;; home = &w->shard[home->shard + 1 < w->shards ? home->shard + 1 : 0]) {
+        rc = add_to(home, deadline_ns, payload, len, flags);     /* one call: inlined */
+        if (rc != SHMW_EFULL || ++k == w->shards)
+            return rc;
+    }
 }
 
 static int64_t add_seconds(shmw_t *w, double seconds, int absolute, const char *payload, uint32_t len,
@@ -456,7 +457,7 @@ static int reset_checked(shmw_t *wheel, int64_t handle, double seconds, int abso
     e = entry_at(w, i);
     rc = shmw__place(w, w->hdr->elapsed, shmw_ticks_ceil(deadline_ns, w->tick_ns), &b, &expires);
     if (rc == SHMW_OK && b != e->bucket)
-        rc = bucket_can_take(w, b, lane_of(w, e->producer), expires);
+        rc = bucket_can_take(w, b, lane_of(e->producer), expires);
     if (rc == SHMW_OK) {
         /* The new deadline first: if this process dies before the entry
          * is relinked, recovery files it by the deadline it now has. */
@@ -579,7 +580,7 @@ int shmw__advance(shard_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, c
         t = shmw_ticks_ceil(e->deadline_ns, w->tick_ns);
         if (t > at) {
             if ((rc = shmw__place(w, at, t, &nb, &expires))
-                || (rc = bucket_can_take(w, nb, lane_of(w, e->producer), expires)))
+                || (rc = bucket_can_take(w, nb, lane_of(e->producer), expires)))
                 break;
         } else if (!records && (rc = shmw__inflight_can_take(w))) {
             break;
