@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest import entry, fresh_name, handle_of, header
+from conftest import entry, fresh_name, handle_of, header, mutex_span
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -324,3 +324,51 @@ def test_a_producer_crash_leaves_what_the_driver_has_sent_alone() -> None:
         assert lib.shmw_driver_register(case.wheel.core, 0, 0, me, start_time(me)) == 0
 
     assert sweep(op, verify, case_with_fires_sent) > 10
+
+
+@pytest.mark.parametrize("shards", [2], ids=["two shards"])  # in place of the module's fixture
+def test_a_process_killed_holding_one_shards_lock_leaves_the_others_alone(shards: int) -> None:
+    """A process dies holding shard 0's lock, half-way through a cancel
+    there: a producer of shard 1 adds and cancels meanwhile without going
+    near shard 0, whose lock stays as the dead process left it until its
+    next locker, which repairs shard 0 and only shard 0."""
+    _shards[0] = shards
+    try:
+        case = make_case()
+    finally:
+        _shards[0] = 1
+    w = case.wheel
+    try:
+        index_mask = (1 << lib.shmw_index_bits(w.capacity)) - 1
+        target = max(h for h in case.timers if (h & index_mask) < w.capacity // 2)  # in shard 0
+        # This process as a producer of shard 1: ids come in blocks of 8,
+        # handed round the shards.
+        start = 2_000_000
+        while lib.shmw_producer_attach(w.core, os.getpid(), start, 0) // 8 % 2 != 1:
+            start += 1
+        pid = os.fork()
+        if pid == 0:  # never returns
+            try:
+                lib.shmw_test_crash_after(3)  # every store is under the lock
+                w.cancel(target)
+            finally:
+                os._exit(0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == lib.SHMW_CRASH_EXIT
+        lock_0 = ffi.cast("int32_t *", w._buf + mutex_span()[0])  # glibc's lock word: the holder's TID
+        left = lock_0[0]
+        assert left != 0, "the dead process's lock word is gone"
+        h = w.add(60, b"shard 1")
+        assert (h & index_mask) >= w.capacity // 2, "added to shard 0"
+        assert w.cancel(h)
+        assert w.add(60, b"stays") > 0
+        assert lock_0[0] == left, "shard 0's lock was taken"
+        assert (header(w, 0).recoveries, header(w, 1).recoveries) == (0, 0)
+        w.check()  # locks shard 0 too: its repair
+        assert (header(w, 0).recoveries, header(w, 1).recoveries) == (1, 0)
+        got = everything(w)
+        for h, timer in case.timers.items():
+            assert h == target or (h in got and same(got[h], timer)), "a timer was lost or changed"
+    finally:
+        w.close()
+        shmwheel.unlink(w.name)
+        _made.remove(w)

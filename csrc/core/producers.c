@@ -21,25 +21,21 @@ static uint32_t next_id(const shmw_t *w, uint32_t g)
     return g % SHMW_LANES < SHMW_LANES - 1 ? g + 1 : g + 1 + (w->shards - 1) * SHMW_LANES;
 }
 
-static int find_own(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns, uint32_t *id)
+static int find_own(const shmw_t *w, int32_t pid, int64_t start, uint32_t pidns, uint32_t *id)
 {
-    /* Whether this process holds an id already (attached before). */
+    /* Whether this process holds an id already (attached before), read
+     * without the shards' locks: only this process writes a row with its
+     * own pid, start and namespace, and the pid (which commits a row) is
+     * read first, with acquire. */
     const struct shmw_producer *rows = w->top->producers;
-    uint32_t k, g;
-    int rc;
+    uint32_t g;
 
-    for (k = 0; k < w->shards; k++) {
-        if ((rc = shmw__lock(&w->shard[k])))
-            return rc;
-        for (g = k * SHMW_LANES; g < SHMW_MAX_PRODUCERS; g = next_id(w, g))
-            if (rows[g].pid == pid && rows[g].start == start && rows[g].pidns == pidns)
-                break;
-        shmw__unlock(&w->shard[k]);
-        if (g < SHMW_MAX_PRODUCERS) {
+    for (g = 0; g < SHMW_MAX_PRODUCERS; g++)
+        if (__atomic_load_n(&rows[g].pid, __ATOMIC_ACQUIRE) == pid && rows[g].start == start
+            && rows[g].pidns == pidns) {
             *id = g;
             return 1;
         }
-    }
     return 0;
 }
 
@@ -56,8 +52,7 @@ int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns)
     if (pid <= 0)
         return SHMW_EINVAL;
     rows = w->top->producers;
-    if ((rc = find_own(w, pid, start, pidns, &id)) < 0)
-        return rc;
+    rc = find_own(w, pid, start, pidns, &id);
     first = __atomic_fetch_add(&w->top->next_shard, 1, __ATOMIC_RELAXED);
     for (t = 0; rc == 0 && t < w->shards; t++) {
         k = (first + t) % w->shards;
