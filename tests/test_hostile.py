@@ -475,6 +475,54 @@ def test_a_stopped_lock_holder_is_named_not_blamed_on_the_segment(make_wheel) ->
     assert len(w) == 1
 
 
+def test_a_holder_stopped_in_one_shards_lock_holds_up_that_shard_alone(make_wheel, tmp_path) -> None:
+    """A process stopped while it holds shard 0's lock, with a timer of
+    shard 0 due meanwhile: the driver's clock and dispatcher look at shard
+    0 again later and later, and serve shard 1 all the while.  Once the
+    holder goes on, shard 0's timer fires too.  (Before, the clock waited
+    on shard 0's lock, for the whole lock timeout, with every shard.)"""
+    w = make_wheel(capacity=64, payload_size=8, shards=2)
+    out = tmp_path / "fires.txt"
+    out.touch()
+    index_mask = (1 << lib.shmw_index_bits(w.capacity)) - 1
+
+    def as_producer_of(shard: int) -> None:  # this process's adds to that shard: ids go round them in blocks of 8
+        start = 3_000_000
+        while lib.shmw_producer_attach(w.core, os.getpid(), start, 0) // 8 % 2 != shard:
+            start += 1
+
+    driver = shmwheel.start_driver(w.name, functools.partial(_record_fire, str(out)))
+    try:
+        as_producer_of(0)
+        first = w.add(0.3, b"shard 0")
+        assert (first & index_mask) < w.capacity // 2
+        pid = os.fork()
+        if pid == 0:  # the holder: stops itself half-way through an add to shard 0, lock held
+            as_producer_of(0)  # a forked child adds to its pid's shard until it attaches
+            lib.shmw_test_stop_after(3)
+            code = 0 if w.add(60, b"held") >= 0 else 1
+            os._exit(code)
+        try:
+            _, status = os.waitpid(pid, os.WUNTRACED)
+            assert os.WIFSTOPPED(status)
+            as_producer_of(1)
+            second = w.add(0.5, b"shard 1")
+            assert (second & index_mask) >= w.capacity // 2
+            # Shard 0's timer comes due at 0.3 s, while its lock is held: the
+            # clock goes on to shard 1's at 0.5 s, in far less than the
+            # driver's 10 s lock timeout.
+            wait_for(lambda: str(second) in out.read_text(), timeout=8.0)  # within the lock timeout, 10 s
+            assert str(first) not in out.read_text()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        wait_for(lambda: str(first) in out.read_text())
+    finally:
+        assert driver.stop() == 0
+    w.check()
+
+
 def _record_fire(path: str, fire: shmwheel.Fire) -> None:  # runs in the driver
     with open(path, "a") as f:
         f.write(f"{fire.handle} {fire.payload.hex()} {int(fire.redelivered)}\n")

@@ -66,6 +66,8 @@ typedef struct shard shard_t;   /* one shard's view (below) */
 #define SHMW_TRY_SPINS      32U               /* looks at a busy lock before a try gives up (SHMW_EBUSY):
                                                * about one producer's hold, and the caller keeps the GIL */
 #define SHMW_MAX_SLEEP_NS   100000000LL       /* the driver's clock wakes at least this often */
+#define SHMW_BUSY_RETRY_NS  50000LL           /* the driver's first look again at a shard whose lock was busy,
+                                               * doubled each time it still is, up to SHMW_MAX_SLEEP_NS */
 
 /* Header flags. */
 #define SHMW_F_DAMAGED  1   /* a lock holder died and a repair could not make sense of the
@@ -308,6 +310,10 @@ struct shard {
                                          * looked for from, each lane in turn (see advance) */
     uint64_t             due;           /* the clock's: the tick its earliest bucket was due at
                                          * when it last looked, UINT64_MAX for none */
+    int64_t              clock_retry_ns;  /* the clock's: its lock was busy; not looked at before this */
+    int64_t              clock_backoff_ns;
+    int64_t              take_retry_ns;   /* the same, the dispatcher's */
+    int64_t              take_backoff_ns;
 };
 
 /* A process's view of an open segment: the shmw_t of the public calls. */
@@ -472,8 +478,12 @@ static inline int64_t ticks_to_ns(const shard_t *w, uint64_t t)
 void shmw__pid_init(void);                      /* once a process, before the pid is read; no lock */
 
 /* lock.c: take the lock (repairing after a holder that died); shmw__lock
- * also refuses a segment flagged damaged.  With wait 0 (the _try forms),
- * SHMW_EBUSY after SHMW_TRY_SPINS looks at a lock another holds. */
+ * also refuses a segment flagged damaged.  `wait` is SHMW_LOCK_WAIT, or
+ * SHMW_LOCK_TRY (the _try forms: SHMW_EBUSY after SHMW_TRY_SPINS looks at
+ * a lock another holds) or SHMW_LOCK_SPIN (the same after SHMW_LOCK_SPINS). */
+#define SHMW_LOCK_TRY  0
+#define SHMW_LOCK_WAIT 1
+#define SHMW_LOCK_SPIN 2
 int  shmw__lock_raw(shard_t *w, int wait);
 int  shmw__lock_mode(shard_t *w, int wait);
 static inline int shmw__lock(shard_t *w) { return shmw__lock_mode(w, 1); }

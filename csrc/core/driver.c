@@ -254,6 +254,21 @@ int shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state)
 
 /* ---- the clock ------------------------------------------------------------------ */
 
+/* A shard whose lock the clock (or the dispatcher) found busy past a
+ * waiter's spin: held by a process stopped or descheduled in it.  It is
+ * looked at again SHMW_BUSY_RETRY_NS later, then twice as late each time
+ * it is still busy, up to SHMW_MAX_SLEEP_NS, while the other shards are
+ * served; *until_ns is lowered to the next look. */
+static void busy_later(int64_t now_ns, int64_t *retry_ns, int64_t *backoff_ns, int64_t *until_ns)
+{
+    *backoff_ns = *backoff_ns ? *backoff_ns * 2 : SHMW_BUSY_RETRY_NS;
+    if (*backoff_ns > SHMW_MAX_SLEEP_NS)
+        *backoff_ns = SHMW_MAX_SLEEP_NS;
+    *retry_ns = now_ns + *backoff_ns;
+    if (*retry_ns < *until_ns)
+        *until_ns = *retry_ns;
+}
+
 /* One shard's turn of the clock, under its lock: fires what is due, at
  * most `batch`, then (if nothing more is) says until when it sleeps.
  * *until_ns is lowered to the shard's next due time; *more set if it has
@@ -265,7 +280,7 @@ static int clock_shard(shard_t *w, int64_t now_ns, uint32_t batch, int64_t *unti
     uint64_t next;
     int rc, left = 0;
 
-    if ((rc = shmw__lock(w)))
+    if ((rc = shmw__lock_mode(w, SHMW_LOCK_SPIN)))
         return rc;
     if (h->driver_pid != shmw__pid) {
         shmw__unlock(w);
@@ -340,7 +355,19 @@ int shmw_driver_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
                     until_ns = ticks_to_ns(s, s->due);
                 continue;       /* nothing due, and no producer woke the clock for it */
             }
-            if ((rc = clock_shard(s, now_ns, batch, &until_ns, &more, &fired)))
+            if (now_ns < s->clock_retry_ns) {
+                if (s->clock_retry_ns < until_ns)
+                    until_ns = s->clock_retry_ns;
+                continue;       /* its lock was busy a moment ago */
+            }
+            rc = clock_shard(s, now_ns, batch, &until_ns, &more, &fired);
+            if (rc == SHMW_EBUSY) {
+                busy_later(now_ns, &s->clock_retry_ns, &s->clock_backoff_ns, &until_ns);
+                rc = SHMW_OK;
+                continue;
+            }
+            s->clock_backoff_ns = 0;
+            if (rc)
                 break;
         }
         if (fired)
@@ -367,7 +394,7 @@ static int take_shard(shard_t *w, char *buf, uint32_t cap, uint32_t *n)
     if (__atomic_load_n(&h->inflight_unsent, __ATOMIC_RELAXED) == SHMW_NIL
         && __atomic_load_n(&h->driver_pid, __ATOMIC_RELAXED) == shmw__pid)
         return SHMW_OK;         /* nothing to take: no lock (a stale look is caught by the word) */
-    if ((rc = shmw__lock(w)))
+    if ((rc = shmw__lock_mode(w, SHMW_LOCK_SPIN)))
         return rc;
     if (h->driver_pid != shmw__pid) {
         shmw__unlock(w);
@@ -419,11 +446,26 @@ int shmw_driver_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t ca
          * fire the clock moves in flight after its shard was looked at. */
         seen = __atomic_load_n(&w->top->outbox_word, __ATOMIC_SEQ_CST);
         stopping = __atomic_load_n(stop, __ATOMIC_SEQ_CST);
+        int64_t now_ns = shmw_now_ns(), until_ns = -1;
+
         first = __atomic_fetch_add(&w->take_from, 1, __ATOMIC_RELAXED);
         for (t = 0; t < w->shards && n < cap; t++) {
+            shard_t *s = &w->shard[(first + t) % w->shards];
             uint32_t got = 0;
-            rc = take_shard(&w->shard[(first + t) % w->shards], buf + (uint64_t)n * stride, cap - n, &got);
+            if (now_ns < s->take_retry_ns) {
+                if (until_ns < 0 || s->take_retry_ns < until_ns)
+                    until_ns = s->take_retry_ns;
+                continue;       /* its lock was busy a moment ago */
+            }
+            rc = take_shard(s, buf + (uint64_t)n * stride, cap - n, &got);
             n += got;
+            if (rc == SHMW_EBUSY) {
+                if (until_ns < 0)
+                    until_ns = INT64_MAX;
+                busy_later(now_ns, &s->take_retry_ns, &s->take_backoff_ns, &until_ns);
+                continue;
+            }
+            s->take_backoff_ns = 0;
             if (rc)
                 return n ? (int)n : rc;
         }
@@ -431,7 +473,7 @@ int shmw_driver_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t ca
             return (int)n;
         if (stopping)
             return 0;
-        shmw__futex_wait_until(&w->top->outbox_word, seen, -1);
+        shmw__futex_wait_until(&w->top->outbox_word, seen, until_ns);
     }
 }
 

@@ -60,17 +60,20 @@ int shmw__lock_raw(shard_t *w, int wait)
      * name a thread that never existed, say - and waiting on would hang
      * every process.  A caller that must not block (it keeps Python's GIL,
      * and every thread of its process would wait with it) spins for about
-     * one producer's hold and gives up. */
+     * one producer's hold and gives up (SHMW_LOCK_TRY); one that has other
+     * shards to serve meanwhile (the driver's clock and dispatcher) spins
+     * as long as a waiter would and gives up (SHMW_LOCK_SPIN), so that a
+     * holder stopped in one shard holds up that shard alone. */
     pthread_mutex_t *m = &w->hdr->mutex;
     int rc = pthread_mutex_trylock(m);
-    uint32_t spins, max_spins = wait ? SHMW_LOCK_SPINS : SHMW_TRY_SPINS;
+    uint32_t spins, max_spins = wait == SHMW_LOCK_TRY ? SHMW_TRY_SPINS : SHMW_LOCK_SPINS;
 
     for (spins = 0; rc == EBUSY && spins < max_spins; spins++) {
         cpu_relax();
         if (mutex_may_be_free(m))
             rc = pthread_mutex_trylock(m);
     }
-    if (rc == EBUSY && !wait)
+    if (rc == EBUSY && wait != SHMW_LOCK_WAIT)
         return SHMW_EBUSY;
     if (rc == EBUSY) {
         int64_t until = shmw_now_ns() + w->lock_timeout_ns;
