@@ -528,29 +528,35 @@ def _record_fire(path: str, fire: shmwheel.Fire) -> None:  # runs in the driver
         f.write(f"{fire.handle} {fire.payload.hex()} {int(fire.redelivered)}\n")
 
 
-def test_live_scribbles_never_stop_the_driver_and_spare_the_healthy_timers(make_wheel, tmp_path) -> None:
+@pytest.mark.parametrize("shards", [1, 2], ids=["one shard", "two shards"])
+def test_live_scribbles_never_stop_the_driver_and_spare_the_healthy_timers(make_wheel, tmp_path, shards: int) -> None:
     """Random bytes scribbled all over a segment while a driver fires and a
     producer adds: no crash, no hang; every timer whose slot was never hit is
-    delivered exactly once; a damaged one at most once or twice.
+    delivered exactly once; a damaged one at most once or twice.  With two
+    shards, the adds go to each in turn.
 
     Spared: the parameters (which no repair can rewrite: every process has
-    its own copies, and a new attacher refuses the segment), the mutex (a
-    jammed lock is test_a_jammed_lock_word...'s case), the driver's
+    its own copies, and a new attacher refuses the segment), each shard's
+    mutex (a jammed lock is test_a_jammed_lock_word...'s case), the driver's
     registration (scribbled, it reads as another driver taking over, which
     stops this one on purpose) and the removed mark (it is meant to stick).
     """
-    w = make_wheel(capacity=2048, payload_size=8)
+    w = make_wheel(capacity=2048, payload_size=8, shards=shards)
     out = tmp_path / "fires.txt"
     driver = shmwheel.start_driver(w.name, functools.partial(_record_fire, str(out)), audit_interval=0.2)
     hd = header(w)
     lay = layout(w)
+    shard_size, shard_capacity = top(w).shard_size, w.capacity // shards
 
-    def field(name: str) -> int:  # shard 0's header's, from the segment's first byte (after the top's own)
-        return top_size() + ffi.offsetof("struct shmw_header", name)
+    def field(name: str, k: int) -> int:  # shard k's header's, from the segment's first byte
+        return top_size() + k * shard_size + ffi.offsetof("struct shmw_header", name)
 
-    spared = [(0, field("elapsed")), (field("removed"), field("removed") + 4)]
-    spared += [(field("driver_pid"), field("sleep_until")), mutex_span()]
-    size = lay.slab + w.capacity * hd.stride
+    spared = [(0, ffi.offsetof("struct shmw_top", "producers"))]
+    for k in range(shards):
+        spared += [(field("magic", k), field("elapsed", k)), (field("removed", k), field("removed", k) + 4)]
+        spared += [(field("driver_pid", k), field("sleep_until", k))]
+        spared += [(lo + k * shard_size, hi + k * shard_size) for lo, hi in [mutex_span()]]
+    size = top_size() + shards * shard_size
     hit_slots: set[int] = set()
     rng = random.Random(15)
     stop = threading.Event()
@@ -560,10 +566,29 @@ def test_live_scribbles_never_stop_the_driver_and_spare_the_healthy_timers(make_
             off = rng.randrange(size)
             if any(lo <= off < hi for lo, hi in spared):
                 continue
-            if off >= lay.slab:
-                hit_slots.add((off - lay.slab) // hd.stride)
+            k, in_shard = divmod(off - top_size(), shard_size)
+            if off >= top_size() and in_shard >= lay.slab - top_size():
+                hit_slots.add(k * shard_capacity + (in_shard - (lay.slab - top_size())) // hd.stride)
             w._buf[off] = bytes([rng.randrange(256)])
 
+    def spread(seq: int) -> None:
+        """This process's next adds to the next shard: as a producer of
+        another start time, whose id falls in that shard (ids go round the
+        shards in blocks of 8).  The driver reaps those ids as of a process
+        that is gone, and attach then takes another."""
+        if shards == 1 or seq % 200:
+            return
+        want = seq // 200 % shards
+        start = starts.get(want, 4_000_000 + seq)
+        for _ in range(4 * shards):
+            if (got := lib.shmw_producer_attach(w.core, os.getpid(), start, 0)) < 0:
+                return
+            if got // 8 % shards == want:
+                starts[want] = start
+                return
+            start += 1
+
+    starts: dict[int, int] = {}  # shard: the start time of this process's id there
     added: dict[int, bytes] = {}
     scribbler = threading.Thread(target=scribble)
     try:
@@ -572,6 +597,7 @@ def test_live_scribbles_never_stop_the_driver_and_spare_the_healthy_timers(make_
         seq = 0
         while time.monotonic() < until:
             payload = seq.to_bytes(8, "little")
+            spread(seq)
             seq += 1
             try:
                 added[w.add(rng.uniform(0, 0.3), payload)] = payload
@@ -585,6 +611,7 @@ def test_live_scribbles_never_stop_the_driver_and_spare_the_healthy_timers(make_
     slot_mask = (1 << (w.capacity - 1).bit_length()) - 1
     healthy = {h for h in added if h & slot_mask not in hit_slots}
     assert len(healthy) > 1000, "too few timers came through to tell"
+    assert {(h & slot_mask) // shard_capacity for h in healthy} == set(range(shards)), "the adds were not spread"
 
     def fires() -> list[tuple[int, bytes]]:
         text = out.read_text() if out.exists() else ""

@@ -13,8 +13,8 @@ calls any that were defined above it, so it must come after them):
   supervisor thread restarts if it dies.  When the master runs as root and
   the workers as ``user``/``group``, the wheel is made theirs and the
   driver runs as them too: it can signal the workers and nothing else;
-* ``post_worker_init`` (each worker): attaches to the wheel and registers
-  sets up the signal on which it writes a timed-out request's stack.  With an ASGI worker class
+* ``post_worker_init`` (each worker): attaches to the wheel and sets up
+  the signal on which it writes a timed-out request's stack.  With an ASGI worker class
   (Uvicorn's ``uvicorn_worker.UvicornWorker`` or the older
   ``uvicorn.workers.UvicornWorker``, Gunicorn's ``asgi``) it wraps the
   application in :class:`shmwheel.contrib.asgi.TimeoutMiddleware` on the
