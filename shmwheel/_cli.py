@@ -214,13 +214,15 @@ def _create(args: argparse.Namespace) -> int:
         tick=args.tick,
         payload_size=args.payload_size,
         reserve=args.reserve,
+        shards=args.shards,
         mode=args.mode,
         wheel_size=args.wheel_size,
     ) as wheel:
         size = os.stat(SHM / wheel.name).st_size
         reserve = f" ({wheel.reserve} in reserve)" if wheel.reserve else ""
+        shards = f" in {args.shards} shards" if args.shards > 1 else ""
         print(
-            f"created wheel {wheel.name!r}: capacity {wheel.capacity}{reserve}, tick {_duration(wheel.tick)}, "
+            f"created wheel {wheel.name!r}: capacity {wheel.capacity}{reserve}{shards}, tick {_duration(wheel.tick)}, "
             f"payload {wheel.payload_size} bytes, {wheel.levels} levels of {wheel.wheel_size} buckets, "
             f"{size} bytes in {SHM / wheel.name}, mode {args.mode:04o}"
         )
@@ -367,6 +369,7 @@ def _stat_table(r: dict[str, Any]) -> list[str]:
         ("lag", _duration(r["lag"])),
         ("tick", _duration(r["tick"])),
         ("levels", f"{r['levels']} of {r['wheel_size']} buckets"),
+        ("shards", f"{r['shards']} (a lock and a wheel each, {r['capacity'] // r['shards']} slots each)"),
     ]
     rows += [
         (f"level {i} ({_duration(r['tick'] * r['wheel_size'] ** i)}/bucket)", n)
@@ -493,6 +496,13 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="of the slots, those kept for reserved adds (default 0)",
+    )
+    p.add_argument(
+        "--shards",
+        type=_int_between(1, lib.SHMW_MAX_SHARDS),
+        default=1,
+        metavar="N",
+        help="wheels of their own, each with its own lock: one a busy producer process, up to the CPUs (default 1)",
     )
     p.add_argument("--mode", type=_octal, default=0o600, metavar="OCTAL", help="permissions (default 600)")
     p.add_argument(

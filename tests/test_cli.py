@@ -114,6 +114,19 @@ def test_create_then_stat_shows_the_parameters(name: str) -> None:
     assert len([k for k in rows if k.startswith("level ")]) == levels
 
 
+def test_create_in_shards_says_so_and_stat_shows_them(name: str) -> None:
+    """A capacity that the shards do not divide is rounded up, and said."""
+    proc = run("create", name, "--capacity", "1000", "--shards", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "capacity 1002 in 3 shards" in proc.stdout
+    rows = table(run("stat", name, "--interval", "0.1").stdout)
+    assert rows["capacity"] == "1002 (0.0% used)"
+    assert rows["shards"] == "3 (a lock and a wheel each, 334 slots each)"
+    error = one_line_error(run("create", name + "-2", "--capacity", "4", "--shards", "8"))
+    assert error == "shmwheel: shards must be between 1 and 4, not 8"
+    assert not (SHM / (name + "-2")).exists()
+
+
 def test_create_over_an_existing_name_fails(name: str) -> None:
     assert run("create", name, "--capacity", "10").returncode == 0
     error = one_line_error(run("create", name, "--capacity", "20"))
