@@ -308,5 +308,9 @@ def test_django_under_uvicorn_answers_at_the_timeout_and_ends_its_views_the_djan
         for path in ("/fifo", "/spin", "/await"):
             assert len(re.findall(ANSWERED_504.replace("/short", path), log)) == 1, log
         assert not NO_ERROR.search(log) and "never retrieved" not in log, log
+        # Each stack goes on into the task Django runs the view in, down to the view.
+        for path, view in (("/fifo", "fifo"), ("/spin", "spin"), ("/await", "awaits")):
+            stack = re.search(rf"the stack of timed-out request GET {path} .*?(?=\n\S|\Z)", log, re.S)
+            assert stack and re.search(rf'views_django\.py", line \d+, in {view}\n', stack[0]), log
         assert server.stop(signal.SIGINT) == 0
         assert_nothing_left_of_asgi(server, driver)

@@ -570,7 +570,7 @@ def _pool_threads(chain: list[str], thread: int, frames: dict[int, FrameType]) -
     """When a task's await chain waits for a function run in a thread (a
     synchronous endpoint of Starlette or FastAPI), the busy threads of the
     pool: nothing ties that thread to the task."""
-    if not any(marker in line for line in chain for marker in _TO_THREAD):
+    if not any(marker in line for line in chain for marker in (*_TO_THREAD, _TO_THREAD_FILE + '", line')):
         return []
     busy = [t for t, top in frames.items() if t not in (thread, _reporter_ident) and not _idle(top)]
     pool = [t for t in busy if _in_pool(frames[t])]
@@ -584,9 +584,17 @@ def _pool_threads(chain: list[str], thread: int, frames: dict[int, FrameType]) -
     return lines
 
 
-# A frame of these in a task's await chain: it awaits a function run in a thread.
+# A frame of these in a task's await chain: it awaits a function run in a
+# thread; or of asgiref's sync_to_async (Django's sync views under ASGI),
+# whose coroutine frames are all in that file.
 _TO_THREAD = ("in run_in_threadpool", "in run_sync", "in run_in_executor", "in to_thread", "in to_thread_run_sync")
 _TO_THREAD_FUNCTIONS = frozenset(marker.removeprefix("in ") for marker in _TO_THREAD)
+_TO_THREAD_FILE = "/asgiref/sync.py"
+
+
+def _hands_to_thread(frame: FrameType) -> bool:
+    """Whether a frame of an await chain awaits a function run in a thread."""
+    return frame.f_code.co_name in _TO_THREAD_FUNCTIONS or frame.f_code.co_filename.endswith(_TO_THREAD_FILE)
 
 
 # Where a pool's thread runs what it is given: anyio's worker thread (the
@@ -640,12 +648,25 @@ def _await_chain(coro: Any, task: Any = None) -> list[str]:
 
 _Frames = list[tuple[FrameType, "int | None"]]
 
+_KEPT_SHOWN = 4  # tasks a chain keeps whose own chains are shown in the log
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # shmwheel's package
 
-def _await_parts(coro: Any, task: Any = None) -> list[str | _Frames]:
-    """:func:`_await_chain` as runs of frames and the lines between them."""
+
+def _await_parts(
+    coro: Any, task: Any = None, seen: set[int] | None = None, kept: int = _KEPT_SHOWN
+) -> list[str | _Frames]:
+    """:func:`_await_chain` as runs of frames and the lines between them.
+    Where the innermost coroutine waits on a future that is not a task (as
+    ``asyncio.wait`` does), on into the tasks its chain keeps in locals (as
+    :func:`holds` finds them; not shmwheel's own), at most ``kept`` of
+    them, the one whose chain goes deepest first: the view Django's handler
+    runs in a task of its own, beside a task that listens for the client
+    leaving, and waits for both with ``asyncio.wait``."""
     parts: list[str | _Frames] = []
     chain: _Frames = []
-    seen: set[int] = set()
+    seen = set() if seen is None else seen
+    if task is not None:
+        seen.add(id(task))  # not shown again as a task another keeps
     while coro is not None and id(coro) not in seen and len(chain) < MAX_FRAMES:
         seen.add(id(coro))
         frame = _frame_of(coro)
@@ -671,9 +692,47 @@ def _await_parts(coro: Any, task: Any = None) -> list[str | _Frames]:
             chain, task, coro = [], waiter, waiter.get_coro()
             continue
         if waiter is not None:
-            return [*parts, chain, f"  awaiting {shown(repr(waiter), SHOWN_MAX)}"]
+            parts += [chain, f"  awaiting {shown(repr(waiter), SHOWN_MAX)}"]
+            others = _kept_tasks(chain, seen) if kept else []
+            seen.update(id(other) for other in others)
+            theirs = [_await_parts(other.get_coro(), other, seen, kept) for other in others]
+            depth = [sum(len(part) for part in their if not isinstance(part, str)) for their in theirs]
+            for _, other, their in sorted(zip(depth, others, theirs, strict=True), key=lambda t: -t[0])[:kept]:
+                parts.append(f"  and task {shown(other.get_name(), SHOWN_MAX)}, which it keeps:")
+                parts += their
+            return parts
         break
     return [*parts, chain]
+
+
+def _kept_tasks(chain: _Frames, seen: set[int]) -> list[Any]:
+    """The asyncio tasks not done that the frames of ``chain`` keep in
+    locals (alone, in a list, tuple or set, or in a task group), innermost
+    frame first, none already shown (``seen``), at most _KEPT_SHOWN; not
+    those shmwheel's own frames keep (the ASGI middleware's receive)."""
+    kept: list[Any] = []
+    for frame, _ in reversed(chain):
+        if frame.f_code.co_filename.startswith(_OWN_DIR):
+            continue
+        for value in frame.f_locals.values():
+            kind = type(value)
+            if kind in (list, tuple, set, frozenset):
+                items: Iterable[Any] = itertools.islice(value, _KEPT_MAX)
+            elif kind is getattr(asyncio, "TaskGroup", None):
+                items = itertools.islice(value._tasks, _KEPT_MAX)
+            else:
+                items = (value,)
+            for item in items:
+                if (
+                    isinstance(item, asyncio.Task)
+                    and not item.done()
+                    and id(item) not in seen
+                    and all(item is not k for k in kept)
+                ):
+                    kept.append(item)
+                    if len(kept) == _KEPT_SHOWN:
+                        return kept
+    return kept
 
 
 def waits_for_thread(task: Any) -> bool:
@@ -685,7 +744,7 @@ def waits_for_thread(task: Any) -> bool:
     own = next((part for part in parts if not isinstance(part, str)), [])
     if len(parts) > 1 and isinstance(parts[1], str) and parts[1].startswith("  awaiting task "):
         return False  # it waits for a task: that task's thread, if any, is that task's
-    return any(frame.f_code.co_name in _TO_THREAD_FUNCTIONS for frame, _ in own)
+    return any(_hands_to_thread(frame) for frame, _ in own)
 
 
 def holds(task: Any, other: Any) -> bool:
@@ -852,8 +911,10 @@ def own_frames(active: Active, frames: dict[int, FrameType]) -> tuple[Frame, ...
         if running:
             chain = _chain(frames.get(thread))
         else:
-            chain = [f for part in _await_parts(coro, task) if not isinstance(part, str) for f in part]
-            if any(frame.f_code.co_name in _TO_THREAD_FUNCTIONS for frame, _ in chain):
+            # One chain: the task's, and on into the one task it keeps that
+            # goes deepest (Django's view's), as a call stack of the request.
+            chain = [f for part in _await_parts(coro, task, kept=1) if not isinstance(part, str) for f in part]
+            if any(_hands_to_thread(frame) for frame, _ in chain):
                 busy = [t for t, top in frames.items() if t not in (thread, _reporter_ident) and not _idle(top)]
                 pool = [t for t in busy if _in_pool(frames[t])]
                 if len(pool) == 1:  # the thread it waits for; with more, nothing says which
