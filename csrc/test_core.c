@@ -368,6 +368,118 @@ static void trylock_run(void)
     free(base);
 }
 
+/* Part six: one shard's lock held (by a thread, as by a process stopped in
+ * it; the lock timeout cut to 100 ms) while a call goes through them all.
+ * A batch that cannot reach a shard fails and is tried again whole; an
+ * attach takes an id in a shard it can lock; the dispatcher, stopping,
+ * waits for the shard rather than leave its fires unsent. */
+static volatile int clock_stop;
+
+static void *clock_thread(void *arg)
+{
+    (void)shmw_driver_clock(arg, &clock_stop, 64);
+    return NULL;
+}
+
+static void hold_shard(struct holder *h, pthread_t *t, shard_t *s)
+{
+    h->m = &s->hdr->mutex;
+    h->holding = 0;
+    pthread_mutex_init(&h->gate, NULL);
+    pthread_mutex_lock(&h->gate);
+    if (pthread_create(t, NULL, hold, h))
+        abort();
+    while (!__atomic_load_n(&h->holding, __ATOMIC_SEQ_CST))
+        usleep(100);
+}
+
+static void let_go(struct holder *h, pthread_t t)
+{
+    pthread_mutex_unlock(&h->gate);
+    pthread_join(t, NULL);
+    pthread_mutex_destroy(&h->gate);
+}
+
+/* One timer in each shard, due at once, as producers of each (ids go
+ * round the shards in blocks of 8). */
+static void one_in_each(shmw_t *w, double delay, int64_t *hs)
+{
+    int start = 100;
+
+    for (uint32_t k = 0; k < 2; k++) {
+        while (shmw_producer_attach(w, getpid(), start, 0) / 8 % 2 != (int)k)
+            start++;
+        hs[k] = shmw_add(w, delay, "t", 1, 0);
+        if (hs[k] < 0 || shard_of(w, hs[k]) != &w->shard[k])
+            abort();
+    }
+}
+
+static void held_shard_run(void)
+{
+    struct shmw_params p = { 64, 8, 4, 1000000, 0, 2 };
+    uint64_t size;
+    shmw_t *w;
+    char *base = make(&p, &size, &w, shmw_now_ns());
+    char buf[8 * 64];
+    struct holder h;
+    pthread_t t, ct;
+    int64_t hs[2];
+    volatile int stop = 1, go = 0;
+    int rc, n;
+
+    shmw_set_lock_timeout(w, 100000000LL);
+    one_in_each(w, 60.0, hs);
+    hold_shard(&h, &t, &w->shard[1]);
+    rc = shmw_cancel_many(w, hs, 2);
+    n = shmw_producer_attach(w, getpid(), 99, 0);
+    let_go(&h, t);
+    EXPECT(rc == SHMW_ELOCK, "cancel_many with shard 1's lock held returned %d, not SHMW_ELOCK", rc);
+    EXPECT(n >= 0 && n / 8 % 2 == 0, "attach with shard 1's lock held: %d, not an id of shard 0", n);
+    EXPECT(shmw_cancel_many(w, hs, 2) == 1, "cancel_many again did not cancel shard 1's timer");
+    EXPECT(shmw_pending(w) == 0, "%d pending after both were cancelled", shmw_pending(w));
+
+    /* Fired, taken (sent), then acknowledged with shard 1's lock held. */
+    EXPECT(shmw_driver_register(w, getpid(), 1, 0, 0) == 0, "register failed");
+    one_in_each(w, 0.0, hs);
+    if (pthread_create(&ct, NULL, clock_thread, w))
+        abort();
+    while (w->shard[0].hdr->inflight + w->shard[1].hdr->inflight < 2)
+        usleep(1000);
+    EXPECT(shmw_driver_take(w, &go, buf, 8) == 2, "the two fires were not taken");
+    hold_shard(&h, &t, &w->shard[1]);
+    rc = shmw_ack_many(w, hs, 2, 0, 0);
+    let_go(&h, t);
+    EXPECT(rc == SHMW_ELOCK, "ack_many with shard 1's lock held returned %d, not SHMW_ELOCK", rc);
+    EXPECT(shmw_ack_many(w, hs, 2, 0, 0) == 1, "ack_many again did not acknowledge shard 1's fire");
+
+    /* Fired, not taken: the dispatcher stops with shard 1's lock held. */
+    one_in_each(w, 0.0, hs);
+    while (w->shard[0].hdr->inflight + w->shard[1].hdr->inflight < 2)
+        usleep(1000);
+    hold_shard(&h, &t, &w->shard[1]);
+    {
+        int got[3], taken = 0, timed_out = 0;
+        for (int k = 0; k < 3; k++) {      /* shard 0's fire, and a timeout on shard 1, in either order; never 0 */
+            got[k] = shmw_driver_take(w, &stop, buf, 8);
+            taken += got[k] > 0 ? got[k] : 0;
+            timed_out += got[k] == SHMW_ELOCK;
+        }
+        let_go(&h, t);
+        EXPECT(taken == 1 && timed_out == 2, "stopping with shard 1's lock held and its fire unsent, take gave %d, %d,"
+               " %d: not shard 0's fire and timeouts", got[0], got[1], got[2]);
+    }
+    EXPECT(shmw_driver_take(w, &stop, buf, 8) == 1, "stopping, take did not hand out shard 1's fire once free");
+    EXPECT(shmw_driver_take(w, &stop, buf, 8) == 0, "stopping, take did not say it was done");
+    EXPECT(shmw_ack_many(w, hs, 2, 0, 0) == 2, "the two fires were not acknowledged");
+    clock_stop = 1;
+    shmw_wake(w);
+    pthread_join(ct, NULL);
+    EXPECT(shmw_driver_register(w, 0, 0, getpid(), 1) == 0, "release failed");
+    shmw_close(w);
+    free(base);
+}
+
 /* Part five: the shard of a slab index by multiply and shift, against
  * the division, at the edges and at random, for divisors from 1 to 2^31. */
 static void divide_run(void)
@@ -400,6 +512,7 @@ int main(void)
     scribble_run(3);
     trylock_run();
     sift_run();
+    held_shard_run();
     if (failures) {
         fprintf(stderr, "test_core: %d failures\n", failures);
         return 1;

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest import entry, fresh_name, handle_of, header, mutex_span
+from conftest import entry, fresh_name, handle_of, header, mutex_span, wait_for
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -69,8 +69,10 @@ def make_case(due: int = 3, later: int = 12) -> Case:
     return Case(w, timers)
 
 
-def sweep(op: Callable[[Case], None], verify: Callable[[Case, bool], None], setup=make_case) -> int:
-    """Run op in a child crashing at store 1, 2, ...; verify after each; return the stores covered."""
+def sweep(op: Callable[[Case], None], verify: Callable[[Case, bool], None], setup=make_case, locks: int = 1) -> int:
+    """Run op in a child crashing at store 1, 2, ...; verify after each; return the stores covered.
+    ``locks``: how many locks op may hold at once, and so leave to be
+    recovered (a driver's registration holds shard 0's with each other's)."""
     for n in range(1, 2000):
         try:
             case = setup()
@@ -89,7 +91,7 @@ def sweep(op: Callable[[Case], None], verify: Callable[[Case, bool], None], setu
             crashed = code == lib.SHMW_CRASH_EXIT
             case.wheel.check()  # the first lock after a crash repairs
             st = case.wheel.stats()
-            assert st.recoveries == int(crashed)
+            assert st.recoveries == int(crashed) or crashed and 1 <= st.recoveries <= min(locks, st.shards)
             assert st.pending + st.free + st.in_flight + st.retired == st.capacity, "a slot leaked"
             verify(case, crashed)
         finally:
@@ -210,7 +212,7 @@ def test_driver_fire_killed_at_every_store() -> None:
         for h, timer in case.timers.items():
             assert same(got[h], timer)
 
-    assert sweep(op, verify, lambda: make_case(due=6)) > 10
+    assert sweep(op, verify, lambda: make_case(due=6), locks=2) > 10
 
 
 def in_flight(w: shmwheel.Wheel) -> list[int]:
@@ -372,3 +374,108 @@ def test_a_process_killed_holding_one_shards_lock_leaves_the_others_alone(shards
         w.close()
         shmwheel.unlink(w.name)
         _made.remove(w)
+
+
+def _poll_returns(w: shmwheel.Wheel, now: float) -> list[shmwheel.Fire]:
+    """w.poll(now), which must come back (a livelock fails the test, not the run)."""
+    result: list[Any] = []
+    t = threading.Thread(target=lambda: result.append(w.poll(now)), daemon=True)
+    t.start()
+    t.join(30)
+    assert result, "poll() never came back"
+    return result[0]
+
+
+@pytest.mark.parametrize("shards", [2], ids=["two shards"])  # in place of the module's fixture
+@pytest.mark.parametrize("cut", ["registering", "releasing"])
+def test_a_driver_killed_registering_or_releasing_leaves_the_wheel_to_the_next_caller(cut: str, shards: int) -> None:
+    """A driver killed at each store of its registration, or of its
+    release, across two shards (shard 0 is written first when it checks and
+    last when it writes): the next caller, a poll, comes back, hands out
+    every timer once and leaves no shard registered.  (Before, a release
+    cut after shard 0 left shard 1 naming the dead driver and poll() spun
+    for ever.)"""
+    _shards[0] = shards
+    try:
+        for n in range(1, 200):
+            case = make_case(due=2, later=3)
+            w = case.wheel
+            pid = os.fork()
+            if pid == 0:  # the driver: never returns
+                code = 0
+                try:
+                    me, me_start = os.getpid(), start_time(os.getpid())
+                    if cut == "releasing":
+                        assert lib.shmw_driver_register(w.core, me, me_start, 0, 0) == 0
+                    lib.shmw_test_crash_after(n)
+                    if cut == "releasing":
+                        lib.shmw_driver_register(w.core, 0, 0, me, me_start)
+                    else:
+                        lib.shmw_driver_register(w.core, me, me_start, 0, 0)
+                except BaseException:
+                    code = 3
+                finally:
+                    os._exit(code)
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            assert code in (0, lib.SHMW_CRASH_EXIT), f"the driver failed with {code} at store {n}"
+            got = _poll_returns(w, w.stats().clock + FAR)
+            assert sorted(f.handle for f in got) == sorted(case.timers), f"at store {n}"
+            assert [header(w, k).driver_pid for k in range(shards)] == [0] * shards
+            w.check()
+            w.close()
+            shmwheel.unlink(w.name)
+            _made.remove(w)
+            if code == 0:
+                break
+        assert n > 5, "the crash points were not reached"
+    finally:
+        _shards[0] = 1
+
+
+def _as_producer_of(w: shmwheel.Wheel, shard: int, shards: int) -> None:
+    """This process's next adds to ``shard``: ids go round the shards in blocks of 8."""
+    start = 5_000_000
+    while lib.shmw_producer_attach(w.core, os.getpid(), start, 0) // 8 % shards != shard:
+        start += 1
+
+
+@pytest.mark.parametrize("shards", [2], ids=["two shards"])  # in place of the module's fixture
+def test_after_a_dead_holders_repair_an_earlier_timer_still_wakes_the_clock(shards: int) -> None:
+    """A process dies holding shard 0's lock while the clock sleeps for an
+    hour; the next add there, due in 5 ms, repairs the shard and must wake
+    the clock at once.  The clock's sleep cap is stretched to 60 s here, so
+    that nothing else wakes it.  (Before, the repair left the shard's
+    sleep_until at 0, which no add is earlier than, and the timer waited for
+    the cap.)"""
+    w = shmwheel.create(fresh_name(), capacity=64, payload_size=8, wheel_size=16, shards=shards)
+    cap = lib.shmw_test_clock_cap(60 * 10**9)
+    me, me_start = os.getpid(), start_time(os.getpid())
+    stop = ffi.new("int *")
+    clock = threading.Thread(target=lambda: lib.shmw_driver_clock(w.core, stop, 4))
+    try:
+        assert lib.shmw_driver_register(w.core, me, me_start, 0, 0) == 0
+        _as_producer_of(w, 0, shards)
+        w.add(3600, b"an hour")
+        clock.start()
+        wait_for(lambda: header(w, 0).sleep_until not in (0, 2**64 - 1))  # asleep on the hour
+        pid = os.fork()
+        if pid == 0:  # never returns
+            try:
+                _as_producer_of(w, 0, shards)  # a forked child adds to its pid's shard until it attaches
+                lib.shmw_test_crash_after(3)  # half-way through an add to shard 0, its lock held
+                w.add(60, b"held")
+            finally:
+                os._exit(0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == lib.SHMW_CRASH_EXIT
+        w.add(0.005, b"soon")
+        wait_for(lambda: w.stats().in_flight == 1, timeout=30)  # well within the 60 s cap
+        assert header(w, 0).recoveries == 1
+    finally:
+        stop[0] = 1
+        lib.shmw_wake(w.core)
+        if clock.is_alive() or clock.ident is not None:
+            clock.join()
+        lib.shmw_test_clock_cap(cap)
+        lib.shmw_driver_register(w.core, 0, 0, me, me_start)
+        w.close()
+        shmwheel.unlink(w.name)

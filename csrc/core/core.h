@@ -314,6 +314,10 @@ struct shard {
     int64_t              clock_backoff_ns;
     int64_t              take_retry_ns;   /* the same, the dispatcher's */
     int64_t              take_backoff_ns;
+    int64_t              busy_since_ns;   /* the clock's: when its lock was first found busy, 0 since taken */
+    int64_t              take_busy_since_ns; /* the same, the dispatcher's */
+    int64_t              timed_out_ns;    /* when a lock of this process last timed out on this shard */
+    uint32_t             wake_after_unlock; /* a repair under the lock moved the heap: FUTEX_WAKE the clock */
 };
 
 /* A process's view of an open segment: the shmw_t of the public calls. */
@@ -521,7 +525,9 @@ void shmw__set_elapsed(shard_t *w, uint64_t t, int64_t now_ns);
 int  shmw__advance(shard_t *w, uint64_t now_tick, int64_t now_ns, uint32_t max, char *records,
                    uint32_t *fired, int *more);
 
-/* driver.c: the in-flight FIFO. */
+/* driver.c: the in-flight FIFO; and (no lock held on entry) a shard's
+ * registration left by one cut short, cleared if shard 0 names no driver. */
+int  shmw__clear_leftover(shmw_t *w, shard_t *s);
 int  shmw__inflight_can_take(const shard_t *w);
 void shmw__inflight_append(shard_t *w, uint32_t i);
 int  shmw__inflight_audit(const shard_t *w, char *reason, uint32_t reason_len);

@@ -172,26 +172,24 @@ void shmw_wake(shmw_t *w)
     shmw__futex_wake_all(&w->top->outbox_word);
 }
 
-/* One shard's registration, under its lock: only if it is the one the
- * caller expects, unless `force`. */
-static int register_shard(shard_t *w, int32_t pid, int64_t start, int32_t expect_pid, int64_t expect_start,
-                          int force)
+/* Whether shard w's registration is the one the caller expects. */
+static int registered_as(const shard_t *w, int32_t expect_pid, int64_t expect_start)
 {
-    struct shmw_header *h;
-    uint32_t i;
-    int rc;
+    const struct shmw_header *h = w->hdr;
 
-    if ((rc = shmw__lock(w)))
-        return rc;
-    h = w->hdr;
-    if (!force && (h->driver_pid != expect_pid || (expect_pid != 0 && h->driver_start != expect_start))) {
-        shmw__unlock(w);
-        return SHMW_ENOTDRIVER;
-    }
-    if (shmw__inflight_audit(w, NULL, 0)) {
-        shmw__unlock(w);
+    return h->driver_pid == expect_pid && (expect_pid == 0 || h->driver_start == expect_start);
+}
+
+/* One shard's registration written, its lock held: what it had in flight
+ * handed out again, marked redelivered.  Its in-flight list audited first,
+ * so that a failure changes nothing. */
+static int register_locked(shard_t *w, int32_t pid, int64_t start)
+{
+    struct shmw_header *h = w->hdr;
+    uint32_t i;
+
+    if (shmw__inflight_audit(w, NULL, 0))
         return SHMW_ECORRUPT;
-    }
     /* Whatever is in flight now was fired by a driver that is gone: send
      * all of it again, marked.  The audit has bounded the walk. */
     for (i = h->inflight_head; i != SHMW_NIL; i = entry_at(w, i)->next) {
@@ -205,16 +203,20 @@ static int register_shard(shard_t *w, int32_t pid, int64_t start, int32_t expect
     STORE(h->driver_start, pid ? start : 0);
     STORE(h->driver_state, pid ? SHMW_DRIVER_RUNNING : SHMW_DRIVER_NONE);
     STORE(h->sleep_until, 0);
-    shmw__unlock(w);
     return SHMW_OK;
 }
 
 int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_pid, int64_t expect_start)
 {
-    /* Shard 0 decides: the caller whose expectation it meets registers
-     * there, and then in every other shard whatever they hold (one that
-     * died half-way through the shards left them mixed), in order, so
-     * that two callers never both go past shard 0. */
+    /* Shard 0 decides, and its lock is held throughout: the one caller
+     * whose expectation it meets writes every other shard's registration
+     * (whatever they hold: a driver that died half-way through them left
+     * them mixed), each under its own lock in turn, and shard 0's last.
+     * So a registration or a release cut short (killed, or a shard that
+     * fails its audit) leaves shard 0 as it was, naming the driver the
+     * next caller expects; and no two callers interleave.  The one call
+     * that holds two locks at once, always shard 0's first. */
+    shard_t *zero;
     uint32_t k;
     int rc;
 
@@ -222,12 +224,45 @@ int shmw_driver_register(shmw_t *w, int32_t pid, int64_t start, int32_t expect_p
         return SHMW_ECLOSED;
     if (pid < 0)
         return SHMW_EINVAL;
-    if ((rc = register_shard(&w->shard[0], pid, start, expect_pid, expect_start, 0)))
+    zero = &w->shard[0];
+    if ((rc = shmw__lock(zero)))
         return rc;
-    for (k = 1; k < w->shards; k++)
-        if ((rc = register_shard(&w->shard[k], pid, start, expect_pid, expect_start, 1)))
-            return rc;
-    return SHMW_OK;
+    if (!registered_as(zero, expect_pid, expect_start)) {
+        shmw__unlock(zero);
+        return SHMW_ENOTDRIVER;
+    }
+    rc = shmw__inflight_audit(zero, NULL, 0) ? SHMW_ECORRUPT : SHMW_OK;
+    for (k = 1; k < w->shards && rc == SHMW_OK; k++) {
+        shard_t *s = &w->shard[k];
+        if ((rc = shmw__lock(s)))
+            break;
+        rc = register_locked(s, pid, start);
+        shmw__unlock(s);
+    }
+    if (rc == SHMW_OK)
+        rc = register_locked(zero, pid, start);
+    shmw__unlock(zero);
+    return rc;
+}
+
+int shmw__clear_leftover(shmw_t *w, shard_t *s)
+{
+    /* Shard s names a driver: if shard 0 names none, that is a leftover of
+     * a registration cut short, and s's is released.  Shard 0's lock is
+     * taken first, as shmw_driver_register takes it, so that a
+     * registration in progress is waited for, never taken for one. */
+    shard_t *zero = &w->shard[0];
+    int rc;
+
+    if ((rc = shmw__lock(zero)))
+        return rc;
+    if ((rc = shmw__lock(s)) == SHMW_OK) {
+        if (zero->hdr->driver_pid == 0 && s->hdr->driver_pid != 0)
+            rc = register_locked(s, 0, 0);
+        shmw__unlock(s);
+    }
+    shmw__unlock(zero);
+    return rc;
 }
 
 int shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state)
@@ -258,15 +293,27 @@ int shmw_driver_set_state(shmw_t *w, int32_t pid, uint32_t state)
  * waiter's spin: held by a process stopped or descheduled in it.  It is
  * looked at again SHMW_BUSY_RETRY_NS later, then twice as late each time
  * it is still busy, up to SHMW_MAX_SLEEP_NS, while the other shards are
- * served; *until_ns is lowered to the next look. */
-static void busy_later(int64_t now_ns, int64_t *retry_ns, int64_t *backoff_ns, int64_t *until_ns)
+ * served; *until_ns is lowered to the next look.  Once it has been busy
+ * for the lock timeout, SHMW_ELOCK, as a wait for it would have ended
+ * (the driver says so in its log and goes on), and the count starts
+ * again. */
+static int busy_later(shard_t *s, int64_t now_ns, int64_t *retry_ns, int64_t *backoff_ns, int64_t *since_ns,
+                      int64_t *until_ns)
 {
+    if (!*since_ns) {
+        *since_ns = now_ns;
+    } else if (now_ns - *since_ns >= s->lock_timeout_ns) {
+        *since_ns = *backoff_ns = *retry_ns = 0;
+        s->timed_out_ns = now_ns;
+        return SHMW_ELOCK;
+    }
     *backoff_ns = *backoff_ns ? *backoff_ns * 2 : SHMW_BUSY_RETRY_NS;
     if (*backoff_ns > SHMW_MAX_SLEEP_NS)
         *backoff_ns = SHMW_MAX_SLEEP_NS;
     *retry_ns = now_ns + *backoff_ns;
     if (*retry_ns < *until_ns)
         *until_ns = *retry_ns;
+    return SHMW_OK;
 }
 
 /* One shard's turn of the clock, under its lock: fires what is due, at
@@ -350,23 +397,25 @@ int shmw_driver_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
         for (k = 0; k < w->shards; k++) {
             shard_t *s = &w->shard[k];
             uint64_t asleep = __atomic_load_n(&s->hdr->sleep_until, __ATOMIC_SEQ_CST);
-            if (s->due > now_tick && asleep == s->due && s->due != 0) {
+            int woken = asleep != s->due;       /* a producer's add: its lock was free a moment ago */
+            if (s->due > now_tick && !woken && s->due != 0) {
                 if (s->due != UINT64_MAX && ticks_to_ns(s, s->due) < until_ns)
                     until_ns = ticks_to_ns(s, s->due);
                 continue;       /* nothing due, and no producer woke the clock for it */
             }
-            if (now_ns < s->clock_retry_ns) {
+            if (!woken && now_ns < s->clock_retry_ns) {
                 if (s->clock_retry_ns < until_ns)
                     until_ns = s->clock_retry_ns;
                 continue;       /* its lock was busy a moment ago */
             }
             rc = clock_shard(s, now_ns, batch, &until_ns, &more, &fired);
             if (rc == SHMW_EBUSY) {
-                busy_later(now_ns, &s->clock_retry_ns, &s->clock_backoff_ns, &until_ns);
-                rc = SHMW_OK;
+                if ((rc = busy_later(s, now_ns, &s->clock_retry_ns, &s->clock_backoff_ns, &s->busy_since_ns,
+                                     &until_ns)))
+                    break;
                 continue;
             }
-            s->clock_backoff_ns = 0;
+            s->clock_backoff_ns = s->busy_since_ns = 0;
             if (rc)
                 break;
         }
@@ -384,7 +433,7 @@ int shmw_driver_clock(shmw_t *w, const volatile int *stop, uint32_t batch)
 
 /* Up to `cap` unsent fires of one shard into buf, marked sent, under its
  * lock; how many into *n. */
-static int take_shard(shard_t *w, char *buf, uint32_t cap, uint32_t *n)
+static int take_shard(shard_t *w, char *buf, uint32_t cap, uint32_t *n, int wait)
 {
     struct shmw_header *h = w->hdr;
     uint32_t stride = record_stride(w), i;
@@ -394,7 +443,7 @@ static int take_shard(shard_t *w, char *buf, uint32_t cap, uint32_t *n)
     if (__atomic_load_n(&h->inflight_unsent, __ATOMIC_RELAXED) == SHMW_NIL
         && __atomic_load_n(&h->driver_pid, __ATOMIC_RELAXED) == shmw__pid)
         return SHMW_OK;         /* nothing to take: no lock (a stale look is caught by the word) */
-    if ((rc = shmw__lock_mode(w, SHMW_LOCK_SPIN)))
+    if ((rc = shmw__lock_mode(w, wait)))
         return rc;
     if (h->driver_pid != shmw__pid) {
         shmw__unlock(w);
@@ -452,20 +501,24 @@ int shmw_driver_take(shmw_t *w, const volatile int *stop, char *buf, uint32_t ca
         for (t = 0; t < w->shards && n < cap; t++) {
             shard_t *s = &w->shard[(first + t) % w->shards];
             uint32_t got = 0;
-            if (now_ns < s->take_retry_ns) {
+            /* Stopping, every shard is waited for: what it has unsent is
+             * handed out before the driver stops, or the wait times out. */
+            if (!stopping && now_ns < s->take_retry_ns) {
                 if (until_ns < 0 || s->take_retry_ns < until_ns)
                     until_ns = s->take_retry_ns;
                 continue;       /* its lock was busy a moment ago */
             }
-            rc = take_shard(s, buf + (uint64_t)n * stride, cap - n, &got);
+            rc = take_shard(s, buf + (uint64_t)n * stride, cap - n, &got, stopping ? SHMW_LOCK_WAIT : SHMW_LOCK_SPIN);
             n += got;
             if (rc == SHMW_EBUSY) {
                 if (until_ns < 0)
                     until_ns = INT64_MAX;
-                busy_later(now_ns, &s->take_retry_ns, &s->take_backoff_ns, &until_ns);
+                if ((rc = busy_later(s, now_ns, &s->take_retry_ns, &s->take_backoff_ns, &s->take_busy_since_ns,
+                                     &until_ns)))
+                    return n ? (int)n : rc;
                 continue;
             }
-            s->take_backoff_ns = 0;
+            s->take_backoff_ns = s->take_busy_since_ns = 0;
             if (rc)
                 return n ? (int)n : rc;
         }
@@ -574,7 +627,7 @@ static int for_in_flight(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t
             if (shard_of(w, handles[j]) != s)
                 continue;
             if (!locked && (rc = shmw__lock(s)))
-                return done ? done : rc;
+                return rc;      /* the caller tries again: what is acknowledged stays so */
             locked = 1;
             i = shmw__lookup(s, handles[j], SHMW_INFLIGHT);
             if (i == SHMW_NIL)

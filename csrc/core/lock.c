@@ -92,6 +92,8 @@ int shmw__lock_raw(shard_t *w, int wait)
         pthread_mutex_consistent(m);
         rc = 0;
     }
+    if (rc)
+        w->timed_out_ns = shmw_now_ns();   /* for shmw_lock_holder */
     return rc ? SHMW_ELOCK : SHMW_OK;
 }
 
@@ -111,6 +113,10 @@ int shmw__lock_mode(shard_t *w, int wait)
 void shmw__unlock(shard_t *w)
 {
     pthread_mutex_unlock(&w->hdr->mutex);
+    if (__builtin_expect(w->wake_after_unlock, 0)) {
+        w->wake_after_unlock = 0;
+        shmw__futex_wake_all(w->wake_word);
+    }
 }
 
 int shmw_set_lock_timeout(shmw_t *w, int64_t timeout_ns)
@@ -129,16 +135,23 @@ int shmw_set_lock_timeout(shmw_t *w, int64_t timeout_ns)
 int32_t shmw_lock_holder(shmw_t *w)
 {
     /* The thread ID glibc keeps in a robust mutex's lock word, as the
-     * holder's own PID namespace numbers it, of the first shard whose lock
-     * is held; read without the locks, so it may be stale by the time the
-     * caller looks the thread up. */
+     * holder's own PID namespace numbers it: of the shard whose lock timed
+     * out last in this process, or else of the first whose lock is held;
+     * read without the locks, so it may be stale by the time the caller
+     * looks the thread up. */
     uint32_t k;
 
     if (!w)
         return 0;
 #ifdef __GLIBC__
-    for (k = 0; k < w->shards; k++) {
-        int32_t tid = (int32_t)(__atomic_load_n(&w->shard[k].hdr->mutex.__data.__lock, __ATOMIC_RELAXED)
+    uint32_t last = 0;
+
+    for (k = 1; k < w->shards; k++)     /* the shard whose lock timed out last in this process */
+        if (w->shard[k].timed_out_ns > w->shard[last].timed_out_ns)
+            last = k;
+    for (k = 0; k < w->shards; k++) {   /* that one, else the first held */
+        uint32_t j = k == 0 ? last : (k == last ? 0 : k);
+        int32_t tid = (int32_t)(__atomic_load_n(&w->shard[j].hdr->mutex.__data.__lock, __ATOMIC_RELAXED)
                                 & FUTEX_TID_MASK);
         if (tid)
             return tid;

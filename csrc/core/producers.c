@@ -54,9 +54,15 @@ int shmw_producer_attach(shmw_t *w, int32_t pid, int64_t start, uint32_t pidns)
     rows = w->top->producers;
     rc = find_own(w, pid, start, pidns, &id);
     first = __atomic_fetch_add(&w->top->next_shard, 1, __ATOMIC_RELAXED);
-    for (t = 0; rc == 0 && t < w->shards; t++) {
+    /* A shard whose lock stays busy (its holder stopped) is passed over
+     * the first time round, and waited for only on the second. */
+    for (t = 0; rc == 0 && t < 2 * w->shards; t++) {
         k = (first + t) % w->shards;
-        if ((rc = shmw__lock(&w->shard[k])))
+        if ((rc = shmw__lock_mode(&w->shard[k], t < w->shards ? SHMW_LOCK_SPIN : SHMW_LOCK_WAIT)) == SHMW_EBUSY) {
+            rc = 0;
+            continue;
+        }
+        if (rc)
             return rc;
         for (g = k * SHMW_LANES; g < SHMW_MAX_PRODUCERS && rows[g].pid != 0; g = next_id(w, g))
             ;

@@ -19,6 +19,7 @@
  * too leaves the next locker the same job.
  */
 #include "core.h"
+#include "heap-inl.h"
 
 #include <stdio.h>
 
@@ -45,7 +46,7 @@ int shmw__repair_locked(shard_t *w, int64_t clock_limit_ns, char *reason, uint32
      * yet. */
     struct shmw_header *h = w->hdr;
     uint32_t i, b, inflight = 0;
-    uint64_t expires;
+    uint64_t expires, top;
     int rc, said = reason && reason_len && reason[0];
 
     /* (A wheel starts at its creation time rounded up to a tick: a clock
@@ -154,9 +155,16 @@ int shmw__repair_locked(shard_t *w, int64_t clock_limit_ns, char *reason, uint32
     } else if (h->driver_state == SHMW_DRIVER_NONE || h->driver_state > SHMW_DRIVER_STOPPING) {
         STORE(h->driver_state, SHMW_DRIVER_RUNNING);
     }
-    /* The clock looks at this shard again at its next turn: the heap it
-     * slept on is rebuilt. */
-    STORE(h->sleep_until, 0);
+    /* The heap the clock slept on is rebuilt: it sleeps until the new top
+     * as far as producers know (they wake it for anything earlier), and
+     * is woken to look at this shard again, once the lock is let go
+     * (shmw__unlock: no system call under the lock). */
+    if (h->driver_pid == 0)
+        STORE(h->sleep_until, 0);
+    else
+        STORE(h->sleep_until, heap_top(w, &top) ? top : UINT64_MAX);
+    __atomic_add_fetch(w->wake_word, 1, __ATOMIC_SEQ_CST);
+    w->wake_after_unlock = 1;
     STORE(h->flags, h->flags & ~SHMW_F_DAMAGED);
     STORE(h->recoveries, h->recoveries + 1);
     return SHMW_OK;

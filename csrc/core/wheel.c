@@ -418,7 +418,7 @@ int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
             if (shard_of(w, handles[j]) != s)
                 continue;
             if (!locked && (rc = shmw__lock(s)))
-                return done ? done : rc;
+                return rc;      /* the caller tries again: what is cancelled stays so, and counts 0 then */
             locked = 1;
             rc = cancel_locked(s, handles[j]);
             if (rc > 0)
@@ -637,6 +637,14 @@ int shmw_poll(shmw_t *w, double now_s, int use_clock, uint32_t max, char *record
 
         if ((rc = shmw__lock(s)))
             break;
+        if (s->hdr->driver_pid != 0 && s->shard != 0) {
+            /* Shard 0's registration decides: this one may be what a
+             * registration cut short left (shmw_driver_register writes
+             * shard 0 last), which is cleared here. */
+            shmw__unlock(s);
+            if ((rc = shmw__clear_leftover(w, s)) || (rc = shmw__lock(s)))
+                break;
+        }
         if (s->hdr->driver_pid != 0)
             rc = SHMW_EDRIVER;
         else if ((rc = shmw__inflight_drain(s, max - n, records + (uint64_t)n * stride, &drained)) == SHMW_OK)
