@@ -253,6 +253,16 @@ def entry(w: shmwheel.Wheel, index: int):  # type: ignore[no-untyped-def]
     )
 
 
+def adds_to(w: shmwheel.Wheel, shard: int) -> None:
+    """Make this process's next adds through ``w`` go to ``shard``: it
+    attaches again as a producer of another start time, until the id it
+    gets is of that shard (ids go round the shards in blocks of 8).  Also
+    in a forked child, which adds to its pid's shard until it attaches."""
+    shards, start = top(w).shards, 5_000_000
+    while lib.shmw_producer_attach(w.core, os.getpid(), start, 0) // 8 % shards != shard:
+        start += 1
+
+
 def handle_of(w: shmwheel.Wheel, index: int, generation: int) -> int:
     """The handle of slab slot ``index`` at ``generation``, as the C core makes it."""
     index_bits = lib.shmw_index_bits(w.capacity)

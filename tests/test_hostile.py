@@ -18,7 +18,7 @@ import threading
 import time
 
 import pytest
-from conftest import entry, header, layout, mutex_span, put_in_flight, top, top_size, wait_for
+from conftest import adds_to, entry, header, layout, mutex_span, put_in_flight, top, top_size, wait_for
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -486,26 +486,21 @@ def test_a_holder_stopped_in_one_shards_lock_holds_up_that_shard_alone(make_whee
     out.touch()
     index_mask = (1 << lib.shmw_index_bits(w.capacity)) - 1
 
-    def as_producer_of(shard: int) -> None:  # this process's adds to that shard: ids go round them in blocks of 8
-        start = 3_000_000
-        while lib.shmw_producer_attach(w.core, os.getpid(), start, 0) // 8 % 2 != shard:
-            start += 1
-
     driver = shmwheel.start_driver(w.name, functools.partial(_record_fire, str(out)))
     try:
-        as_producer_of(0)
+        adds_to(w, 0)
         first = w.add(0.3, b"shard 0")
         assert (first & index_mask) < w.capacity // 2
         pid = os.fork()
         if pid == 0:  # the holder: stops itself half-way through an add to shard 0, lock held
-            as_producer_of(0)  # a forked child adds to its pid's shard until it attaches
+            adds_to(w, 0)  # a forked child adds to its pid's shard until it attaches
             lib.shmw_test_stop_after(3)
             code = 0 if w.add(60, b"held") >= 0 else 1
             os._exit(code)
         try:
             _, status = os.waitpid(pid, os.WUNTRACED)
             assert os.WIFSTOPPED(status)
-            as_producer_of(1)
+            adds_to(w, 1)
             second = w.add(0.5, b"shard 1")
             assert (second & index_mask) >= w.capacity // 2
             # Shard 0's timer comes due at 0.3 s, while its lock is held: the

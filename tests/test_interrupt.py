@@ -819,19 +819,23 @@ def test_uvicorn_a_response_that_had_begun_is_never_completed_after_its_interrup
     uvicorn.wait_for(r"GET /cut-stream \(request asgi-cut, .*\) ended [\d.]+ s after it was interrupted$")
 
 
-@pytest.fixture(scope="module")
-def hypercorn_trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """``-k trio`` with one worker process, the app wrapped in
-    TimeoutMiddleware(interrupt=True): trio runs every request, and no
-    asyncio loop runs at all."""
-    tmp_path, port = tmp_path_factory.mktemp("hypercorn-trio"), free_port()
-    cmd = [str(BIN / "hypercorn"), "-k", "trio", f"{APPS / 'asgi_stuck'}:interrupting", "--bind",
+def hypercorn(tmp_path_factory: pytest.TempPathFactory, worker: str) -> Iterator[Server]:
+    """Hypercorn ``-k worker`` with one worker process, the app wrapped in
+    TimeoutMiddleware(interrupt=True)."""
+    tmp_path, port = tmp_path_factory.mktemp(f"hypercorn-{worker}"), free_port()
+    cmd = [str(BIN / "hypercorn"), "-k", worker, f"{APPS / 'asgi_stuck'}:interrupting", "--bind",
            f"127.0.0.1:{port}", "--access-logfile", "-"]  # fmt: skip
     with serve_asgi(cmd, port, tmp_path) as server:
         driver = auto_driver_of(server)
         yield server
         assert server.stop(signal.SIGTERM) == 0
         assert_nothing_left_of_asgi(server, driver)
+
+
+@pytest.fixture(scope="module")
+def hypercorn_trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """trio runs every request, and no asyncio loop runs at all."""
+    yield from hypercorn(tmp_path_factory, "trio")
 
 
 def test_hypercorn_trio_awaiting_task_is_cancelled_and_answered_504(hypercorn_trio: Server) -> None:
@@ -896,16 +900,7 @@ def test_hypercorn_trio_sync_endpoint_in_a_worker_thread_is_ended_and_its_thread
 
 @pytest.fixture(scope="module")
 def hypercorn_asyncio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """``-k asyncio`` with one worker process, the app wrapped in
-    TimeoutMiddleware(interrupt=True)."""
-    tmp_path, port = tmp_path_factory.mktemp("hypercorn-asyncio"), free_port()
-    cmd = [str(BIN / "hypercorn"), "-k", "asyncio", f"{APPS / 'asgi_stuck'}:interrupting", "--bind",
-           f"127.0.0.1:{port}", "--access-logfile", "-"]  # fmt: skip
-    with serve_asgi(cmd, port, tmp_path) as server:
-        driver = auto_driver_of(server)
-        yield server
-        assert server.stop(signal.SIGTERM) == 0
-        assert_nothing_left_of_asgi(server, driver)
+    yield from hypercorn(tmp_path_factory, "asyncio")
 
 
 class Stream:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest import entry, fresh_name, handle_of, header, mutex_span, wait_for
+from conftest import adds_to, entry, fresh_name, handle_of, header, mutex_span, wait_for
 
 import shmwheel
 from shmwheel._binding import ffi, lib
@@ -343,11 +343,7 @@ def test_a_process_killed_holding_one_shards_lock_leaves_the_others_alone(shards
     try:
         index_mask = (1 << lib.shmw_index_bits(w.capacity)) - 1
         target = max(h for h in case.timers if (h & index_mask) < w.capacity // 2)  # in shard 0
-        # This process as a producer of shard 1: ids come in blocks of 8,
-        # handed round the shards.
-        start = 2_000_000
-        while lib.shmw_producer_attach(w.core, os.getpid(), start, 0) // 8 % 2 != 1:
-            start += 1
+        adds_to(w, 1)  # this process, as a producer of shard 1
         pid = os.fork()
         if pid == 0:  # never returns
             try:
@@ -432,13 +428,6 @@ def test_a_driver_killed_registering_or_releasing_leaves_the_wheel_to_the_next_c
         _shards[0] = 1
 
 
-def _as_producer_of(w: shmwheel.Wheel, shard: int, shards: int) -> None:
-    """This process's next adds to ``shard``: ids go round the shards in blocks of 8."""
-    start = 5_000_000
-    while lib.shmw_producer_attach(w.core, os.getpid(), start, 0) // 8 % shards != shard:
-        start += 1
-
-
 @pytest.mark.parametrize("shards", [2], ids=["two shards"])  # in place of the module's fixture
 def test_after_a_dead_holders_repair_an_earlier_timer_still_wakes_the_clock(shards: int) -> None:
     """A process dies holding shard 0's lock while the clock sleeps for an
@@ -454,14 +443,14 @@ def test_after_a_dead_holders_repair_an_earlier_timer_still_wakes_the_clock(shar
     clock = threading.Thread(target=lambda: lib.shmw_driver_clock(w.core, stop, 4))
     try:
         assert lib.shmw_driver_register(w.core, me, me_start, 0, 0) == 0
-        _as_producer_of(w, 0, shards)
+        adds_to(w, 0)
         w.add(3600, b"an hour")
         clock.start()
         wait_for(lambda: header(w, 0).sleep_until not in (0, 2**64 - 1))  # asleep on the hour
         pid = os.fork()
         if pid == 0:  # never returns
             try:
-                _as_producer_of(w, 0, shards)  # a forked child adds to its pid's shard until it attaches
+                adds_to(w, 0)  # a forked child adds to its pid's shard until it attaches
                 lib.shmw_test_crash_after(3)  # half-way through an add to shard 0, its lock held
                 w.add(60, b"held")
             finally:
