@@ -7,7 +7,9 @@
  * a driver that dies loses nothing - the next one sends all of it again,
  * marked redelivered.  The clock (driver_clock) and the dispatcher or
  * writer (driver_take, driver_writer) are two threads of the driver's
- * process that sleep on the header's futex words, not on the lock.
+ * process that sleep on the top's futex words, not on a lock.  Each shard
+ * has its FIFO and its registration; the clock and the dispatcher serve the
+ * shards in turn, and a shard whose lock stays busy holds up only itself.
  *
  * Invariants kept: the FIFO is doubly linked, exactly `inflight` long, and
  * holds exactly the entries in flight; the unsent cursor is NIL or on it,
