@@ -492,20 +492,12 @@ int  shmw__lock_raw(shard_t *w, int wait);
 int  shmw__lock_mode(shard_t *w, int wait);
 static inline int shmw__lock(shard_t *w) { return shmw__lock_mode(w, 1); }
 void shmw__unlock(shard_t *w);
-/* A public call's lock: SHMW_ECLOSED for a closed handle, else shmw__lock. */
-static inline int shmw__enter(shard_t *w) { return w ? shmw__lock(w) : SHMW_ECLOSED; }
-static inline int shmw__try_enter(shard_t *w) { return w ? shmw__lock_mode(w, 0) : SHMW_ECLOSED; }
-/* The lock of a call on many handles: SHMW_EHANDLE, before any lock, if
- * one is negative (no handle is). */
-static inline int shmw__enter_handles(shard_t *w, const int64_t *handles, uint32_t n)
-{
-    uint32_t k;
-
-    for (k = 0; k < n; k++)
-        if (handles[k] < 0)
-            return SHMW_EHANDLE;
-    return shmw__enter(w);
-}
+/* A call on many handles (wheel.c): op(shard, handle, arg) for each
+ * handle, shard by shard, each shard's lock taken once for the handles it
+ * holds; the sum of what op returned, or the first error, which ends the
+ * call (the caller tries again: what was done stays done).  SHMW_EHANDLE
+ * before any lock if a handle is negative (no handle is). */
+int  shmw__by_shard(shmw_t *w, const int64_t *handles, uint32_t n, int (*op)(shard_t *, int64_t, void *), void *arg);
 int  shmw__wake_for(shard_t *w, uint64_t expires);
 void shmw__futex_wake_all(uint32_t *word);                  /* no lock */
 void shmw__futex_wait_until(uint32_t *word, uint32_t seen, int64_t deadline_ns);   /* no lock */

@@ -600,47 +600,17 @@ int shmw_driver_writer(shmw_t *w, int fd, const volatile int *stop, char *buf, u
     return n;
 }
 
-/* Calls each(shard, entry) for the handles of shard k, under its lock once;
- * how many it was called for, or an error. */
-static int for_in_flight(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors, uint32_t refused,
-                         int (*each)(shard_t *, uint32_t))
+/* An acknowledgement's or a keep's part of shmw__by_shard: the entry a
+ * handle names, if it is in flight. */
+static int in_flight_op(shard_t *w, int64_t handle, void *arg)
 {
-    uint32_t k, j;
-    int rc = SHMW_OK, done = 0;
+    int (*each)(shard_t *, uint32_t) = *(int (**)(shard_t *, uint32_t))arg;
+    uint32_t i = shmw__lookup(w, handle, SHMW_INFLIGHT);
+    int rc;
 
-    if (!w)
-        return SHMW_ECLOSED;
-    for (j = 0; j < n; j++)
-        if (handles[j] < 0)
-            return SHMW_EHANDLE;
-    for (k = 0; k < w->shards && rc == SHMW_OK; k++) {
-        shard_t *s = &w->shard[k];
-        int locked = 0;
-
-        if (k == 0 && (errors || refused)) {
-            if ((rc = shmw__lock(s)))
-                return rc;
-            locked = 1;
-            STORE(s->hdr->handler_errors, s->hdr->handler_errors + errors);
-            STORE(s->hdr->refused, s->hdr->refused > UINT32_MAX - refused ? UINT32_MAX : s->hdr->refused + refused);
-        }
-        for (j = 0; j < n && rc == SHMW_OK; j++) {
-            uint32_t i;
-            if (shard_of(w, handles[j]) != s)
-                continue;
-            if (!locked && (rc = shmw__lock(s)))
-                return rc;      /* the caller tries again: what is acknowledged stays so */
-            locked = 1;
-            i = shmw__lookup(s, handles[j], SHMW_INFLIGHT);
-            if (i == SHMW_NIL)
-                continue;
-            if ((rc = each(s, i)) == SHMW_OK)
-                done++;
-        }
-        if (locked)
-            shmw__unlock(s);
-    }
-    return rc ? rc : done;
+    if (i == SHMW_NIL)
+        return 0;
+    return (rc = each(w, i)) ? rc : 1;
 }
 
 static int keep_entry(shard_t *w, uint32_t i)
@@ -651,12 +621,28 @@ static int keep_entry(shard_t *w, uint32_t i)
 
 int shmw_ack_many(shmw_t *w, const int64_t *handles, uint32_t n, uint32_t errors, uint32_t refused)
 {
-    return for_in_flight(w, handles, n, errors, refused, shmw__ack_entry);
+    /* The counts go to shard 0 once every handle is acknowledged, so that
+     * a call tried again after an error counts them once. */
+    int (*each)(shard_t *, uint32_t) = shmw__ack_entry;
+    shard_t *zero;
+    int done = shmw__by_shard(w, handles, n, in_flight_op, &each), rc;
+
+    if (done < 0 || !(errors || refused))
+        return done;
+    zero = &w->shard[0];
+    if ((rc = shmw__lock(zero)))
+        return rc;
+    STORE(zero->hdr->handler_errors, zero->hdr->handler_errors + errors);
+    STORE(zero->hdr->refused, zero->hdr->refused > UINT32_MAX - refused ? UINT32_MAX : zero->hdr->refused + refused);
+    shmw__unlock(zero);
+    return done;
 }
 
 int shmw_keep_many(shmw_t *w, const int64_t *handles, uint32_t n)
 {
     /* Only a mark: the entry stays on the FIFO where it is, sent, until
      * shmw_ack_many frees it or a new driver sends it again. */
-    return for_in_flight(w, handles, n, 0, 0, keep_entry);
+    int (*each)(shard_t *, uint32_t) = keep_entry;
+
+    return shmw__by_shard(w, handles, n, in_flight_op, &each);
 }

@@ -140,7 +140,7 @@ int shmw_producer_reap(shmw_t *w, uint32_t id, int32_t pid, int64_t start, uint3
         uint32_t lo = from > s->index_base ? from - s->index_base : 0;
         uint32_t hi = end - s->index_base < s->capacity ? end - s->index_base : s->capacity;
 
-        if ((rc = shmw__enter(s)))
+        if ((rc = shmw__lock(s)))
             return rc;
         if (!producer_is(w, id, pid, start)) {
             shmw__unlock(s);
@@ -175,7 +175,7 @@ int shmw_producer_release(shmw_t *w, uint32_t id, int32_t pid, int64_t start)
         return SHMW_ESTALE;
     rows = w->top->producers;
     s = &w->shard[shard_of_producer(w->shards, id)];
-    if ((rc = shmw__enter(s)))
+    if ((rc = shmw__lock(s)))
         return rc;
     if (producer_is(w, id, pid, start)) {
         STORE(rows[id].pid, 0);

@@ -399,10 +399,8 @@ int shmw_try_cancel(shmw_t *w, int64_t handle)
     return cancel_one(w, handle, 0);
 }
 
-int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
+int shmw__by_shard(shmw_t *w, const int64_t *handles, uint32_t n, int (*op)(shard_t *, int64_t, void *), void *arg)
 {
-    /* Shard by shard, each under its own lock once, for the handles it
-     * holds. */
     uint32_t k, j;
     int rc = 0, done = 0;
 
@@ -418,16 +416,26 @@ int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
             if (shard_of(w, handles[j]) != s)
                 continue;
             if (!locked && (rc = shmw__lock(s)))
-                return rc;      /* the caller tries again: what is cancelled stays so, and counts 0 then */
+                return rc;
             locked = 1;
-            rc = cancel_locked(s, handles[j]);
-            if (rc > 0)
+            if ((rc = op(s, handles[j], arg)) > 0)
                 done += rc;
         }
         if (locked)
             shmw__unlock(s);
     }
     return rc < 0 ? rc : done;
+}
+
+static int cancel_op(shard_t *w, int64_t handle, void *arg)
+{
+    (void)arg;
+    return cancel_locked(w, handle);
+}
+
+int shmw_cancel_many(shmw_t *w, const int64_t *handles, uint32_t n)
+{
+    return shmw__by_shard(w, handles, n, cancel_op, NULL);
 }
 
 static int reset_checked(shmw_t *wheel, int64_t handle, double seconds, int absolute)
