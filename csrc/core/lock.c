@@ -191,9 +191,10 @@ void shmw__futex_wait_until(uint32_t *word, uint32_t seen, int64_t deadline_ns)
 
 /* The clock sleeps until the earliest of the shards' sleep_until (each 0
  * while the clock looks at it, or there is no driver).  A timer due before
- * its shard's must wake it: the top's word is bumped here, under the lock, and the caller wakes the clock after unlocking if
- * this returns 1.  Lowering sleep_until makes later adds for the same
- * moment skip the system call. */
+ * its shard's must wake it: the top's word is bumped here, under the
+ * lock, and the caller wakes the clock after unlocking if this returns 1.
+ * Lowering sleep_until makes later adds for the same moment skip the
+ * system call. */
 int shmw__wake_for(shard_t *w, uint64_t expires)
 {
     struct shmw_header *h = w->hdr;
