@@ -29,6 +29,7 @@
 #define SHMW_MAX_PAYLOAD    65536U
 #define SHMW_MAX_DELAY_NS   (1LL << 62)       /* about 146 years */
 #define SHMW_MAX_PRODUCERS  1024U             /* attached processes a segment records */
+#define SHMW_SNAPSHOT_WORK  256U              /* entries shmw_snapshot looks at under one hold of a lock */
 #define SHMW_MAX_SHARDS     128U              /* wheels of their own, each with its own lock, in a segment:
                                                * each has producer ids of its own (SHMW_MAX_PRODUCERS / 8) */
 #define SHMW_LOCK_TIMEOUT_NS 10000000000LL    /* a lock not taken in this long is jammed */
@@ -73,6 +74,7 @@
 #define SHMW_RESERVED     512   /* add: may take the last shmw_params.reserve free entries, which
                                  * every other add leaves: for the timers that must get through
                                  * a wheel its producers have filled; never stored */
+#define SHMW_FIRED         16   /* snapshot record: fired and in flight (without it: pending) */
 
 /* Driver states. */
 #define SHMW_DRIVER_NONE     0
@@ -245,6 +247,16 @@ int     shmw_producer_release(shmw_t *w, uint32_t id, int32_t pid, int64_t start
 
 /* What the segment holds and whether it is sound. */
 int     shmw_stats(shmw_t *w, struct shmw_stats *out);
+/* The timers pending or in flight, a few at a time: from slab entry *at
+ * on, within its shard, at most SHMW_SNAPSHOT_WORK entries looked at under
+ * one hold of that shard's lock, so that the producers never wait long;
+ * up to `max` (at least 1) fire records into `records` (SHMW_FIRED on
+ * those in flight).
+ * *at is left at the next entry to look at, the capacity once all have
+ * been.  Returns how many records it wrote, or a negative code.  A timer
+ * that stays where it is through a walk is seen once; one added, fired or
+ * cancelled meanwhile may be seen or not. */
+int     shmw_snapshot(shmw_t *w, uint32_t *at, uint32_t max, char *records);
 int     shmw_check(shmw_t *w, char *reason, uint32_t reason_len);
 /* Checks the segment as shmw_check does, and the wheel clock against now_ns;
  * if anything fails, rebuilds it as after a dead lock holder, retiring every

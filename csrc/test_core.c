@@ -104,6 +104,33 @@ static int all_full(const struct model *m, uint32_t shards, uint32_t keep)
     return 1;
 }
 
+/* A walk of shmw_snapshot, a few records at a time: every timer the model
+ * has pending, once, with its deadline, and nothing else. */
+static void snapshot_is_the_model(shmw_t *w, const struct model *m, char *records, size_t rec)
+{
+    uint32_t at = 0, last = 0;
+    int n, i, k, seen = 0, found[CAPACITY] = { 0 };
+
+    while (at < CAPACITY) {
+        n = shmw_snapshot(w, &at, 7, records);
+        EXPECT(n >= 0 && at > last, "snapshot gave %d and moved from %u to %u", n, last, at);
+        if (n < 0 || at <= last)
+            return;
+        last = at;
+        for (i = 0; i < n; i++) {
+            const struct shmw_fire *f = (const struct shmw_fire *)(records + (size_t)i * rec);
+            for (k = 0; k < m->n && m->handle[k] != f->handle; k++)
+                ;
+            EXPECT(k < m->n && !found[k]++ && m->deadline_ns[k] == f->deadline_ns && !(f->flags & SHMW_FIRED),
+                   "snapshot gave timer %lld, not one pending once as the model has it", (long long)f->handle);
+        }
+        seen += n;
+    }
+    EXPECT(seen == m->n, "snapshot gave %d timers, the model has %d", seen, m->n);
+    EXPECT(shmw_snapshot(w, &at, 7, records) == 0 && shmw_snapshot(w, &at, 0, records) == SHMW_EINVAL,
+           "snapshot past the end, or of 0 records, did not say so");
+}
+
 /* The model: every operation's result against a list of what must be
  * pending, on a wheel of `shards` shards (CAPACITY and RESERVE divide
  * among them: adds spill from a full shard into the next). */
@@ -189,6 +216,8 @@ static void model_run(uint32_t shards)
         }
         EXPECT(shmw_pending(w) == m.n, "pending %d, model %d", shmw_pending(w), m.n);
         EXPECT(shmw_check(w, reason, sizeof(reason)) == 0, "check: %s", reason);
+        if (step % 97 == 0)
+            snapshot_is_the_model(w, &m, records, rec);
     }
     for (k = 0; k < HANDLES; k++)
         shmw_close(ws[k]);
@@ -232,6 +261,11 @@ static void scribble_run(uint32_t shards)
         (void)shmw_ack_many(w, handles, 8, 0, 0);
         (void)shmw_poll(w, (double)(now_ns + (int64_t)(rnd() % (1ULL << 45))) / 1e9, 0, 64, records, &more);
         (void)shmw_pending(w);
+        {
+            uint32_t at = 0;
+            while (at < 64 && shmw_snapshot(w, &at, 64, records) >= 0)     /* at moves on each time */
+                ;
+        }
         {
             struct shmw_stats st;
             (void)shmw_stats(w, &st);

@@ -20,7 +20,7 @@ from ._errors import (
     ShmwheelError,
     WheelFullError,
 )
-from ._results import Fire, Producer, WheelStats
+from ._results import Fire, Producer, Timer, WheelStats
 from ._wheel import Wheel, attach, create, unlink
 
 __version__ = "0.1.0"
@@ -42,6 +42,7 @@ __all__ = [
     "SegmentNotFoundError",
     "SegmentRemovedError",
     "ShmwheelError",
+    "Timer",
     "Wheel",
     "WheelFullError",
     "WheelStats",

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from ._binding import ffi, lib
 
-__all__ = ["Fire", "Payload", "Producer", "WheelStats", "decode_fires", "fire_struct"]
+__all__ = ["Fire", "Payload", "Producer", "Timer", "WheelStats", "decode_fires", "decode_timers", "fire_struct"]
 
 #: What a payload may be; its bytes are copied into the timer's slot.
 Payload = bytes | bytearray | memoryview
@@ -47,6 +47,21 @@ class Fire(NamedTuple):
         return (self.fired_at_ns - self.deadline_ns) / 1e9
 
 
+class Timer(NamedTuple):
+    """A timer pending or in flight, as :meth:`Wheel.timers` saw it."""
+
+    handle: int
+    deadline_ns: int  #: on the :func:`time.monotonic_ns` clock
+    payload: bytes
+    owner_pid: int  #: the process that added it
+    fired: bool  #: fired and in flight (its handler has not acknowledged it yet); else pending
+    fired_at_ns: int  #: when it fired, if it has
+
+    @property
+    def deadline(self) -> float:
+        return self.deadline_ns / 1e9
+
+
 class Producer(NamedTuple):
     """A process attached to a wheel, as its producer table records it."""
 
@@ -70,6 +85,7 @@ if struct.calcsize(_RECORD_HEAD) != ffi.sizeof("struct shmw_fire") or [
     raise ImportError("struct shmw_fire does not have the layout shmwheel/_results.py decodes")
 _REDELIVERED = lib.SHMW_REDELIVERED
 _KEPT = lib.SHMW_KEPT
+_FIRED = lib.SHMW_FIRED
 
 
 def fire_struct(record_size: int) -> struct.Struct:
@@ -84,6 +100,14 @@ def decode_fires(rec: struct.Struct, data: bytes | bytearray | memoryview) -> li
             Fire,
             (handle, deadline_ns, fired_at_ns, payload[:length], pid, bool(flags & _REDELIVERED), bool(flags & _KEPT)),
         )
+        for handle, deadline_ns, fired_at_ns, pid, length, flags, payload in rec.iter_unpack(data)
+    ]
+
+
+def decode_timers(rec: struct.Struct, data: bytes | bytearray | memoryview) -> list[Timer]:
+    """Timers from whole snapshot records (fire records, SHMW_FIRED on those in flight)."""
+    return [
+        Timer(handle, deadline_ns, payload[:length], pid, bool(flags & _FIRED), fired_at_ns if flags & _FIRED else 0)
         for handle, deadline_ns, fired_at_ns, pid, length, flags, payload in rec.iter_unpack(data)
     ]
 

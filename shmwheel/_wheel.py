@@ -53,7 +53,7 @@ from ._errors import (
     WheelFullError,
 )
 from ._process import USE_LOCK_AT, alive, describe_lock_holder, pid_namespace, start_time
-from ._results import Fire, Payload, Producer, WheelStats, decode_fires, fire_struct
+from ._results import Fire, Payload, Producer, Timer, WheelStats, decode_fires, decode_timers, fire_struct
 from ._segment import SHM, SegmentFile, open_segment, segment_name, wheel_stat
 
 __all__ = ["Wheel", "attach", "create", "observe", "unlink"]
@@ -607,6 +607,26 @@ class Wheel:
                     return out
         finally:
             self._poll_buffers.append(records)
+
+    def timers(self) -> list[Timer]:
+        """Every timer pending or in flight, in no particular order.
+
+        Read a few at a time, each shard's lock held only while it looks at
+        a few hundred entries, so that the producers never wait for it
+        long: a timer that stays pending or in flight throughout is in the
+        list once; one added, fired or cancelled meanwhile may be in it or
+        not.  Entries a buggy process scribbled on are left out."""
+        rec = self._record
+        records = ffi.new("char[]", lib.SHMW_SNAPSHOT_WORK * rec.size)
+        at = ffi.new("uint32_t *", 0)
+        out: list[Timer] = []
+        while at[0] < self._capacity:
+            n: int = lib.shmw_snapshot(self._w, at, lib.SHMW_SNAPSHOT_WORK, records)
+            if n < 0:
+                self._raise(n)
+            if n:
+                out += decode_timers(rec, ffi.buffer(records, n * rec.size))
+        return out
 
     def __len__(self) -> int:
         """The number of pending timers (exact, and stale as soon as it is read)."""

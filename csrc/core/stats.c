@@ -115,3 +115,38 @@ int shmw_stats(shmw_t *w, struct shmw_stats *out)
         out->advanced_ns = __atomic_load_n(&w->top->passed_ns, __ATOMIC_RELAXED);
     return SHMW_OK;
 }
+
+int shmw_snapshot(shmw_t *w, uint32_t *at, uint32_t max, char *records)
+{
+    /* Entries whose own fields make no sense are left out: a repair
+     * quarantines them, and a reader is no place to say so. */
+    shard_t *s;
+    uint32_t i, end, n = 0, stride;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (!at || !records || !max)
+        return SHMW_EINVAL;     /* (no room for a record: a walk would never move on) */
+    if (*at >= w->capacity)
+        return 0;
+    s = &w->shard[shmw__divide(*at, &w->by_shard)];
+    i = *at - s->index_base;
+    end = i + SHMW_SNAPSHOT_WORK < s->capacity ? i + SHMW_SNAPSHOT_WORK : s->capacity;
+    stride = record_stride(s);
+    if ((rc = shmw__lock(s)))
+        return rc;
+    for (; i < end && n < max; i++) {
+        const struct shmw_entry *e = entry_at(s, i);
+        uint8_t state = e->state;
+        if ((state != SHMW_PENDING && state != SHMW_INFLIGHT) || !shmw__entry_sane(s, e))
+            continue;
+        shmw__write_record(s, i, records + (uint64_t)n * stride);
+        if (state == SHMW_INFLIGHT)
+            ((struct shmw_fire *)(records + (uint64_t)n * stride))->flags |= SHMW_FIRED;
+        n++;
+    }
+    shmw__unlock(s);
+    *at = s->index_base + i;
+    return (int)n;
+}
