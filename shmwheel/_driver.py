@@ -126,7 +126,9 @@ class Driver:
     bytes it reads all the same (a kept fire is always read); the
     dispatcher takes those fires out of each batch before any Fire is
     made, acknowledges them, and tells ``refused_unread(count, handle,
-    pid)``: how many, and the last one's handle and owner.
+    pid)``: how many, and the last one's handle and owner.  A handler's
+    ``look_after()``, if it has one, is called about once a second from
+    the driver's main thread, beside the driver's own periodic jobs.
     """
 
     def __init__(
@@ -355,6 +357,12 @@ class Driver:
         if n:
             _log.info("driver %d: cancelled %d timers of producers that exited", me, n)
         self._report_unseen(wheel, me)
+        look_after = getattr(self._handler, "look_after", None)  # the handler's own periodic jobs
+        if look_after is not None:
+            try:
+                look_after()
+            except Exception:  # noqa: BLE001 - the reaper and the audit go on
+                _log.exception("driver %d: the handler's look_after() failed", me)
         if audit:
             self._repair(wheel, "the audit")
 

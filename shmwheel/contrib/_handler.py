@@ -356,11 +356,13 @@ class TimeoutHandler:
         self._kept: dict[bytes, list[int]] = {}  # request: the handles of its fires kept in flight
         self._due: dict[bytes, tuple[int, float]] = {}  # request: this driver's follow-ups of it still to come, since
         self._ended: dict[bytes, float] = {}  # requests whose worker said they ended while no stage ran here: when
-        # Requests interrupted that had not ended when the grace was over,
-        # with kill off: they run on, and their worker's word that they
-        # ended is still said (_heard).  (pid, start) of the worker, and
-        # when it was asked to end the request.
-        self._running_on: dict[bytes, tuple[tuple[int, int], float]] = {}
+        # Requests past their timeout whose stages are over, with kill off
+        # (interrupted and not ended within the grace, or not interrupted
+        # at all): they run on, their own fire kept in flight, so that
+        # `shmwheel requests` lists them, and their worker's word that they
+        # ended is still said (_heard).  (pid, start) of the worker, when it
+        # was asked to end the request (0.0: it was not), and when it timed out.
+        self._running_on: dict[bytes, tuple[tuple[int, int], float, float]] = {}
 
     def spare(self, pid: int) -> None:
         """Never signal ``pid`` (the server's master, which maps the wheel
@@ -384,7 +386,12 @@ class TimeoutHandler:
             if fire.owner_pid == os.getpid() and fire.payload[:1] in _OWN_KINDS:
                 self._came(key)  # one of this driver's follow-ups: one fewer to come
             record = self._handle(fire)
-            keep = record is not None and record.kind == KIND_REQUEST and fire.handle >= 0 and key in self._due
+            keep = (
+                record is not None
+                and record.kind == KIND_REQUEST
+                and fire.handle >= 0
+                and (key in self._due or key in self._running_on)
+            )
             if keep:
                 handles = self._kept.setdefault(key, [])
                 if fire.handle not in handles:
@@ -399,12 +406,25 @@ class TimeoutHandler:
         else:
             self._due.pop(key, None)
 
+    def look_after(self) -> None:
+        """The periodic job (the driver calls it about once a second): the
+        requests that ran on past their stages, of workers that are gone,
+        forgotten, and their fires kept in flight acknowledged."""
+        with self._lock:
+            self._forget_gone()
+            self._release()
+
     def _release(self) -> None:
         """Acknowledge the fires kept in flight of requests whose stages are
-        over: none of this driver's follow-ups of them is still to come (or
-        one has been lost for FORGET_AFTER: a repair retired it)."""
+        over and that do not run on past them: none of this driver's
+        follow-ups of them is still to come (or one has been lost for
+        FORGET_AFTER: a repair retired it)."""
         now = time.monotonic()
-        done = [key for key in self._kept if now - self._due.get(key, (0, -math.inf))[1] >= FORGET_AFTER]
+        done = [
+            key
+            for key in self._kept
+            if key not in self._running_on and now - self._due.get(key, (0, -math.inf))[1] >= FORGET_AFTER
+        ]
         if not done:
             return
         for key in done:
@@ -556,11 +576,15 @@ class TimeoutHandler:
         """The worker's word about a request whose follow-ups are due, or
         that runs on past its interrupt's grace."""
         if late is None and record.kind != KIND_ANSWER and key in self._running_on:
-            _, interrupted_at = self._running_on.pop(key)
-            if record.kind == KIND_FINISHED:
+            _, interrupted_at, timed_out_at = self._running_on.pop(key)
+            if record.kind != KIND_FINISHED:
+                pass
+            elif interrupted_at:
                 _log.info(
                     "%s ended %.3f s after it was interrupted", record.describe(), time.monotonic() - interrupted_at
                 )
+            elif self.actions.log:
+                _log.info("%s finished %.3f s after it timed out", record.describe(), time.monotonic() - timed_out_at)
             return
         if late is None and record.kind != KIND_ANSWER and key in self._due:
             self._ended[key] = time.monotonic()  # its stage waits to begin again (_told_late): it need not
@@ -680,9 +704,14 @@ class TimeoutHandler:
                 # (uWSGI's SIGTERM exits at once), so it follows a little later.
                 self._new_late(key, TIMED_OUT)
                 self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
+            elif not actions.kill:
+                self._runs_on(key, record, None, interrupted=False)
         elif actions.kill:
             self._late.pop(key, None)
             self._graceful(fire, record)
+        else:
+            self._late.pop(key, None)
+            self._runs_on(key, record, None, interrupted=False)
 
     def _catches(self, record: RequestRecord, signum: int) -> bool:
         """Whether the worker has a handler for ``signum``, which its record
@@ -746,6 +775,8 @@ class TimeoutHandler:
             return
         if not waits and self.actions.kill:
             self._graceful(fire, record, late)
+        elif not waits:
+            self._runs_on(key, record, late, interrupted=False)
 
     def _dump(self, fire: Fire, record: RequestRecord, late: _Late) -> bool:
         """faulthandler's dump of every thread, for a worker that has not
@@ -806,29 +837,39 @@ class TimeoutHandler:
             return
         self._graceful(fire, record, late)
 
-    def _runs_on(self, key: bytes, record: RequestRecord, late: _Late | None) -> None:
-        """Keep a request that runs on past its interrupt's grace (kill is
-        off), so that its end, which its worker tells, is still said.
+    def _runs_on(self, key: bytes, record: RequestRecord, late: _Late | None, interrupted: bool = True) -> None:
+        """Keep a request that runs on past its stages (kill is off): past
+        its interrupt's grace, or past its timeout without an interrupt.
+        Its own fire stays in flight, so that what reads the wheel sees it
+        (``shmwheel requests``), and its end, which its worker tells, is
+        still said.
 
         Forgotten when its worker says it ended, or once its worker is gone
-        (a worker that dies says nothing: its requests are looked for each
-        time another request begins to run on, one /proc read a worker).
-        Not after a time: a request that runs on may end an hour later, and
-        that it did is what the line is for.  Its worker's word can also be
-        lost while the worker lives (a wheel full to its reserve), so at
-        most RUNNING_ON_KEPT are kept, the oldest let go first: past that
-        many requests stuck at once, with kill off, the operator has more
-        pressing news than when each of them ends."""
+        (a worker that dies says nothing: its requests are looked for once
+        a second, :meth:`look_after`, and each time another request begins
+        to run on, one /proc read a worker).  Not after a time: a request
+        that runs on may end an hour later, and that it did is what the
+        line is for.  Its worker's word can also be lost while the worker
+        lives (a wheel full to its reserve), so at most RUNNING_ON_KEPT are
+        kept, the oldest let go first: past that many requests stuck at
+        once, with kill off, the operator has more pressing news than when
+        each of them ends."""
+        now = time.monotonic()
         interrupted_at = late.interrupted_at if late is not None and late.interrupted_at else 0.0
-        if not interrupted_at:  # not known here (a driver that took over): the grace is over now
-            interrupted_at = time.monotonic() - self.actions.interrupt_grace
+        if interrupted and not interrupted_at:  # not known here (a driver that took over): the grace is over now
+            interrupted_at = now - self.actions.interrupt_grace
+        self._forget_gone()
         running_on = self._running_on
-        gone = {worker for worker in {worker for worker, _ in running_on.values()} if not alive(*worker)}
-        if gone:
-            self._running_on = running_on = {k: v for k, v in running_on.items() if v[0] not in gone}
         while len(running_on) >= RUNNING_ON_KEPT:
             del running_on[next(iter(running_on))]
-        running_on[key] = ((record.pid, record.start), interrupted_at)
+        running_on[key] = ((record.pid, record.start), interrupted_at, late.since if late is not None else now)
+
+    def _forget_gone(self) -> None:
+        """Let go of the requests running on in workers that are gone."""
+        running_on = self._running_on
+        gone = {worker for worker in {v[0] for v in running_on.values()} if not alive(*worker)}
+        if gone:
+            self._running_on = {k: v for k, v in running_on.items() if v[0] not in gone}
 
     def _finished(self, record: RequestRecord) -> None:
         _log.info("%s has finished since it timed out: worker pid %d is left alone", record.describe(), record.pid)
