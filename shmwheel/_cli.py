@@ -1,6 +1,7 @@
 """The ``shmwheel`` command line (``python -m shmwheel`` or ``shmwheel``).
 
 ``create``, ``stat``, ``ls``, ``check`` and ``unlink`` manage segments;
+``requests`` lists the requests in flight on a request-timeout wheel;
 ``driver`` runs a wheel's :class:`~shmwheel.Driver` in the foreground, its
 fires going to a handler it loads by name, to stdout as lines of JSON
 (``--jsonl``) or to the log; ``demo`` shows it all.
@@ -36,7 +37,8 @@ from ._process import alive
 from ._results import Fire, Producer, WheelStats
 from ._segment import SHM, bare_name, wheel_stat
 from ._wheel import create, observe, unlink
-from .contrib._record import decode_request
+from .contrib import _inflight
+from .contrib._record import decode_request, shown
 
 __all__ = ["main"]
 
@@ -185,13 +187,17 @@ def _segments() -> list[dict[str, Any]]:
             "mode": f"{stat.S_IMODE(st.st_mode):04o}",
             "capacity": None,
             "pending": None,
+            "requests": None,
             "driver_pid": None,
             "error": None,
         }
         try:
             with observe(entry.name) as wheel:
                 s = wheel.stats()
+                seen = _inflight.read(wheel)
             seg.update(capacity=s.capacity, pending=s.pending, driver_pid=s.driver_pid)
+            if seen.requests or not seen.others:  # not for a wheel whose timers are not requests'
+                seg["requests"] = len(seen.requests)
         except SegmentNotFoundError:
             continue  # removed since the scan
         except (ShmwheelError, OSError, ValueError) as exc:
@@ -321,10 +327,24 @@ def _driver(args: argparse.Namespace) -> int:
 
 
 def _report(
-    name: str, before: WheelStats, after: WheelStats, seconds: float, producers: list[Producer]
+    name: str,
+    before: WheelStats,
+    after: WheelStats,
+    seconds: float,
+    producers: list[Producer],
+    found: _inflight.WheelRequests | None = None,
 ) -> dict[str, Any]:
     """What ``stat`` shows: every WheelStats field of the second sample under
-    its own name, plus the rates between the two samples."""
+    its own name, plus the rates between the two samples, and, for a
+    request-timeout wheel (``found``), its requests in flight and the
+    driver's follow-up timers told apart."""
+    requests: dict[str, Any] = {"requests_in_flight": None, "requests_late": None, "pending_follow_ups": None}
+    if found is not None and (found.requests or not found.others):
+        requests = {
+            "requests_in_flight": len(found.requests),
+            "requests_late": found.late,
+            "pending_follow_ups": found.pending_follow_ups,
+        }
     return {
         "name": name,
         "time": time.time(),
@@ -341,15 +361,21 @@ def _report(
         # In another PID namespace (container): their pids mean nothing here.
         "producers_unseen": sum(1 for p in producers if p.alive is None),
         "producer_pids": [p.pid for p in producers if p.alive],
+        **requests,
     }
 
 
 def _stat_table(r: dict[str, Any]) -> list[str]:
     state = r["driver_state"] if r["driver_alive"] else "dead, registration left behind"
     driver = "none" if r["driver_pid"] is None else f"{r['driver_pid']} ({state})"
+    pending = r["pending"]
+    requests = bool(r["requests_in_flight"] or r["pending_follow_ups"])  # a request-timeout wheel's, in use
+    if requests:
+        follow_ups = r["pending_follow_ups"]
+        pending = f"{pending} ({pending - follow_ups} of requests, {follow_ups} of the driver's follow-ups)"
     rows = [
         ("wheel", r["name"]),
-        ("pending", r["pending"]),
+        ("pending", pending),
         ("capacity", f"{r['capacity']} ({r['used_percent']:.1f}% used)"),
         ("free", f"{r['free']} ({r['reserve']} of them in reserve)" if r["reserve"] else r["free"]),
         ("in flight", r["in_flight"]),
@@ -359,13 +385,18 @@ def _stat_table(r: dict[str, Any]) -> list[str]:
             f"{r['added_per_s']:.1f} added/s, {r['cancelled_per_s']:.1f} cancelled/s, "
             f"{r['fired_per_s']:.1f} fired/s (over {r['interval']:.2f} s)",
         ),
-        ("totals", f"{r['added']} added, {r['cancelled']} cancelled, {r['fired']} fired, {r['resets']} resets"),
+        ("timers", f"{r['added']} added, {r['cancelled']} cancelled, {r['fired']} fired, {r['resets']} resets"),
         (
             "handlers",
             f"{r['acked']} acked, {r['redelivered']} redelivered, {r['handler_errors']} failed, {r['refused']} refused",
         ),
         ("driver", driver),
         ("producers", f"{r['producers_alive']} attached, {r['producers_gone']} gone (not reaped yet)"),
+        *(
+            [("requests", f"{r['requests_in_flight']} in flight, {r['requests_late']} past their timeout and running")]
+            if requests
+            else []
+        ),
         ("lag", _duration(r["lag"])),
         ("tick", _duration(r["tick"])),
         ("levels", f"{r['levels']} of {r['wheel_size']} buckets"),
@@ -387,7 +418,7 @@ def _stat(args: argparse.Namespace) -> int:
             while True:
                 time.sleep(max(0.0, t0 + args.interval - time.monotonic()))
                 after, t1 = wheel.stats(), time.monotonic()
-                report = _report(wheel.name, before, after, t1 - t0, wheel.producers())
+                report = _report(wheel.name, before, after, t1 - t0, wheel.producers(), _inflight.read(wheel))
                 if args.json:
                     _print_json(report)
                 else:
@@ -406,14 +437,82 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(segments)
     elif segments:
-        head = ("NAME", "SIZE", "OWNER", "MODE", "CAPACITY", "PENDING", "DRIVER")
+        head = ("NAME", "SIZE", "OWNER", "MODE", "CAPACITY", "PENDING", "REQUESTS", "DRIVER")
         rows = [
             [s["name"], s["size"], s["owner"], s["mode"]]
-            + ([s["error"]] if s["error"] else [s["capacity"], s["pending"], s["driver_pid"] or "-"])
+            + (
+                [s["error"]]
+                if s["error"]
+                else [s["capacity"], s["pending"], _or_dash(s["requests"]), s["driver_pid"] or "-"]
+            )
             for s in segments
         ]
-        _print(_table([head, *rows], right=(1, 4, 5, 6)))
+        _print(_table([head, *rows], right=(1, 4, 5, 6, 7)))
     return 0
+
+
+def _request_rows(found: _inflight.WheelRequests) -> list[str]:
+    """``requests``' table: a row a request, the request line last, as ps puts the command."""
+    head = ("AGE", "TIMEOUT", "STAGE", "PID", "THREAD", "TASK", "REQUEST ID", "REQUEST")
+    rows: list[Sequence[object]] = [head]
+    for request in found.requests:
+        r, timeout = request.record, request.timeout()
+        rows.append(
+            (
+                _duration(request.age(found.now_ns)),
+                "-" if timeout is None else _duration(timeout),
+                request.stage,
+                r.pid,
+                f"0x{r.thread:x}" if r.thread else "-",
+                f"{r.task_kind} 0x{r.task:x}" if r.task else "-",
+                shown(r.request_id),
+                f"{shown(r.method)} {shown(r.path)}{'...' if r.truncated else ''}",
+            )
+        )
+    return _table(rows, right=(0, 1, 3))
+
+
+def _requests(args: argparse.Namespace) -> int:
+    """``shmwheel requests NAME``: the requests in flight, oldest first."""
+    with observe(args.name) as wheel:
+        if args.watch:
+            signal.signal(signal.SIGTERM, signal.default_int_handler)  # ends the watch as Ctrl-C does
+        clear = args.watch and not args.json and sys.stdout.isatty()
+        try:
+            while True:
+                t0 = time.monotonic()
+                found = _inflight.read(wheel)
+                requests = [
+                    request
+                    for request in found.requests
+                    if request.age(found.now_ns) >= args.older_than
+                    and (args.worker is None or request.record.pid == args.worker)
+                ]
+                found = _inflight.WheelRequests(
+                    requests, found.pending_requests, found.pending_follow_ups, found.others, found.now_ns
+                )
+                if args.json:
+                    _print_json([request.as_dict(found.now_ns) for request in requests])
+                else:
+                    lines = _request_rows(found)
+                    if args.watch:
+                        late = f", {found.late} past their timeout" if found.late else ""
+                        title = f"wheel {wheel.name}: {len(requests)} requests in flight{late}, {time.strftime('%X')}"
+                        lines = [title, "", *lines]
+                    if clear:
+                        sys.stdout.write("\x1b[H\x1b[2J")  # as top and watch(1) redraw
+                    _print([*lines, *([""] if args.watch and not clear else [])])
+                if not args.watch:
+                    return 0
+                time.sleep(max(0.0, t0 + args.interval - time.monotonic()))
+        except KeyboardInterrupt:
+            if args.watch:
+                return 0
+            raise
+
+
+def _or_dash(value: object) -> object:
+    return "-" if value is None else value
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -540,6 +639,25 @@ def _parser() -> argparse.ArgumentParser:
         help="drive a request-timeout wheel: log the requests that time out, have their workers write their "
         "stacks, and kill the workers if asked (shmwheel timeouts --help)",
     )
+
+    p = command(
+        "requests",
+        _requests,
+        "list the requests in flight on a request-timeout wheel, oldest first: their age, timeout and stage "
+        "(running, warned, timed out, interrupted, being killed), worker, thread or task, request id and path",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON array of objects (one array a line with --watch), with the keys request_id, method, "
+        "path, worker_pid, thread, task, age_s, timeout_s and stage",
+    )
+    p.add_argument(
+        "--older-than", type=_seconds, default=0.0, metavar="SECONDS", help="only requests running this long or longer"
+    )
+    p.add_argument("--worker", type=_int_between(1, 2**31 - 1), metavar="PID", help="only this worker's requests")
+    p.add_argument("--watch", action="store_true", help="refresh every interval, as top does, until Ctrl-C or SIGTERM")
+    p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help="with --watch (default 1)")
 
     p = command("ls", _ls, "list the shmwheel segments in /dev/shm", named=False)
     p.add_argument("--json", action="store_true", help="print a JSON array")

@@ -271,9 +271,10 @@ def test_ls_lists_wheels_and_only_wheels(make_wheel: MakeWheel, name: str) -> No
         posix_ipc.unlink_shared_memory("/" + old)
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()}
-    assert rows["NAME"] == ["NAME", "SIZE", "OWNER", "MODE", "CAPACITY", "PENDING", "DRIVER"]
+    assert rows["NAME"] == ["NAME", "SIZE", "OWNER", "MODE", "CAPACITY", "PENDING", "REQUESTS", "DRIVER"]
     size = (SHM / w.name).stat().st_size
-    assert rows[w.name] == [w.name, str(size), pwd.getpwuid(os.getuid()).pw_name, "0600", "77", "1", "-"]
+    # Its timer carries no request record: it is no request-timeout wheel, and has no requests to count.
+    assert rows[w.name] == [w.name, str(size), pwd.getpwuid(os.getuid()).pw_name, "0600", "77", "1", "-", "-"]
     assert name not in rows
     assert "has another layout version" in " ".join(rows[old])
 
@@ -292,6 +293,7 @@ def test_ls_json_is_an_array_of_segments(make_wheel: MakeWheel) -> None:
         "mode": "0600",
         "capacity": 33,
         "pending": 0,
+        "requests": 0,
         "driver_pid": None,
         "error": None,
     }

@@ -35,7 +35,7 @@ PACKAGE = ROOT / "shmwheel"
 #: and from the core package, never from its own floor or one above.
 FLOORS: list[tuple[str, ...]] = [
     ("_record", "_routes", "_logs", "_calls"),  # what both sides share
-    ("_settings",),
+    ("_settings", "_inflight"),
     ("_body",),  # the WSGI body, below the one door to C, which chooses it
     ("_door",),  # the only import of shmwheel._fast
     ("_stacks",),  # the worker's side: stacks and the reporter thread

@@ -1,0 +1,332 @@
+"""Operating it: the requests in flight as ``shmwheel requests``, ``stat``
+and ``ls`` show them, read from the wheel's timers; first from timers made
+here, then under real servers with requests stuck in them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from _servers import (
+    APPS,
+    BIN,
+    GATEWAY_TIMEOUT,
+    WAIT,
+    Server,
+    assert_nothing_left,
+    assert_nothing_left_of_asgi,
+    auto_driver_of,
+    free_port,
+    get,
+    gunicorn_app,
+    serve,
+    serve_asgi,
+    stopped_cleanly,
+    uwsgi_ini,
+)
+from conftest import entry, put_in_flight
+
+import shmwheel
+from shmwheel._results import Timer
+from shmwheel.contrib._inflight import in_flight
+from shmwheel.contrib._record import (
+    KIND_CHECK,
+    KIND_FINISHED,
+    KIND_GRACE,
+    KIND_KILL,
+    KIND_REQUEST,
+    KIND_TIMEOUT,
+    encode_request,
+    with_kind,
+)
+
+MakeWheel = Callable[..., shmwheel.Wheel]
+WORKER, START, DRIVER = 4242, 777, 99
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shmwheel", *args], capture_output=True, text=True, timeout=30)
+
+
+# -- Wheel.timers(): what the listing reads -------------------------------------------
+
+
+def test_timers_lists_each_timer_pending_or_in_flight_once_across_shards_and_nothing_else(
+    make_wheel: MakeWheel,
+) -> None:
+    """More timers than one look under a lock takes, spilled over two of
+    four shards (a shard holds 512): each pending one once with its payload
+    and owner, each in flight once with when it fired; a cancelled one and
+    an acknowledged one are gone, and an entry scribbled on is left out."""
+    w = make_wheel(capacity=2048, shards=4)
+    later = {w.add(60, b"later %d" % i): b"later %d" % i for i in range(700)}
+    due = {w.add(0, b"due %d" % i): b"due %d" % i for i in range(5)}
+    put_in_flight(w, 5)
+    cancelled = next(iter(later))
+    assert w.cancel(cancelled)
+    del later[cancelled]
+    acknowledged = next(iter(due))
+    assert w.acknowledge([acknowledged]) == 1
+    del due[acknowledged]
+    timers = w.timers()
+    assert len(timers) == len({t.handle for t in timers}) == len(later) + len(due)
+    seen = {t.handle: t for t in timers}
+    for handle, payload in later.items():
+        t = seen[handle]
+        assert (t.payload, t.owner_pid, t.fired, t.fired_at_ns) == (payload, os.getpid(), False, 0)
+    for handle, payload in due.items():
+        t = seen[handle]
+        assert (t.payload, t.fired) == (payload, True) and t.fired_at_ns >= t.deadline_ns
+    scribbled = next(iter(later)) & ((1 << shmwheel._binding.lib.shmw_index_bits(w.capacity)) - 1)
+    entry(w, scribbled).payload_len = 10_000  # more than an entry holds
+    assert len(w.timers()) == len(timers) - 1
+    assert w.repair() is not None  # the scribble is the audit's to quarantine
+
+
+# -- the stages, from the timers of one request ----------------------------------------
+
+
+def record(kind: int = KIND_REQUEST, started_ns: int = 1_000_000_000, **kw: object) -> bytes:
+    kw.setdefault("timeout_ms", 1000)
+    return encode_request(kind, WORKER, START, started_ns, "GET", "req-1", "/slow", thread=7, **kw)  # type: ignore[arg-type]
+
+
+def timer(payload: bytes, *, fired: bool = False, owner: int = WORKER, deadline_ns: int = 2_000_000_000) -> Timer:
+    return Timer(hash(payload) & 0xFFFF, deadline_ns, payload, owner, fired, deadline_ns if fired else 0)
+
+
+NOW = 3_500_000_000  # 2.5 s after the request started
+
+
+@pytest.mark.parametrize(
+    ("timers", "stage"),
+    [
+        ([timer(record())], "running"),
+        ([timer(record(warn=True), fired=True), timer(with_kind(record(warn=True), KIND_TIMEOUT), owner=DRIVER)],
+         "warned"),
+        ([timer(record(), fired=True), timer(with_kind(record(), KIND_CHECK), owner=DRIVER)], "timed out"),
+        ([timer(record(), fired=True)], "timed out"),  # its stages over, running on (kill off)
+        ([timer(record(interrupt=True), fired=True), timer(with_kind(record(interrupt=True), KIND_GRACE),
+                                                          owner=DRIVER)], "interrupted"),
+        ([timer(record(interrupt=True), fired=True)], "interrupted"),  # past its grace, running on
+        ([timer(record(), fired=True), timer(with_kind(record(), KIND_KILL), owner=DRIVER)], "being killed"),
+        # Only the driver's follow-up is left (its own fire acknowledged): the driver's word holds.
+        ([timer(with_kind(record(), KIND_KILL), owner=DRIVER)], "being killed"),
+    ],
+)  # fmt: skip
+def test_a_requests_stage_is_read_from_its_own_timer_and_the_drivers_follow_ups(
+    timers: list[Timer], stage: str
+) -> None:
+    found = in_flight(timers, DRIVER, NOW)
+    (request,) = found.requests
+    assert request.stage == stage
+    assert (request.record.request_id, request.record.path, request.record.pid) == ("req-1", "/slow", WORKER)
+    assert request.age(NOW) == 2.5 and request.timeout() == 1.0
+    assert request.as_dict(NOW) == {
+        "request_id": "req-1",
+        "method": "GET",
+        "path": "/slow",
+        "truncated": False,
+        "worker_pid": WORKER,
+        "thread": 7,
+        "task": 0,
+        "task_kind": "",
+        "age_s": 2.5,
+        "timeout_s": 1.0,
+        "stage": stage,
+    }
+
+
+def test_what_is_not_a_request_in_flight_is_not_listed() -> None:
+    """A request whose worker has said it finished; a record in a timer
+    that the worker it names did not add; a follow-up that the driver did
+    not add, of a request not seen; a worker not among those that count;
+    and a timer that carries no record at all."""
+    finished = [timer(record(), fired=True), timer(with_kind(record(), KIND_FINISHED))]
+    assert in_flight(finished, DRIVER, NOW).requests == []
+    assert in_flight([timer(record(), owner=WORKER + 1)], DRIVER, NOW).requests == []
+    assert in_flight([timer(with_kind(record(), KIND_KILL), owner=WORKER + 1)], DRIVER, NOW).requests == []
+    assert in_flight([timer(record())], DRIVER, NOW, workers={(WORKER, START + 1)}).requests == []
+    found = in_flight([timer(b"not a record")], DRIVER, NOW)
+    assert (found.requests, found.others) == ([], 1)
+
+
+def test_requests_are_listed_oldest_first_with_the_timeout_their_newest_timer_says() -> None:
+    """Two requests; the older one was given more time (extend()) after its
+    warn_after stage fired: its new timer's record says its timeout."""
+    old, young = 500_000_000, 2_000_000_000
+    extended = timer(record(started_ns=old, timeout_ms=9000), deadline_ns=old + 9_000_000_000)
+    timers = [timer(record(started_ns=young)), timer(record(started_ns=old, warn=True), fired=True), extended]
+    found = in_flight(timers, DRIVER, NOW)
+    assert [(r.record.started_ns, r.stage, r.timeout()) for r in found.requests] == [
+        (old, "running", 9.0),
+        (young, "running", 1.0),
+    ]
+    assert found.pending_requests == 2 and found.late == 0
+
+
+# -- under real servers -------------------------------------------------------------------
+
+
+def listed(server: Server) -> dict[str, dict[str, object]]:
+    """``shmwheel requests NAME --json``, by request id."""
+    proc = cli("requests", server.wheel, "--json")
+    assert proc.returncode == 0 and proc.stderr == "", proc
+    return {r["request_id"]: r for r in json.loads(proc.stdout)}
+
+
+def wait_listed(server: Server, request_id: str, stage: str | None) -> dict[str, object] | None:
+    """The request as listed once it is at ``stage`` (None: once it is not listed any more)."""
+    give_up = time.monotonic() + WAIT
+    while True:
+        found = listed(server).get(request_id)
+        if (found is None) if stage is None else (found is not None and found["stage"] == stage):
+            return found
+        assert time.monotonic() < give_up, f"{request_id} never came to be {stage or 'gone'}: {found}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(4) as executor:
+        yield executor
+
+
+STREAMING = "/stream?chunks=6&every=0.5&extend=60"  # the apps' stream, given a minute more before each chunk
+
+
+def running_on_interrupted(server: Server, path: str, request_id: str) -> re.Match[str]:
+    """The driver's line: the interrupted request has not ended within its grace, and runs on (kill off)."""
+    return server.wait_for(
+        rf"GET {re.escape(path)} \(request {request_id}, worker pid (\d+), thread 0x([0-9a-f]{{16}})(?:, task 0x"
+        r"([0-9a-f]+))?\) has not ended 0\.5 s after it was interrupted: .*; it runs on \(kill is off\)$"
+    )
+
+
+def test_gthread_requests_lists_a_request_past_its_timeout_and_a_running_one_until_each_ends(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """A request stuck in a C sleep, interrupted, runs on past its grace
+    (kill off): it is listed as interrupted, with its path, worker,
+    thread, age and timeout, beside a streaming request that extend()
+    keeps running; the filters pick them; ``stat`` and ``ls`` count them.
+    Once it ends (its client gets the 504) it is gone from the list.
+    (Before, a request whose stages were over had nothing in the wheel.)"""
+    port = free_port()
+    stages = "timeout=1.0, interrupt=True, interrupt_grace=0.5, kill=False"
+    cmd = gunicorn_app(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=stages)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        stuck = pool.submit(get, port, "/c-sleep?s=4", WAIT, "stuck-c-sleep")
+        streaming = pool.submit(get, port, STREAMING, WAIT, "streaming")
+        line = running_on_interrupted(server, "/c-sleep", "stuck-c-sleep")
+        pid, thread = int(line[1]), int(line[2], 16)
+        requests = listed(server)
+        assert set(requests) == {"stuck-c-sleep", "streaming"}, requests
+        s, r = requests["stuck-c-sleep"], requests["streaming"]
+        assert (s["stage"], s["method"], s["path"], s["worker_pid"], s["thread"], s["task"], s["timeout_s"]) == (
+            "interrupted", "GET", "/c-sleep", pid, thread, 0, 1.0,
+        )  # fmt: skip
+        assert isinstance(s["age_s"], float) and s["age_s"] >= 1.5
+        assert (r["stage"], r["path"], r["worker_pid"]) == ("running", "/stream", pid)
+        assert isinstance(r["timeout_s"], float) and r["timeout_s"] > 30
+
+        rows = cli("requests", server.wheel).stdout.splitlines()
+        assert rows[0].split() == ["AGE", "TIMEOUT", "STAGE", "PID", "THREAD", "TASK", "REQUEST", "ID", "REQUEST"]
+        assert any(
+            re.fullmatch(rf" *[\d.]+ s +1 s +interrupted +{pid} +0x{thread:x} +- +stuck-c-sleep +GET /c-sleep", row)
+            for row in rows
+        ), rows
+        assert json.loads(cli("requests", server.wheel, "--json", "--older-than", "600").stdout) == []
+        assert json.loads(cli("requests", server.wheel, "--json", "--worker", str(pid + 1)).stdout) == []
+        assert len(json.loads(cli("requests", server.wheel, "--json", "--worker", str(pid)).stdout)) == 2
+        stat = json.loads(cli("stat", server.wheel, "--json", "--interval", "0.1").stdout)
+        assert (stat["requests_in_flight"], stat["requests_late"]) == (2, 1), stat
+        (seg,) = [s for s in json.loads(cli("ls", "--json").stdout) if s["name"] == server.wheel]
+        assert seg["requests"] == 2
+
+        assert stuck.result() == GATEWAY_TIMEOUT
+        server.wait_for(r"GET /c-sleep \(request stuck-c-sleep, .*\) ended [\d.]+ s after it was interrupted$")
+        wait_listed(server, "stuck-c-sleep", None)
+        assert streaming.result()[0] == 200
+        wait_listed(server, "streaming", None)
+
+
+def test_gthread_a_request_whose_worker_is_being_killed_is_listed_so_until_its_worker_is_gone(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """Kill on: between kill_signal and the SIGKILL kill_after later, the
+    stuck request is listed as being killed; once its worker is gone, it
+    is not listed, and a new worker serves."""
+    port = free_port()
+    stages = "timeout=1.0, kill=True, kill_after=3"
+    cmd = gunicorn_app(tmp_path, port, "gthread", "--workers", "1", "--threads", "2", install=stages)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        doomed = pool.submit(get, port, "/c-sleep?s=30", WAIT, "doomed")
+        request = wait_listed(server, "doomed", "being killed")
+        assert request is not None
+        pid = request["worker_pid"]
+        server.wait_for(rf"killed worker pid {pid} with SIGKILL")
+        wait_listed(server, "doomed", None)
+        assert doomed.result()[0] in (0, 502)  # the connection dies with the worker
+        assert get(port, "/")[0] == 200
+
+
+def test_uwsgi_requests_lists_a_request_that_runs_on_past_its_timeout_until_it_finishes(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """uWSGI, no interrupt and kill off: once its stack is written the
+    request's stages are over, and it runs on; it is listed as timed out
+    until it finishes, which the driver says.  (Before, it was in the
+    wheel no more, and its end was never said.)"""
+    port = free_port()
+    ini = uwsgi_ini(tmp_path, port, **{"shmwheel-timeout": "1", "shmwheel-kill": "false", "shmwheel-kill-after": None})
+    with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
+        server.wait_for(r"driver \d+: running on wheel 'uwsgi-\d+'")
+        slow = pool.submit(get, port, "/sleep?s=4", WAIT, "uwsgi-slow")
+        server.wait_for(r"shmwheel: the stack of timed-out request GET /sleep \(request uwsgi-slow, ")
+        time.sleep(0.6)  # past the check of the stack: the stages are over
+        request = listed(server)["uwsgi-slow"]
+        assert (request["stage"], request["path"], request["timeout_s"]) == ("timed out", "/sleep", 1.0)
+        assert slow.result()[0] == 200
+        server.wait_for(r"GET /sleep \(request uwsgi-slow, .*\) finished [\d.]+ s after it timed out$")
+        wait_listed(server, "uwsgi-slow", None)
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left(server)
+
+
+def test_uvicorn_requests_lists_a_task_that_runs_on_with_its_task_until_it_ends(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """Uvicorn, the ASGI middleware: a task waiting for its thread runs on
+    past its interrupt's grace, listed as interrupted with its task, beside
+    a stream that runs; once the thread is back it ends, and is gone."""
+    port = free_port()
+    cmd = [str(BIN / "uvicorn"), "asgi_stuck:interrupting", "--app-dir", str(APPS), "--host", "127.0.0.1",
+           "--port", str(port), "--workers", "1"]  # fmt: skip
+    with serve_asgi(cmd, port, tmp_path) as server:
+        driver = auto_driver_of(server)
+        waiting = pool.submit(get, port, "/thread-then-await?s=3", WAIT, "asgi-waits")
+        streaming = pool.submit(get, port, STREAMING, WAIT, "asgi-streaming")
+        line = running_on_interrupted(server, "/thread-then-await", "asgi-waits")
+        requests = listed(server)
+        w, r = requests["asgi-waits"], requests["asgi-streaming"]
+        assert (w["stage"], w["path"], w["worker_pid"], w["task_kind"]) == (
+            "interrupted", "/thread-then-await", int(line[1]), "task",
+        )  # fmt: skip
+        assert w["task"] == int(line[3], 16) and w["thread"] == int(line[2], 16)
+        assert (r["stage"], r["path"]) == ("running", "/stream")
+        assert waiting.result() == GATEWAY_TIMEOUT
+        server.wait_for(r"GET /thread-then-await \(request asgi-waits, .*\) ended [\d.]+ s after it was interrupted$")
+        wait_listed(server, "asgi-waits", None)
+        assert streaming.result()[0] == 200
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left_of_asgi(server, driver)
