@@ -25,7 +25,9 @@ from conftest import foreign_segment, fresh_name, header, wait_for
 
 import shmwheel
 from shmwheel._binding import lib
+from shmwheel._process import start_time
 from shmwheel._wheel import observe
+from shmwheel.contrib._record import KIND_REQUEST, encode_request
 
 SHM = Path("/dev/shm")
 
@@ -66,10 +68,10 @@ def _as_in_the_foreground() -> None:
 
 
 @contextlib.contextmanager
-def watching(wheel_name: str, *extra: str) -> Iterator[subprocess.Popen[str]]:
-    """``stat --watch --json`` running in the background; killed at the end if still running."""
+def watching(wheel_name: str, *extra: str, command: str = "stat") -> Iterator[subprocess.Popen[str]]:
+    """``stat --watch --json`` (or ``command``'s) running in the background; killed at the end if still running."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shmwheel", "stat", wheel_name, "--watch", "--json", *extra],
+        [sys.executable, "-m", "shmwheel", command, wheel_name, "--watch", "--json", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -254,6 +256,34 @@ def test_stat_watch_prints_json_lines_until_a_signal_then_exits_0(make_wheel: Ma
     assert [line["name"] for line in lines] == [w.name] * 3
     assert lines[0]["time"] < lines[1]["time"] < lines[2]["time"]
     assert all(json.loads(line)["name"] == w.name for line in rest.splitlines())
+
+
+# -- requests -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_requests_watch_prints_a_json_array_a_line_until_a_signal_then_exits_0(
+    make_wheel: MakeWheel, sig: signal.Signals
+) -> None:
+    """A request of this process's, as a worker would add it: each line
+    lists it, older each time, until the signal ends the watch."""
+    w = make_wheel(payload_size=256)
+    me = os.getpid()
+    w.add(60, encode_request(KIND_REQUEST, me, start_time(me) or 0, time.monotonic_ns(), "GET", "watched", "/x"))
+    with watching(w.name, "--interval", "0.05", command="requests") as proc:
+        assert proc.stdout is not None
+        lines = [json.loads(proc.stdout.readline()) for _ in range(3)]
+        proc.send_signal(sig)
+        _, err = proc.communicate()
+    assert proc.returncode == 0 and err == ""
+    assert [[(r["request_id"], r["stage"], r["worker_pid"]) for r in line] for line in lines] == [
+        [("watched", "running", me)]
+    ] * 3
+    assert lines[0][0]["age_s"] < lines[1][0]["age_s"] < lines[2][0]["age_s"]
+
+
+def test_requests_of_a_wheel_that_is_not_there_is_a_one_line_error() -> None:
+    assert "no-such-wheel" in one_line_error(run("requests", "no-such-wheel"))
 
 
 # -- ls -----------------------------------------------------------------------
