@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 #define SHMW_MAGIC          0x6c656568776d6873ULL  /* a segment's first 8 bytes: "shmwheel", little-endian */
-#define SHMW_LAYOUT_VERSION 7                      /* the 4 bytes after them */
+#define SHMW_LAYOUT_VERSION 8                      /* the 4 bytes after them */
 /* The functions' signatures, one more each time one changes: shmwheel._fast
  * calls the cffi module's functions by address, and refuses to load beside
  * a module built from another version of this header. */
@@ -29,6 +29,8 @@
 #define SHMW_MAX_PAYLOAD    65536U
 #define SHMW_MAX_DELAY_NS   (1LL << 62)       /* about 146 years */
 #define SHMW_MAX_PRODUCERS  1024U             /* attached processes a segment records */
+#define SHMW_COUNTERS       64U               /* counters a segment keeps for its users (shmw_count) */
+#define SHMW_NOTE_SIZE      1024U             /* bytes of note it keeps for them (shmw_set_note) */
 #define SHMW_SNAPSHOT_WORK  256U              /* entries shmw_snapshot looks at under one hold of a lock */
 #define SHMW_MAX_SHARDS     128U              /* wheels of their own, each with its own lock, in a segment:
                                                * each has producer ids of its own (SHMW_MAX_PRODUCERS / 8) */
@@ -258,6 +260,16 @@ int     shmw_stats(shmw_t *w, struct shmw_stats *out);
  * cancelled meanwhile may be seen or not. */
 int     shmw_snapshot(shmw_t *w, uint32_t *at, uint32_t max, char *records);
 int     shmw_check(shmw_t *w, char *reason, uint32_t reason_len);
+/* What its users keep in a segment for each other, which the core never
+ * reads: SHMW_COUNTERS counters, added to with atomics and read without a
+ * lock (the request-timeout driver's, which its metrics report), and a
+ * note of up to SHMW_NOTE_SIZE bytes, written and read whole under shard
+ * 0's lock (what the counters are of).  shmw_note returns the note's
+ * length, having copied as much of it as `cap` holds. */
+int     shmw_count(shmw_t *w, uint32_t counter, uint64_t n);
+int     shmw_counters(shmw_t *w, uint64_t *out, uint32_t n);
+int     shmw_set_note(shmw_t *w, const char *note, uint32_t len);
+int     shmw_note(shmw_t *w, char *out, uint32_t cap);
 /* Checks the segment as shmw_check does, and the wheel clock against now_ns;
  * if anything fails, rebuilds it as after a dead lock holder, retiring every
  * entry whose own fields make no sense (counted in `quarantined`) and setting

@@ -262,6 +262,12 @@ static void scribble_run(uint32_t shards)
         (void)shmw_poll(w, (double)(now_ns + (int64_t)(rnd() % (1ULL << 45))) / 1e9, 0, 64, records, &more);
         (void)shmw_pending(w);
         {
+            uint64_t counters[SHMW_COUNTERS];
+            (void)shmw_count(w, (uint32_t)(rnd() % SHMW_COUNTERS), 1);
+            (void)shmw_counters(w, counters, SHMW_COUNTERS);
+            (void)shmw_note(w, reason, sizeof(reason));
+        }
+        {
             uint32_t at = 0;
             while (at < 64 && shmw_snapshot(w, &at, 64, records) >= 0)     /* at moves on each time */
                 ;

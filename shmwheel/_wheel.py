@@ -56,7 +56,12 @@ from ._process import USE_LOCK_AT, alive, describe_lock_holder, pid_namespace, s
 from ._results import Fire, Payload, Producer, Timer, WheelStats, decode_fires, decode_timers, fire_struct
 from ._segment import SHM, SegmentFile, open_segment, segment_name, wheel_stat
 
-__all__ = ["Wheel", "attach", "create", "observe", "unlink"]
+__all__ = ["COUNTERS", "NOTE_SIZE", "Wheel", "attach", "create", "observe", "unlink"]
+
+#: The counters a segment keeps for its users (:meth:`Wheel.count`), and
+#: the bytes of note beside them (:meth:`Wheel.set_note`).
+COUNTERS: int = lib.SHMW_COUNTERS
+NOTE_SIZE: int = lib.SHMW_NOTE_SIZE
 
 _log = logging.getLogger("shmwheel")
 
@@ -627,6 +632,43 @@ class Wheel:
             if n:
                 out += decode_timers(rec, ffi.buffer(records, n * rec.size))
         return out
+
+    def count(self, counter: int, n: int = 1) -> None:
+        """Add ``n`` to counter ``counter`` (0 to COUNTERS - 1) of the
+        segment's own, which its users keep there for each other (the
+        request-timeout driver keeps what its metrics report); an atomic
+        add, with no lock."""
+        rc = lib.shmw_count(self._w, check_int(counter, "counter", 0, COUNTERS - 1), check_int(n, "n", 0, 2**63 - 1))
+        if rc < 0:
+            self._raise(rc)
+
+    def counters(self) -> list[int]:
+        """The segment's COUNTERS counters (:meth:`count`), each read atomically."""
+        out = ffi.new("uint64_t[]", COUNTERS)
+        rc = lib.shmw_counters(self._w, out, COUNTERS)
+        if rc < 0:
+            self._raise(rc)
+        return list(out)
+
+    @property
+    def note(self) -> bytes:
+        """What its users keep in the segment beside the counters, up to
+        NOTE_SIZE bytes, written whole (:meth:`set_note`): what the
+        counters are of."""
+        out = ffi.new("char[]", NOTE_SIZE)
+        n = lib.shmw_note(self._w, out, NOTE_SIZE)
+        if n < 0:
+            self._raise(n)
+        return bytes(ffi.buffer(out, n))
+
+    def set_note(self, note: Payload) -> None:
+        """Replace the note (:attr:`note`), whole."""
+        data = bytes(note)
+        if len(data) > NOTE_SIZE:
+            raise ValueError(f"a note holds at most {NOTE_SIZE} bytes, not {len(data)}")
+        rc = lib.shmw_set_note(self._w, data, len(data))
+        if rc < 0:
+            self._raise(rc)
 
     def __len__(self) -> int:
         """The number of pending timers (exact, and stale as soon as it is read)."""

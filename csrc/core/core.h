@@ -129,6 +129,13 @@ struct shmw_top {
     uint32_t _pad2;
     int64_t  passed_ns;         /* CLOCK_MONOTONIC when the clock last passed over the shards:
                                  * its heartbeat (it locks only the shards it must) */
+
+    /* What its users keep here for each other (shmw_count, shmw_set_note):
+     * written by the driver's process, never on a producer's path, so on
+     * lines of their own. */
+    uint64_t counters[SHMW_COUNTERS] __attribute__((aligned(64)));   /* atomics */
+    uint32_t note_len;          /* under shard 0's lock, as the note */
+    char     note[SHMW_NOTE_SIZE];
 } __attribute__((aligned(64)));
 
 /* A shard's header: a whole wheel of its own, over its part of the slab. */

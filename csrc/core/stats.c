@@ -150,3 +150,62 @@ int shmw_snapshot(shmw_t *w, uint32_t *at, uint32_t max, char *records)
     *at = s->index_base + i;
     return (int)n;
 }
+
+int shmw_count(shmw_t *w, uint32_t counter, uint64_t n)
+{
+    if (!w)
+        return SHMW_ECLOSED;
+    if (counter >= SHMW_COUNTERS)
+        return SHMW_EINVAL;
+    __atomic_fetch_add(&w->top->counters[counter], n, __ATOMIC_RELAXED);
+    return SHMW_OK;
+}
+
+int shmw_counters(shmw_t *w, uint64_t *out, uint32_t n)
+{
+    uint32_t k;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (!out || n > SHMW_COUNTERS)
+        return SHMW_EINVAL;
+    for (k = 0; k < n; k++)
+        out[k] = __atomic_load_n(&w->top->counters[k], __ATOMIC_RELAXED);
+    return SHMW_OK;
+}
+
+int shmw_set_note(shmw_t *w, const char *note, uint32_t len)
+{
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if ((!note && len) || len > SHMW_NOTE_SIZE)
+        return SHMW_EINVAL;
+    if ((rc = shmw__lock(&w->shard[0])))
+        return rc;
+    STORE(w->top->note_len, 0);         /* a holder that dies half-way leaves no note, not half of one */
+    if (len)
+        memcpy(w->top->note, note, len);
+    STORE(w->top->note_len, len);
+    shmw__unlock(&w->shard[0]);
+    return SHMW_OK;
+}
+
+int shmw_note(shmw_t *w, char *out, uint32_t cap)
+{
+    uint32_t len;
+    int rc;
+
+    if (!w)
+        return SHMW_ECLOSED;
+    if (!out && cap)
+        return SHMW_EINVAL;
+    if ((rc = shmw__lock(&w->shard[0])))
+        return rc;
+    len = w->top->note_len <= SHMW_NOTE_SIZE ? w->top->note_len : 0;       /* (scribbled: none) */
+    if (len && cap)
+        memcpy(out, w->top->note, len < cap ? len : cap);
+    shmw__unlock(&w->shard[0]);
+    return (int)len;
+}
