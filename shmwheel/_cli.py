@@ -1,7 +1,8 @@
 """The ``shmwheel`` command line (``python -m shmwheel`` or ``shmwheel``).
 
 ``create``, ``stat``, ``ls``, ``check`` and ``unlink`` manage segments;
-``requests`` lists the requests in flight on a request-timeout wheel;
+``requests`` lists the requests in flight on a request-timeout wheel,
+and ``metrics`` prints its driver's metrics;
 ``driver`` runs a wheel's :class:`~shmwheel.Driver` in the foreground, its
 fires going to a handler it loads by name, to stdout as lines of JSON
 (``--jsonl``) or to the log; ``demo`` shows it all.
@@ -37,7 +38,7 @@ from ._process import alive
 from ._results import Fire, Producer, WheelStats
 from ._segment import SHM, bare_name, wheel_stat
 from ._wheel import create, observe, unlink
-from .contrib import _inflight
+from .contrib import _inflight, _metrics
 from .contrib._record import decode_request, shown
 
 __all__ = ["main"]
@@ -511,6 +512,13 @@ def _requests(args: argparse.Namespace) -> int:
             raise
 
 
+def _metrics_text(args: argparse.Namespace) -> int:
+    """``shmwheel metrics NAME``: the metrics, once, as the driver serves them."""
+    with observe(args.name) as wheel:
+        sys.stdout.write(_metrics.render(wheel))
+    return 0
+
+
 def _or_dash(value: object) -> object:
     return "-" if value is None else value
 
@@ -658,6 +666,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", type=_int_between(1, 2**31 - 1), metavar="PID", help="only this worker's requests")
     p.add_argument("--watch", action="store_true", help="refresh every interval, as top does, until Ctrl-C or SIGTERM")
     p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help="with --watch (default 1)")
+
+    command(
+        "metrics",
+        _metrics_text,
+        "print a request-timeout wheel's metrics once, in Prometheus's text format, as its driver serves them "
+        "(for node_exporter's textfile collector)",
+    )
 
     p = command("ls", _ls, "list the shmwheel segments in /dev/shm", named=False)
     p.add_argument("--json", action="store_true", help="print a JSON array")

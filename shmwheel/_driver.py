@@ -316,6 +316,7 @@ class Driver:
         clock_thread.start()
         try:
             _log.info("driver %d: running on wheel %r", me, self.name)
+            self._handler_looks_after(me)  # once now: what it keeps in the wheel is there from the start
             if on_ready is not None:
                 on_ready()
             # Meanwhile, cancel the cancel-on-exit timers of producers that
@@ -357,14 +358,18 @@ class Driver:
         if n:
             _log.info("driver %d: cancelled %d timers of producers that exited", me, n)
         self._report_unseen(wheel, me)
-        look_after = getattr(self._handler, "look_after", None)  # the handler's own periodic jobs
+        self._handler_looks_after(me)
+        if audit:
+            self._repair(wheel, "the audit")
+
+    def _handler_looks_after(self, me: int) -> None:
+        """The handler's own periodic job, if it has one."""
+        look_after = getattr(self._handler, "look_after", None)
         if look_after is not None:
             try:
                 look_after()
             except Exception:  # noqa: BLE001 - the reaper and the audit go on
                 _log.exception("driver %d: the handler's look_after() failed", me)
-        if audit:
-            self._repair(wheel, "the audit")
 
     def _repair(self, wheel: Wheel, who: str) -> bool:
         """Repair the segment if it needs it, and log what was wrong; whether it did."""

@@ -5,12 +5,16 @@ here, then under real servers with requests stuck in them."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,11 +37,14 @@ from _servers import (
     stopped_cleanly,
     uwsgi_ini,
 )
-from conftest import entry, put_in_flight
+from conftest import entry, put_in_flight, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 
 import shmwheel
+from shmwheel._process import start_time
 from shmwheel._results import Timer
 from shmwheel.contrib._inflight import in_flight
+from shmwheel.contrib._metrics import OUTCOMES, Counts, MetricsServer, render
 from shmwheel.contrib._record import (
     KIND_CHECK,
     KIND_FINISHED,
@@ -45,11 +52,32 @@ from shmwheel.contrib._record import (
     KIND_KILL,
     KIND_REQUEST,
     KIND_TIMEOUT,
+    RequestRecord,
+    decode_request,
     encode_request,
     with_kind,
 )
+from shmwheel.contrib._settings import TimeoutActions, TimeoutSettings, metrics_address
 
 MakeWheel = Callable[..., shmwheel.Wheel]
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parsed(text: str) -> Samples:
+    """The samples of Prometheus text, read with its reference parser (which rejects what is not the format)."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    (value,) = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    return value
+
+
 WORKER, START, DRIVER = 4242, 777, 99
 
 
@@ -204,6 +232,17 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 STREAMING = "/stream?chunks=6&every=0.5&extend=60"  # the apps' stream, given a minute more before each chunk
 
 
+def metrics_of(server: Server) -> Callable[[], Samples]:
+    """A scrape of the driver's /metrics, at the port its log says it got (it was given port 0)."""
+    port = int(server.wait_for(r"metrics of wheel '.*': serving http://127\.0\.0\.1:(\d+)/metrics").group(1))
+
+    def scrape() -> Samples:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            return parsed(response.read().decode())
+
+    return scrape
+
+
 def running_on_interrupted(server: Server, path: str, request_id: str) -> re.Match[str]:
     """The driver's line: the interrupted request has not ended within its grace, and runs on (kill off)."""
     return server.wait_for(
@@ -212,7 +251,7 @@ def running_on_interrupted(server: Server, path: str, request_id: str) -> re.Mat
     )
 
 
-def test_gthread_requests_lists_a_request_past_its_timeout_and_a_running_one_until_each_ends(
+def test_gthread_requests_and_metrics_show_a_request_past_its_timeout_and_a_running_one_until_each_ends(
     tmp_path: Path, pool: ThreadPoolExecutor
 ) -> None:
     """A request stuck in a C sleep, interrupted, runs on past its grace
@@ -220,14 +259,35 @@ def test_gthread_requests_lists_a_request_past_its_timeout_and_a_running_one_unt
     thread, age and timeout, beside a streaming request that extend()
     keeps running; the filters pick them; ``stat`` and ``ls`` count them.
     Once it ends (its client gets the 504) it is gone from the list.
-    (Before, a request whose stages were over had nothing in the wheel.)"""
+    (Before, a request whose stages were over had nothing in the wheel.)
+    The driver's /metrics moves with them: a request interrupted and ended
+    in time beside it, the timeouts by route, the requests in flight."""
     port = free_port()
-    stages = "timeout=1.0, interrupt=True, interrupt_grace=0.5, kill=False"
+    stages = (
+        "timeout=1.0, interrupt=True, interrupt_grace=0.5, kill=False, metrics='127.0.0.1:0', routes={'/c-sleep': 1.0}"
+    )
     cmd = gunicorn_app(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=stages)
     with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        scrape = metrics_of(server)
+        before = scrape()
+        assert sample(before, "shmwheel_requests_in_flight", route="/c-sleep") == 0
+        assert sample(before, "shmwheel_request_timeouts_total", route="/c-sleep") == 0
         stuck = pool.submit(get, port, "/c-sleep?s=4", WAIT, "stuck-c-sleep")
         streaming = pool.submit(get, port, STREAMING, WAIT, "streaming")
+        assert get(port, f"/spin?s={WAIT}", WAIT, "spun") == GATEWAY_TIMEOUT
         line = running_on_interrupted(server, "/c-sleep", "stuck-c-sleep")
+        server.wait_for(r"GET /spin \(request spun, .*\) ended [\d.]+ s after it was interrupted$")
+        during = scrape()
+        assert sample(during, "shmwheel_requests_in_flight", route="/c-sleep") == 1
+        assert sample(during, "shmwheel_requests_in_flight", route="other") == 1  # the stream
+        assert sample(during, "shmwheel_requests_past_timeout") == 1
+        assert sample(during, "shmwheel_oldest_request_age_seconds") >= 1.5
+        assert sample(during, "shmwheel_request_timeouts_total", route="/c-sleep") == 1
+        assert sample(during, "shmwheel_request_timeouts_total", route="other") == 1  # the spin
+        interrupted = {o: sample(during, "shmwheel_requests_interrupted_total", outcome=o) for o in OUTCOMES}
+        assert interrupted == {"ended": 1, "ran_on": 1, "killed": 0}
+        assert sample(during, "shmwheel_driver_running") == 1
+        assert sample(during, "shmwheel_driver_lateness_seconds_count") >= 2
         pid, thread = int(line[1]), int(line[2], 16)
         requests = listed(server)
         assert set(requests) == {"stuck-c-sleep", "streaming"}, requests
@@ -258,6 +318,10 @@ def test_gthread_requests_lists_a_request_past_its_timeout_and_a_running_one_unt
         wait_listed(server, "stuck-c-sleep", None)
         assert streaming.result()[0] == 200
         wait_listed(server, "streaming", None)
+        after = scrape()
+        assert sample(after, "shmwheel_requests_in_flight", route="/c-sleep") == 0
+        assert sample(after, "shmwheel_requests_past_timeout") == 0
+        assert sample(after, "shmwheel_request_timeouts_total", route="/c-sleep") == 1
 
 
 def test_gthread_a_request_whose_worker_is_being_killed_is_listed_so_until_its_worker_is_gone(
@@ -280,7 +344,7 @@ def test_gthread_a_request_whose_worker_is_being_killed_is_listed_so_until_its_w
         assert get(port, "/")[0] == 200
 
 
-def test_uwsgi_requests_lists_a_request_that_runs_on_past_its_timeout_until_it_finishes(
+def test_uwsgi_requests_and_metrics_show_a_request_that_runs_on_past_its_timeout_until_it_finishes(
     tmp_path: Path, pool: ThreadPoolExecutor
 ) -> None:
     """uWSGI, no interrupt and kill off: once its stack is written the
@@ -288,23 +352,29 @@ def test_uwsgi_requests_lists_a_request_that_runs_on_past_its_timeout_until_it_f
     until it finishes, which the driver says.  (Before, it was in the
     wheel no more, and its end was never said.)"""
     port = free_port()
-    ini = uwsgi_ini(tmp_path, port, **{"shmwheel-timeout": "1", "shmwheel-kill": "false", "shmwheel-kill-after": None})
+    options = {"shmwheel-timeout": "1", "shmwheel-kill": "false", "shmwheel-metrics": "127.0.0.1:0"}
+    ini = uwsgi_ini(tmp_path, port, **options)
     with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
         server.wait_for(r"driver \d+: running on wheel 'uwsgi-\d+'")
+        scrape = metrics_of(server)
         slow = pool.submit(get, port, "/sleep?s=4", WAIT, "uwsgi-slow")
         server.wait_for(r"shmwheel: the stack of timed-out request GET /sleep \(request uwsgi-slow, ")
         time.sleep(0.6)  # past the check of the stack: the stages are over
         request = listed(server)["uwsgi-slow"]
         assert (request["stage"], request["path"], request["timeout_s"]) == ("timed out", "/sleep", 1.0)
+        during = scrape()
+        assert sample(during, "shmwheel_requests_in_flight") == sample(during, "shmwheel_requests_past_timeout") == 1
+        assert sample(during, "shmwheel_request_timeouts_total") == 1
         assert slow.result()[0] == 200
         server.wait_for(r"GET /sleep \(request uwsgi-slow, .*\) finished [\d.]+ s after it timed out$")
         wait_listed(server, "uwsgi-slow", None)
+        assert sample(scrape(), "shmwheel_requests_in_flight") == 0
         assert server.stop(signal.SIGINT) == 0
         assert_nothing_left(server)
 
 
-def test_uvicorn_requests_lists_a_task_that_runs_on_with_its_task_until_it_ends(
-    tmp_path: Path, pool: ThreadPoolExecutor
+def test_uvicorn_requests_and_metrics_show_a_task_that_runs_on_with_its_task_until_it_ends(
+    tmp_path: Path, pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Uvicorn, the ASGI middleware: a task waiting for its thread runs on
     past its interrupt's grace, listed as interrupted with its task, beside
@@ -312,8 +382,10 @@ def test_uvicorn_requests_lists_a_task_that_runs_on_with_its_task_until_it_ends(
     port = free_port()
     cmd = [str(BIN / "uvicorn"), "asgi_stuck:interrupting", "--app-dir", str(APPS), "--host", "127.0.0.1",
            "--port", str(port), "--workers", "1"]  # fmt: skip
+    monkeypatch.setenv("SHMWHEEL_TEST_METRICS", "127.0.0.1:0")  # the app's middleware's metrics=
     with serve_asgi(cmd, port, tmp_path) as server:
         driver = auto_driver_of(server)
+        scrape = metrics_of(server)
         waiting = pool.submit(get, port, "/thread-then-await?s=3", WAIT, "asgi-waits")
         streaming = pool.submit(get, port, STREAMING, WAIT, "asgi-streaming")
         line = running_on_interrupted(server, "/thread-then-await", "asgi-waits")
@@ -324,9 +396,130 @@ def test_uvicorn_requests_lists_a_task_that_runs_on_with_its_task_until_it_ends(
         )  # fmt: skip
         assert w["task"] == int(line[3], 16) and w["thread"] == int(line[2], 16)
         assert (r["stage"], r["path"]) == ("running", "/stream")
+        during = scrape()
+        assert (sample(during, "shmwheel_requests_in_flight"), sample(during, "shmwheel_requests_past_timeout")) == (
+            2,
+            1,
+        )
+        assert sample(during, "shmwheel_request_timeouts_total") == 1
         assert waiting.result() == GATEWAY_TIMEOUT
         server.wait_for(r"GET /thread-then-await \(request asgi-waits, .*\) ended [\d.]+ s after it was interrupted$")
         wait_listed(server, "asgi-waits", None)
         assert streaming.result()[0] == 200
+        assert sample(scrape(), "shmwheel_requests_interrupted_total", outcome="ran_on") == 1
         assert server.stop(signal.SIGINT) == 0
         assert_nothing_left_of_asgi(server, driver)
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+def test_the_metrics_count_by_route_and_read_the_requests_in_flight_from_the_wheel(make_wheel: MakeWheel) -> None:
+    """What a driver counts goes into the wheel; anyone reads it back as the
+    same text, labelled with the routes its note names (never a raw path),
+    with the requests in flight at that moment and a cumulative histogram."""
+    w = make_wheel(payload_size=256)
+    me = os.getpid()
+    started = time.monotonic_ns() - 3_000_000_000
+
+    def req(path: str, method: str = "GET") -> RequestRecord:
+        rec = decode_request(encode_request(KIND_REQUEST, me, start_time(me) or 0, started, method, "id", path))
+        assert rec is not None
+        return rec
+
+    w.add(60, encode_request(KIND_REQUEST, me, start_time(me) or 0, started, "GET", "in-flight", "/report/2024"))
+    counts = Counts(w, TimeoutActions(routes=("/report", "POST /upload"), kill_signal=signal.SIGABRT))
+    for path, method in [("/report/2024", "GET"), ("/upload", "POST"), ("/upload", "GET"), ("/reportage", "GET")]:
+        counts.timeout(req(path, method))
+    counts.warning(req("/report"))
+    counts.interrupted("ended")
+    counts.interrupted("ran_on")
+    counts.kill()
+    counts.kill(sigkill=True)
+    counts.kill(sigkill=True)
+    for ns in (500_000, 3_000_000, 3_000_000_000):
+        counts.lateness(ns)
+    text = render(w)
+    printed = cli("metrics", w.name).stdout
+
+    def aged(text: str) -> str:  # the age of the oldest request, which moves on
+        return re.sub(r"(?m)^(shmwheel_oldest_request_age_seconds\S*) \S+$", r"\1 AGE", text)
+
+    assert aged(printed) == aged(text) != text
+    s = parsed(text)
+    assert all(("wheel", w.name) in labels for _, labels in s)
+    by_route = {
+        route: sample(s, "shmwheel_request_timeouts_total", route=route)
+        for route in ("/report", "POST /upload", "other")
+    }
+    assert by_route == {"/report": 1, "POST /upload": 1, "other": 2}
+    assert sample(s, "shmwheel_request_warnings_total", route="/report") == 1
+    assert sample(s, "shmwheel_requests_in_flight", route="/report") == 1
+    assert sample(s, "shmwheel_requests_in_flight", route="other") == 0
+    assert 3.0 <= sample(s, "shmwheel_oldest_request_age_seconds") < 60
+    assert [sample(s, "shmwheel_requests_interrupted_total", outcome=o) for o in ("ended", "ran_on", "killed")] == [
+        1,
+        1,
+        0,
+    ]
+    assert sample(s, "shmwheel_worker_kills_total", signal="SIGABRT") == 1
+    assert sample(s, "shmwheel_worker_kills_total", signal="SIGKILL") == 2
+    assert sample(s, "shmwheel_driver_lateness_seconds_bucket", le="0.001") == 1
+    assert sample(s, "shmwheel_driver_lateness_seconds_bucket", le="0.005") == 2
+    assert sample(s, "shmwheel_driver_lateness_seconds_bucket", le="2.5") == 2
+    assert sample(s, "shmwheel_driver_lateness_seconds_bucket", le="+Inf") == 3
+    assert sample(s, "shmwheel_driver_lateness_seconds_count") == 3
+    assert sample(s, "shmwheel_driver_lateness_seconds_sum") == pytest.approx(3.0035)
+    assert (sample(s, "shmwheel_wheel_pending"), sample(s, "shmwheel_wheel_capacity")) == (1, w.capacity)
+    assert sample(s, "shmwheel_driver_running") == 0
+    assert not any("/report/2024" in dict(labels).get("route", "") for _, labels in s)  # never a raw path
+
+
+def test_metrics_of_a_wheel_whose_note_is_not_the_drivers_have_no_route_label(make_wheel: MakeWheel) -> None:
+    w = make_wheel(payload_size=256)
+    w.set_note(b"\xff not json")
+    s = parsed(render(w))
+    assert sample(s, "shmwheel_request_timeouts_total") == 0
+    assert not any("route" in dict(labels) for _, labels in s)
+    assert "no-such-wheel" in cli("metrics", "no-such-wheel").stderr
+
+
+@pytest.mark.parametrize(
+    "value", ["127.0.0.1", "127.0.0.1:", ":9464", "127.0.0.1:http", "127.0.0.1:70000", "a b:1", ""]
+)
+def test_a_metrics_address_that_is_not_host_colon_port_is_refused_with_its_value(value: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(value))):
+        TimeoutActions(metrics=value)
+
+
+def test_the_metrics_address_and_routes_reach_the_driver_command() -> None:
+    actions = TimeoutSettings(1.0, routes={"/report": 5.0, "POST /upload": None}, actions=TimeoutActions(
+        metrics="[::1]:9464")).actions  # fmt: skip
+    assert actions.routes == ("/report", "POST /upload")
+    assert metrics_address(actions.metrics) == ("::1", 9464)
+    args = actions.as_args()
+    assert "--metrics=[::1]:9464" in args and "--route=POST /upload" in args
+    assert "metrics on [::1]:9464" in actions.summary()
+
+
+def test_a_metrics_address_in_use_is_tried_again_until_it_is_free(make_wheel: MakeWheel, caplog) -> None:
+    w = make_wheel(payload_size=256)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    server = MetricsServer(w.name, "127.0.0.1", port)
+    server.RETRY = 0.05
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        server.start()
+        try:
+            wait_for(lambda: "is in use; trying again" in caplog.text)
+            holder.close()
+            wait_for(lambda: f"serving http://127.0.0.1:{port}/metrics" in caplog.text)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                assert sample(parsed(response.read().decode()), "shmwheel_wheel_capacity") == w.capacity
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
+        finally:
+            server.stop()

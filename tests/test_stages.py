@@ -536,8 +536,8 @@ def test_uwsgi_reads_the_stages_and_the_routes() -> None:
     s = read_options(opts, 1)
     t = s.timeouts
     assert (t.warn_after, t.interrupt, t.x_request_start) == (10.0, True, True)
-    assert t.actions == TimeoutActions(tracebacks=False, interrupt_grace=2.5)
     assert t.routes == {"/upload": 300.0, "POST /api/": 5.0, "/health": None}
+    assert t.actions == TimeoutActions(tracebacks=False, interrupt_grace=2.5, routes=tuple(t.routes))  # for the metrics
     assert t.signal == signal.SIGURG  # no stacks, but the driver still tells the worker to end a request
     assert s.on_timeout == "sentry_on_timeout:report_to_sentry"
     with pytest.raises(ValueError, match="on-timeout must be module:function"):

@@ -36,6 +36,7 @@ PACKAGE = ROOT / "shmwheel"
 FLOORS: list[tuple[str, ...]] = [
     ("_record", "_routes", "_logs", "_calls"),  # what both sides share
     ("_settings", "_inflight"),
+    ("_metrics",),  # the driver's counts, in the wheel, and its metrics
     ("_body",),  # the WSGI body, below the one door to C, which chooses it
     ("_door",),  # the only import of shmwheel._fast
     ("_stacks",),  # the worker's side: stacks and the reporter thread
@@ -59,7 +60,12 @@ WORKER = (
     "shmwheel.contrib.sentry",
     "shmwheel.contrib.otel",
 )
-DRIVER = ("shmwheel.contrib._handler", "shmwheel.contrib._supervisor", "shmwheel.contrib.timeouts")
+DRIVER = (
+    "shmwheel.contrib._handler",
+    "shmwheel.contrib._metrics",
+    "shmwheel.contrib._supervisor",
+    "shmwheel.contrib.timeouts",
+)
 
 
 def modules() -> dict[str, Path]:

@@ -78,6 +78,7 @@ from .._process import alive, signal_disposition, uids, uses_file
 from .._results import Fire
 from .._segment import segment_name
 from .._wheel import Wheel, attach
+from ._metrics import Counts
 from ._record import (
     DUMP_SIGNALS,
     KIND_ANSWER,
@@ -323,6 +324,7 @@ class TimeoutHandler:
         self.name = name
         self.actions = actions or TimeoutActions()
         self._wheel: Wheel | None = None  # for the follow-up timers and the producer table, opened on first need
+        self._counts: Counts | None = None  # what the metrics report, in the wheel's counters
         self._producers: dict[int, int] = {}  # pid: start time of the live producers, as last read
         self._producers_read = -math.inf
         self._late: dict[bytes, _Late] = {}  # request (record past its kind): while follow-ups of it are due
@@ -380,6 +382,8 @@ class TimeoutHandler:
 
     def __call__(self, fire: Fire) -> Any:
         with self._lock:
+            if fire.handle >= 0:  # (not one of the follow-ups kept here, whose lateness is this process's)
+                self._counting().lateness(time.monotonic_ns() - fire.deadline_ns)
             if self._refused_unread(fire):
                 return None
             key = fire.payload[1:]
@@ -411,6 +415,7 @@ class TimeoutHandler:
         requests that ran on past their stages, of workers that are gone,
         forgotten, and their fires kept in flight acknowledged."""
         with self._lock:
+            self._counting()  # its note written, so that the metrics have their labels before the first fire
             self._forget_gone()
             self._release()
 
@@ -596,6 +601,7 @@ class TimeoutHandler:
             return
         late.ended = True
         if record.kind == KIND_FINISHED and late.interrupted_at:
+            self._counting().interrupted("ended")
             ended = time.monotonic() - late.interrupted_at
             _log.info("%s ended %.3f s after it was interrupted", record.describe(), ended)
         elif record.kind == KIND_FINISHED and late.stage == WARNED:
@@ -618,6 +624,8 @@ class TimeoutHandler:
 
     def _warned(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         """The request's warn_after stage: its stack, and its timeout stage added for later."""
+        if there:
+            self._counting().warning(record)
         timeout_at = record.timeout_at() or 0
         stack, dump = self._stack_signals(record, there and self.actions.tracebacks)
         if self.actions.log:
@@ -651,6 +659,8 @@ class TimeoutHandler:
 
     def _timed_out(self, fire: Fire, record: RequestRecord, there: bool) -> None:
         actions = self.actions
+        if there:
+            self._counting().timeout(record)
         # A worker that ends its requests itself is signalled for that, even
         # with tracebacks off: the same signal has it look.
         stack, dump = self._stack_signals(record, there and (actions.tracebacks or record.interrupt))
@@ -827,6 +837,7 @@ class TimeoutHandler:
             actions.interrupt_grace,
             then,
         )
+        self._counting().interrupted("killed" if actions.kill else "ran_on")
         if not actions.kill:
             self._runs_on(fire.payload[1:], record, late)
             return
@@ -878,6 +889,11 @@ class TimeoutHandler:
         if self._wheel is None:
             self._wheel = attach(self.name)
         return self._wheel
+
+    def _counting(self) -> Counts:
+        if self._counts is None:
+            self._counts = Counts(self._open(), self.actions)
+        return self._counts
 
     def _later(self, delay: float, kind: int, payload: bytes) -> None:
         """A timer of this wheel that will bring the record back as ``kind``.
@@ -996,6 +1012,7 @@ class TimeoutHandler:
             )
             return
         if self._signal(fire, record, self.actions.kill_signal):
+            self._counting().kill()
             self._draining[worker] = now
             self._later(self.actions.kill_after, KIND_KILL, fire.payload)
 
@@ -1008,6 +1025,7 @@ class TimeoutHandler:
             return
         how = signal_disposition(record.pid, self.actions.kill_signal)
         if self._signal(fire, record, signal.SIGKILL):
+            self._counting().kill(sigkill=True)
             self._draining.pop((record.pid, record.start), None)
             after = f"{self.actions.kill_after:g} s after {name}"
             why = {

@@ -19,13 +19,21 @@ from collections.abc import Callable, Mapping
 
 from .._checks import check_seconds
 
-__all__ = ["Routes", "compile_routes"]
+__all__ = ["Routes", "compile_routes", "route_key"]
 
 Routes = Mapping[str, float | None] | Callable[[str, str], float | None]
 #: A route's timeout, in ns, or None for no timeout.
 Lookup = Callable[[str, str], int | None]
 
 _KEY = re.compile(r"(?:([!#$%&'*+.^_`|~0-9A-Za-z-]+) )?(/.*)")
+
+
+def route_key(key: object) -> tuple[str | None, str]:
+    """The method (or None) and the path of a route's key; ValueError if it is none."""
+    if not isinstance(key, str) or not (match := _KEY.fullmatch(key)) or "//" in key:
+        raise ValueError(f"routes: {key!r} is not a path, or a method and a path ('POST /api')")
+    method, path = match.groups()
+    return method, path
 
 
 def compile_routes(routes: Routes | None, default_ns: int) -> Lookup | None:
@@ -40,9 +48,7 @@ def compile_routes(routes: Routes | None, default_ns: int) -> Lookup | None:
     table: list[tuple[int, int, str | None, str, int | None]] = []
     seen: dict[tuple[str | None, str], str] = {}
     for key, seconds in routes.items():
-        if not isinstance(key, str) or not (match := _KEY.fullmatch(key)) or "//" in key:
-            raise ValueError(f"routes: {key!r} is not a path, or a method and a path ('POST /api')")
-        method, path = match.groups()
+        method, path = route_key(key)
         ns = None if seconds is None else round(check_seconds(seconds, f"routes[{key!r}]", positive=True) * 1e9)
         below = path.rstrip("/") + "/"  # "/report/" and "/report" alike: what lies below "/report"
         method = None if method is None else method.upper()

@@ -9,14 +9,15 @@ driver's side both import from here, and neither from the other.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .._checks import CAPACITIES, check_flag, check_int, check_seconds, check_signal
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord, check_traceback_signal, signal_name
-from ._routes import Lookup, Routes, compile_routes
+from ._routes import Lookup, Routes, compile_routes, route_key
 
 __all__ = [
     "COMMAND",
@@ -26,6 +27,7 @@ __all__ = [
     "WHEEL_ENV",
     "TimeoutActions",
     "TimeoutSettings",
+    "metrics_address",
     "reserve_for",
     "shards_for",
 ]
@@ -71,6 +73,18 @@ def reserve_for(capacity: int) -> int:
     return capacity // 16
 
 
+def metrics_address(value: object, what: str = "metrics") -> tuple[str, int]:
+    """The (host, port) of ``"HOST:PORT"`` (``"[::1]:9464"`` for an IPv6
+    host; port 0: one the kernel picks, which the driver's log names)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string HOST:PORT, not {type(value).__name__}")
+    host, sep, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535 or any(c.isspace() for c in host):
+        raise ValueError(f"{what} must be HOST:PORT, like 127.0.0.1:9464, not {value!r}")
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class TimeoutActions:
     """What the driver does when a request's timer fires (see the module docs).
@@ -86,6 +100,10 @@ class TimeoutActions:
     kill_after: float = DEFAULT_KILL_AFTER
     #: how long an interrupted request has to end before it is logged, and killed with kill
     interrupt_grace: float = DEFAULT_INTERRUPT_GRACE
+    #: where the driver serves its metrics, HOST:PORT (None: it does not)
+    metrics: str | None = None
+    #: the routes (keys of a mapping of ``routes``) the metrics count requests by
+    routes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for flag in ("log", "tracebacks", "kill"):
@@ -94,6 +112,12 @@ class TimeoutActions:
         object.__setattr__(self, "kill_after", check_seconds(self.kill_after, "kill_after", positive=True))
         grace = check_seconds(self.interrupt_grace, "interrupt_grace", positive=True)
         object.__setattr__(self, "interrupt_grace", grace)
+        if self.metrics is not None:
+            metrics_address(self.metrics)
+        if not isinstance(self.routes, tuple):
+            raise TypeError(f"routes must be a tuple of route keys, not {type(self.routes).__name__}")
+        for key in self.routes:
+            route_key(key)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TimeoutActions:
@@ -105,6 +129,8 @@ class TimeoutActions:
             kill_signal=args.kill_signal,
             kill_after=args.kill_after,
             interrupt_grace=args.interrupt_grace,
+            metrics=args.metrics,
+            routes=tuple(args.route or ()),
         )
 
     def summary(self) -> str:
@@ -118,6 +144,8 @@ class TimeoutActions:
             parts.append("no stacks")
         if not self.log:
             parts.append("no log")
+        if self.metrics is not None:
+            parts.append(f"metrics on {self.metrics}")
         return ", ".join(parts)
 
     def as_args(self) -> list[str]:
@@ -133,6 +161,9 @@ class TimeoutActions:
             args.append("--no-tracebacks")
         if self.kill:
             args.append("--kill")
+        if self.metrics is not None:
+            args.append(f"--metrics={self.metrics}")
+        args += [f"--route={key}" for key in self.routes]
         return args
 
 
@@ -186,6 +217,8 @@ class TimeoutSettings:
                 "the driver tells the worker that a request of its is late"
             )
         object.__setattr__(self, "lookup", compile_routes(self.routes, round(timeout * 1e9)))
+        if isinstance(self.routes, Mapping) and not self.actions.routes:  # the metrics count by them too
+            object.__setattr__(self, "actions", dataclasses.replace(self.actions, routes=tuple(self.routes)))
 
     def summary(self) -> str:
         """What each request gets, in a few words for a log line:

@@ -107,7 +107,8 @@ class TimeoutMiddleware:
     does on a timeout (see :class:`~shmwheel.contrib.TimeoutActions`;
     ``kill_signal`` SIGTERM: Uvicorn and Hypercorn shut a worker down
     gracefully on it) and how many requests may be in progress at once
-    (``capacity``); a driver run elsewhere has its own settings.
+    (``capacity``), and where it serves its metrics (``metrics``,
+    ``"HOST:PORT"``); a driver run elsewhere has its own settings.
 
     The stages, as for the WSGI middleware: ``warn_after`` logs the
     request's stack and lets it run; with ``interrupt`` its timeout answers
@@ -139,13 +140,14 @@ class TimeoutMiddleware:
         routes: Routes | None = None,
         on_timeout: Callable[[RequestRecord, str], object] | None = None,
         x_request_start: bool = False,
+        metrics: str | None = None,
     ) -> None:
         settings = TimeoutSettings(
             timeout, warn_after=warn_after, interrupt=interrupt, routes=routes, on_timeout=on_timeout,
             x_request_start=x_request_start, traceback_signal=traceback_signal, capacity=capacity,
             actions=TimeoutActions(
                 log=log, tracebacks=tracebacks, kill=kill, kill_signal=kill_signal,  # type: ignore[arg-type]
-                kill_after=kill_after, interrupt_grace=interrupt_grace,
+                kill_after=kill_after, interrupt_grace=interrupt_grace, metrics=metrics,
             ),
         )  # fmt: skip
         self._set_up(app, settings, name, websocket)

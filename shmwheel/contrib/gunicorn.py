@@ -142,6 +142,7 @@ def install(
     routes: Routes | None = None,
     on_timeout: Callable[[RequestRecord, str], object] | None = None,
     x_request_start: bool = False,
+    metrics: str | None = None,
 ) -> None:
     """Give every request a ``timeout`` (seconds): call it with ``globals()``
     last in a Gunicorn config file.  ``name`` is the wheel's name (default
@@ -162,6 +163,7 @@ def install(
         actions=TimeoutActions(
             log=log, tracebacks=tracebacks, kill=kill, kill_after=kill_after, interrupt_grace=interrupt_grace,
             kill_signal=signal.SIGABRT if kill_signal is None else kill_signal,  # type: ignore[arg-type]
+            metrics=metrics,
         ),
     )  # fmt: skip
     settings = _Installed(name=name, timeouts=timeouts, kill_signal_given=kill_signal is not None)

@@ -32,6 +32,7 @@ from .._segment import SHM, bare_name, segment_name
 from .._wheel import observe, unlink
 from ._handler import TimeoutHandler
 from ._logs import LogTarget
+from ._metrics import serve_metrics
 from ._settings import DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions
 from ._supervisor import LOG_FORMAT, create_wheel, watch_parent, watch_use
 
@@ -83,6 +84,19 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a request its worker was asked to end (interrupt=True in the worker) has to end before "
         "it is logged and, with --kill, its worker signalled (default %(default)s)",
+    )
+    p.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve the driver's metrics there, on /metrics, in Prometheus's text format (shmwheel metrics NAME "
+        "prints the same text)",
+    )
+    p.add_argument(
+        "--route",
+        action="append",
+        metavar="ROUTE",
+        help="a route the metrics count requests by, as the workers' routes name it ('/report', 'POST /upload'); "
+        "again for each route.  Other requests count as route 'other'",
     )
     p.add_argument(
         "--user",
@@ -265,7 +279,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m shmwheel.cont
                 writers,
             )
         dedicated_process()
-        driver.run()
+        driver.run(on_ready=lambda: serve_metrics(args.name, actions))  # once it drives the wheel
     except (ShmwheelError, OSError, ValueError, TypeError) as exc:
         print(f"{parser.prog}: {one_line(exc)}", file=sys.stderr)
         return 1

@@ -43,6 +43,8 @@ The ``shmwheel-*`` options (uWSGI hands every process the whole config):
 ``shmwheel-log``            ``false``: no log line per timeout
 ``shmwheel-name``           the wheel (default ``uwsgi-<master pid>``)
 ``shmwheel-capacity``       requests in progress at once (default 65536)
+``shmwheel-metrics``        ``HOST:PORT``: the mule serves the metrics there,
+                            on ``/metrics`` (Prometheus's text format)
 ==========================  =================================================
 
 The master creates the wheel when it loads the application (each worker
@@ -85,6 +87,7 @@ from .._errors import DriverRunningError, SegmentNotFoundError, ShmwheelError
 from .._process import alive, start_time
 from .._wheel import observe, unlink
 from ._handler import TimeoutHandler
+from ._metrics import serve_metrics
 from ._record import DEFAULT_TRACEBACK_SIGNAL, check_traceback_signal
 from ._settings import DEFAULT_CAPACITY, DEFAULT_INTERRUPT_GRACE, DEFAULT_KILL_AFTER, TimeoutActions, TimeoutSettings
 from ._stacks import writes_somewhere
@@ -316,6 +319,7 @@ def read_options(opts: Mapping[str, Any], master_pid: int) -> Options:
                 kill_signal=_option(opts, "kill-signal") or signal.SIGTERM,  # type: ignore[arg-type]
                 kill_after=_number(opts, "kill-after", DEFAULT_KILL_AFTER),
                 interrupt_grace=_number(opts, "interrupt-grace", DEFAULT_INTERRUPT_GRACE),
+                metrics=_option(opts, "metrics"),
             ),
         )
         return Options(name=_option(opts, "name") or f"uwsgi-{master_pid}", timeouts=timeouts, on_timeout=on_timeout)
@@ -527,7 +531,7 @@ def driver() -> None:
         except SegmentNotFoundError:  # lazy-apps: no master made it
             create_wheel(config.name, capacity=config.timeouts.capacity)
             _remove_when_master_exits(config.name, master)
-        run.run()
+        run.run(on_ready=lambda: serve_metrics(config.name, config.timeouts.actions))
     except DriverRunningError as exc:
         # Another mule drives it.  Returning would only have uWSGI start
         # this mule again at once, so wait to be stopped.

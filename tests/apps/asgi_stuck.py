@@ -39,7 +39,8 @@ Each stays stuck for ``s`` seconds (``?s=``, default 3), /regex for as long
 as its match takes.  ``app`` is wrapped in the ASGI middleware with a
 timeout of ``SHMWHEEL_TEST_TIMEOUT`` seconds (default 1) and no kill;
 ``interrupting`` is the same with ``interrupt=True`` (a request is ended at
-its timeout and answered 504); ``nested`` is ``app`` inside a function of
+its timeout and answered 504), and its driver's metrics served where
+``SHMWHEEL_TEST_METRICS`` says, if it is set; ``nested`` is ``app`` inside a function of
 its own, which ``install()`` wraps again; ``routes`` is the same
 application unwrapped, for Gunicorn's ``install()``.
 """
@@ -318,7 +319,8 @@ async def spin_anywhere(scope: Scope, receive: Receive, send: Send) -> None:
 
 TIMEOUT = float(os.environ.get("SHMWHEEL_TEST_TIMEOUT", "1.0"))
 app = TimeoutMiddleware(spin_anywhere, timeout=TIMEOUT, kill=False)
-interrupting = TimeoutMiddleware(spin_anywhere, timeout=TIMEOUT, kill=False, interrupt=True, interrupt_grace=0.5)
+interrupting = TimeoutMiddleware(spin_anywhere, timeout=TIMEOUT, kill=False, interrupt=True, interrupt_grace=0.5,
+                                 metrics=os.environ.get("SHMWHEEL_TEST_METRICS"))  # fmt: skip
 
 
 async def nested(scope: Scope, receive: Receive, send: Send) -> None:
