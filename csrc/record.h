@@ -62,6 +62,9 @@ struct shmw_request_head {
                                          * after this one fired */
 #define SHMW_REQ_KIND_LATE       10     /* the worker's, to a driver it has not told before: the request this
                                          * names still runs past its timeout, which a driver that died asked about */
+#define SHMW_REQ_KIND_END        11     /* an operator's (shmwheel end): end the request this names now, as its
+                                         * timeout would; the wheel's owner or root, which the driver checks */
+#define SHMW_REQ_KIND_END_KILL   12     /* the same, and its worker's kill stage if it has not ended in its grace */
 
 /* Flags. */
 #define SHMW_REQ_TRUNCATED       1      /* the path was cut to fit */

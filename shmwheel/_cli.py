@@ -2,7 +2,8 @@
 
 ``create``, ``stat``, ``ls``, ``check`` and ``unlink`` manage segments;
 ``requests`` lists the requests in flight on a request-timeout wheel,
-and ``metrics`` prints its driver's metrics;
+``stack`` prints one's stack and ``end`` ends one, and ``metrics`` prints
+its driver's metrics;
 ``driver`` runs a wheel's :class:`~shmwheel.Driver` in the foreground, its
 fires going to a handler it loads by name, to stdout as lines of JSON
 (``--jsonl``) or to the log; ``demo`` shows it all.
@@ -512,6 +513,23 @@ def _requests(args: argparse.Namespace) -> int:
             raise
 
 
+def _stack(args: argparse.Namespace) -> int:
+    """``shmwheel stack NAME REQUEST_ID``: the request's own stack, now."""
+    from .contrib import _operator
+
+    print(_operator.stack(args.name, args.request_id, args.wait), end="", flush=True)
+    return 0
+
+
+def _end(args: argparse.Namespace) -> int:
+    """``shmwheel end NAME REQUEST_ID [--kill]``: end it as its timeout would; the status says what came of it."""
+    from .contrib import _operator
+
+    outcome = _operator.end(args.name, args.request_id, args.kill)
+    print(outcome.line, flush=True)
+    return outcome.status
+
+
 def _metrics_text(args: argparse.Namespace) -> int:
     """``shmwheel metrics NAME``: the metrics, once, as the driver serves them."""
     with observe(args.name) as wheel:
@@ -666,6 +684,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", type=_int_between(1, 2**31 - 1), metavar="PID", help="only this worker's requests")
     p.add_argument("--watch", action="store_true", help="refresh every interval, as top does, until Ctrl-C or SIGTERM")
     p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help="with --watch (default 1)")
+
+    p = command(
+        "stack",
+        _stack,
+        "print the stack of a request in flight, now, as its worker writes it at a timeout (its thread's, its "
+        "task's or its greenlet's), and leave the request as it is; only the wheel's owner or root may",
+    )
+    p.add_argument("request_id", metavar="REQUEST_ID", help="the request, as shmwheel requests lists it")
+    p.add_argument(
+        "--wait",
+        type=_positive,
+        default=2.0,
+        metavar="SECONDS",
+        help="how long the worker has to write it (default 2): one that does not runs no Python (a C call that "
+        "holds the GIL)",
+    )
+    p = command(
+        "end",
+        _end,
+        "end a request in flight as its timeout would: its worker ends it at a safe point and its client gets a 504; "
+        "the driver says so in the server's log.  Exit status 0: it ended; 3: it has not ended within its "
+        "interrupt_grace, and runs on; 4: its worker was killed (--kill).  Only the wheel's owner or root may",
+    )
+    p.add_argument("request_id", metavar="REQUEST_ID", help="the request, as shmwheel requests lists it")
+    p.add_argument(
+        "--kill",
+        action="store_true",
+        help="if it has not ended within its grace, go on to its worker's kill stage, as the timeout would with "
+        "kill: kill_signal, then SIGKILL (also for a request past its timeout already, or whose worker does not "
+        "interrupt requests)",
+    )
 
     command(
         "metrics",

@@ -26,6 +26,7 @@ import pytest
 import shmwheel
 from shmwheel.contrib import PAYLOAD_SIZE, decode_request
 from shmwheel.contrib import gunicorn as contrib_gunicorn
+from shmwheel.contrib._record import KIND_FINISHED
 from shmwheel.contrib.asgi import TIMED, TimeoutMiddleware, own_wheel_name
 
 WAIT = 30.0
@@ -93,7 +94,10 @@ def test_a_request_is_timed_until_its_response_is_complete(make_wheel, path: str
     stuck_mw = TimeoutMiddleware(stuck, 30.0, name=wheel.name, tracebacks=False)
     assert stuck_mw.timer.prepare()
     run(stuck_mw, http(path, [(b"x-request-id", b"abc-1")]))
-    assert len(wheel) == 0 and wheel.stats().cancelled == 1  # it fired: nothing to cancel
+    assert wheel.stats().cancelled == 1  # it fired: nothing to cancel; its driver is told it finished
+    [word] = wheel.poll(time.monotonic() + 7200)
+    finished = decode_request(word.payload)
+    assert finished is not None and finished.kind == KIND_FINISHED and finished.request_id == "abc-1"
 
 
 def test_a_request_whose_app_raises_is_cancelled(make_wheel) -> None:

@@ -29,9 +29,11 @@ from _servers import (
     assert_nothing_left,
     assert_nothing_left_of_asgi,
     auto_driver_of,
+    booted,
     free_port,
     get,
     gunicorn_app,
+    pid_of,
     serve,
     serve_asgi,
     stopped_cleanly,
@@ -39,14 +41,19 @@ from _servers import (
 )
 from conftest import entry, put_in_flight, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+from test_privileges import Child, as_root
+from test_wire import assert_whole_504, exchange
 
 import shmwheel
 from shmwheel._process import start_time
 from shmwheel._results import Timer
-from shmwheel.contrib._inflight import in_flight
+from shmwheel._segment import SHM
+from shmwheel.contrib import PAYLOAD_SIZE, RequestTimer
+from shmwheel.contrib._inflight import in_flight, read
 from shmwheel.contrib._metrics import OUTCOMES, Counts, MetricsServer, render
 from shmwheel.contrib._record import (
     KIND_CHECK,
+    KIND_END,
     KIND_FINISHED,
     KIND_GRACE,
     KIND_KILL,
@@ -120,6 +127,37 @@ def test_timers_lists_each_timer_pending_or_in_flight_once_across_shards_and_not
     assert w.repair() is not None  # the scribble is the audit's to quarantine
 
 
+def test_timers_sees_each_timer_that_stays_once_while_others_come_and_go(make_wheel: MakeWheel) -> None:
+    """Another process adds and cancels timers as fast as it can, all over
+    the slab, while this one reads the wheel again and again: each read
+    has every timer that stayed pending throughout, once."""
+    w = make_wheel(capacity=4096, shards=2)
+    stay = {w.add(600, b"stays %d" % i) for i in range(300)}
+    churn = subprocess.Popen([sys.executable, "-c", CHURN, w.name])
+    try:
+        wait_for(lambda: w.stats().added > len(stay) + 5000)  # it churns
+        reads, churned = 0, w.stats().added
+        while reads < 20 or w.stats().added < churned + 20_000:  # reads while it churns some more
+            seen = [t.handle for t in w.timers()]
+            assert len(seen) == len(set(seen))
+            assert stay <= set(seen)
+            reads += 1
+        assert churn.poll() is None, "the churn ended early: it did not run throughout"
+    finally:
+        churn.kill()
+        churn.wait()
+    assert len(w.timers()) >= len(stay)
+
+
+CHURN = """
+import sys, shmwheel
+with shmwheel.attach(sys.argv[1]) as w:
+    while True:
+        handles = w.add_many([600.0] * 500)
+        w.cancel_many(handles)
+"""
+
+
 # -- the stages, from the timers of one request ----------------------------------------
 
 
@@ -147,14 +185,12 @@ NOW = 3_500_000_000  # 2.5 s after the request started
                                                           owner=DRIVER)], "interrupted"),
         ([timer(record(interrupt=True), fired=True)], "interrupted"),  # past its grace, running on
         ([timer(record(), fired=True), timer(with_kind(record(), KIND_KILL), owner=DRIVER)], "being killed"),
-        # Only the driver's follow-up is left (its own fire acknowledged): the driver's word holds.
-        ([timer(with_kind(record(), KIND_KILL), owner=DRIVER)], "being killed"),
     ],
 )  # fmt: skip
 def test_a_requests_stage_is_read_from_its_own_timer_and_the_drivers_follow_ups(
     timers: list[Timer], stage: str
 ) -> None:
-    found = in_flight(timers, DRIVER, NOW)
+    found = in_flight(timers, NOW)
     (request,) = found.requests
     assert request.stage == stage
     assert (request.record.request_id, request.record.path, request.record.pid) == ("req-1", "/slow", WORKER)
@@ -176,15 +212,17 @@ def test_a_requests_stage_is_read_from_its_own_timer_and_the_drivers_follow_ups(
 
 def test_what_is_not_a_request_in_flight_is_not_listed() -> None:
     """A request whose worker has said it finished; a record in a timer
-    that the worker it names did not add; a follow-up that the driver did
-    not add, of a request not seen; a worker not among those that count;
-    and a timer that carries no record at all."""
+    that the worker it names did not add; a follow-up of a request whose
+    own timer is not there; a worker not among those that count; and a
+    timer that carries no record at all."""
     finished = [timer(record(), fired=True), timer(with_kind(record(), KIND_FINISHED))]
-    assert in_flight(finished, DRIVER, NOW).requests == []
-    assert in_flight([timer(record(), owner=WORKER + 1)], DRIVER, NOW).requests == []
-    assert in_flight([timer(with_kind(record(), KIND_KILL), owner=WORKER + 1)], DRIVER, NOW).requests == []
-    assert in_flight([timer(record())], DRIVER, NOW, workers={(WORKER, START + 1)}).requests == []
-    found = in_flight([timer(b"not a record")], DRIVER, NOW)
+    assert in_flight(finished, NOW).requests == []
+    # Its worker has freed its fire as it ended, and the driver's follow-up has yet to come.
+    assert in_flight([timer(with_kind(record(), KIND_GRACE), owner=DRIVER)], NOW).requests == []
+    assert in_flight([timer(record(), owner=WORKER + 1)], NOW).requests == []
+    assert in_flight([timer(with_kind(record(), KIND_KILL), owner=WORKER + 1)], NOW).requests == []
+    assert in_flight([timer(record())], NOW, workers={(WORKER, START + 1)}).requests == []
+    found = in_flight([timer(b"not a record")], NOW)
     assert (found.requests, found.others) == ([], 1)
 
 
@@ -194,7 +232,7 @@ def test_requests_are_listed_oldest_first_with_the_timeout_their_newest_timer_sa
     old, young = 500_000_000, 2_000_000_000
     extended = timer(record(started_ns=old, timeout_ms=9000), deadline_ns=old + 9_000_000_000)
     timers = [timer(record(started_ns=young)), timer(record(started_ns=old, warn=True), fired=True), extended]
-    found = in_flight(timers, DRIVER, NOW)
+    found = in_flight(timers, NOW)
     assert [(r.record.started_ns, r.stage, r.timeout()) for r in found.requests] == [
         (old, "running", 9.0),
         (young, "running", 1.0),
@@ -523,3 +561,195 @@ def test_a_metrics_address_in_use_is_tried_again_until_it_is_free(make_wheel: Ma
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
         finally:
             server.stop()
+
+
+# -- by hand: a request's stack, and its end ------------------------------------------------
+
+
+def end_by_hand(server: Server, request_id: str, *options: str) -> subprocess.CompletedProcess[str]:
+    return cli("end", server.wheel, request_id, *options)
+
+
+def test_gthread_stack_and_end_by_hand_leave_the_worker_and_its_siblings_serving(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """An operator's ``shmwheel stack`` prints a running request's own
+    stack, naming the function it is in, and leaves it to finish (200);
+    ``shmwheel end`` ends a request stuck in a Python loop long before its
+    timeout: its client gets a whole 504 on a connection that serves on,
+    the request beside it in the same worker finishes, the worker serves
+    on, and the server's log says it was done by hand.  A request that is
+    not in flight is a one-line error."""
+    port = free_port()
+    stages = "timeout=30.0, interrupt=True, interrupt_grace=0.5, kill=False"
+    cmd = gunicorn_app(tmp_path, port, "gthread", "--workers", "1", "--threads", "4", install=stages)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        pid = pid_of(get(port, "/"))
+        looked_at = pool.submit(get, port, "/spin?s=2", WAIT, "looked-at")
+        wait_listed(server, "looked-at", "running")
+        proc = cli("stack", server.wheel, "looked-at")
+        assert proc.returncode == 0 and proc.stderr == "", proc
+        assert proc.stdout.startswith(
+            f"shmwheel: the stack of request GET /spin (request looked-at, worker pid {pid}, thread 0x"
+        ), proc.stdout
+        assert re.search(r'File ".*/tests/apps/flask_stuck\.py", line \d+, in stuck_in_spin\n', proc.stdout)
+        server.wait_for(r"the stack of GET /spin \(request looked-at, .*\) was asked for by hand \(shmwheel stack\)")
+        assert looked_at.result() == (200, f"done by pid {pid}\n")  # left as it was
+
+        stuck = pool.submit(exchange, port, f"/spin?s={WAIT}", "ended-by-hand")
+        sibling = pool.submit(get, port, "/sleep?s=1.5", WAIT, "sibling")
+        wait_listed(server, "ended-by-hand", "running")
+        wait_listed(server, "sibling", "running")
+        proc = end_by_hand(server, "ended-by-hand")
+        assert proc.returncode == 0, proc
+        assert re.fullmatch(
+            rf"request ended-by-hand \(GET /spin, worker pid {pid}\) ended [\d.]+ s after it was asked to\n",
+            proc.stdout,
+        ), proc.stdout
+        assert_whole_504(*stuck.result())
+        server.wait_for(
+            rf"request ended by hand \(shmwheel end, pid \d+, uid {os.geteuid()}\): GET /spin \(request "
+            rf"ended-by-hand, worker pid {pid}, .*\), running for [\d.]+ s; asking it to end the request"
+        )
+        server.wait_for(r"GET /spin \(request ended-by-hand, .*\) was ended by hand: answered 504 Gateway Timeout")
+        assert sibling.result() == (200, f"done by pid {pid}\n")
+        assert pid_of(get(port, "/")) == pid and booted(server) == 1
+        assert "request timed out" not in server.log()
+
+        proc = cli("stack", server.wheel, "ended-by-hand")
+        assert proc.returncode == 1 and proc.stdout == "", proc
+        assert proc.stderr.startswith("shmwheel: no request 'ended-by-hand' is in flight on wheel"), proc.stderr
+        assert len(proc.stderr.splitlines()) == 1
+
+
+@as_root
+def test_gthread_end_of_a_request_in_a_c_call_says_it_runs_on_and_with_kill_ends_its_worker(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """A request in a C call cannot be ended at once: ``shmwheel end``
+    exits 3, saying it runs on; ``--kill`` then goes on to its worker's
+    kill stage, though the server's kill is off, and exits 4 once the
+    worker is gone; a new one serves.  An end asked by another user, who
+    can write the wheel, is refused by the driver, and nothing is done."""
+    port = free_port()
+    stages = "timeout=30.0, interrupt=True, interrupt_grace=0.5, kill=False, kill_after=1.0"
+    cmd = gunicorn_app(tmp_path, port, "gthread", "--workers", "1", "--threads", "2", install=stages)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        pid = pid_of(get(port, "/"))
+        stuck = pool.submit(get, port, f"/c-sleep?s={WAIT}", WAIT, "in-c")
+        request = wait_listed(server, "in-c", "running")
+        assert request is not None
+
+        # nobody, given write access to the wheel, asks for the end through it.
+        os.chmod(SHM / server.wheel, 0o666)
+        forged = Child(lambda: str(forge_end(server.wheel, "in-c")))
+        try:
+            server.wait_for(r"GET /c-sleep \(request in-c, .*\) was asked by hand to end, which is not done: pid \d+, "
+                            r"which asked, runs as uid 65534: only the wheel's owner \(uid 0\) or root")  # fmt: skip
+        finally:
+            forged.end()
+        os.chmod(SHM / server.wheel, 0o600)
+        assert wait_listed(server, "in-c", "running") is not None
+
+        proc = end_by_hand(server, "in-c")
+        assert proc.returncode == 3, proc
+        assert "has not ended 0.5 s after it was asked to: it runs on" in proc.stdout
+        assert wait_listed(server, "in-c", "interrupted") is not None
+        proc = end_by_hand(server, "in-c", "--kill")
+        assert proc.returncode == 4, proc
+        assert proc.stdout.startswith(f"request in-c (GET /c-sleep, worker pid {pid}) is over: its worker exited")
+        server.wait_for(r"GET /c-sleep \(request in-c, .*\), past its timeout, ended by hand \(shmwheel end, .*\): "
+                        r"its worker's kill stage")  # fmt: skip
+        assert stuck.result()[0] in (0, 502)
+        assert pid_of(get(port, "/")) != pid
+
+
+def forge_end(wheel: str, request_id: str) -> int:
+    """As another user: the end of a request, written into its wheel as
+    ``shmwheel end`` writes it, the wheel kept open (mapped) as it does."""
+    w = shmwheel.attach(wheel)
+    _kept_open.append(w)
+    (request,) = [r for r in read(w).requests if r.record.request_id == request_id]
+    return w.add(0.0, with_kind(request.payload, KIND_END), reserved=True)
+
+
+_kept_open: list[shmwheel.Wheel] = []  # in the child that forged, until it exits
+
+
+@pytest.mark.parametrize("in_c", [True, False], ids=["c", "python"])
+def test_a_request_that_ends_as_its_timer_is_moved_by_hand_tells_the_driver_so(make_wheel, in_c: bool) -> None:
+    """The race an end by hand must never lose to: the driver moves the
+    request's timer to now, and the request ends before its worker hears
+    the ask.  Its finish finds its timer fired, though not due, and tells
+    the driver that it finished, so no grace runs out on it, and no kill
+    follows; had the request ended first, there would be no timer left to
+    move.  (Before, a timer not due at its finish was passed over in
+    silence: the driver would wait out the grace and, with --kill, kill a
+    worker whose request had ended.)  Also on the C path of the worker."""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    timer = RequestTimer(wheel.name, 30.0, traceback_signal=None)
+    handle = timer.start("GET", "/moved", "moved-by-hand")
+    assert handle is not None and timer._fast is not None  # its finish would take the C way
+    if not in_c:
+        with timer._lock:
+            timer._drop_fast()  # its finish takes the Python way
+    (own,) = wheel.timers()
+    assert wheel.reset(own.handle, 0.0)  # the driver's move
+    (fire,) = wheel.poll(time.monotonic() + 0.01)
+    assert fire.handle == own.handle
+    timer.finish(handle)
+    (word,) = wheel.poll(time.monotonic() + 0.02)
+    told = decode_request(word.payload)
+    assert told is not None and (told.kind, told.request_id) == (KIND_FINISHED, "moved-by-hand")
+    assert word.payload[1:] == own.payload[1:]  # the same request, as the driver keys it
+    assert not wheel.reset(own.handle, 0.0)  # and one that ended first has no timer to move
+
+
+def test_uwsgi_stack_and_end_by_hand(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    """uWSGI: the stack of a request in a Python loop, by hand, names its
+    function; its end by hand answers it 504, and the worker serves on
+    (uWSGI respawns nothing)."""
+    port = free_port()
+    options = {"shmwheel-timeout": "30", "shmwheel-interrupt": "true", "shmwheel-kill": "false"}
+    ini = uwsgi_ini(tmp_path, port, **options)
+    with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
+        server.wait_for(r"driver \d+: running on wheel 'uwsgi-\d+'")
+        stuck = pool.submit(get, port, f"/spin?s={WAIT}", WAIT, "uwsgi-by-hand")
+        wait_listed(server, "uwsgi-by-hand", "running")
+        proc = cli("stack", server.wheel, "uwsgi-by-hand")
+        assert proc.returncode == 0, proc
+        assert re.search(r'File ".*/examples/app\.py", line \d+, in _spin\n', proc.stdout), proc.stdout
+        proc = end_by_hand(server, "uwsgi-by-hand")
+        assert proc.returncode == 0, proc
+        assert stuck.result() == GATEWAY_TIMEOUT
+        server.wait_for(r"request ended by hand \(shmwheel end, pid \d+, uid \d+\): GET /spin \(request uwsgi-by-hand,")
+        assert get(port, "/")[0] == 200
+        assert "Respawned uWSGI worker" not in server.log()
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left(server)
+
+
+def test_uvicorn_stack_and_end_by_hand_of_a_task(
+    tmp_path: Path, pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uvicorn: the stack of an asyncio task by hand is its await chain,
+    down to the coroutine it awaits in; its end by hand cancels it and
+    answers its client 504, while the event loop serves on."""
+    port = free_port()
+    monkeypatch.setenv("SHMWHEEL_TEST_TIMEOUT", "30")
+    cmd = [str(BIN / "uvicorn"), "asgi_stuck:interrupting", "--app-dir", str(APPS), "--host", "127.0.0.1",
+           "--port", str(port), "--workers", "1"]  # fmt: skip
+    with serve_asgi(cmd, port, tmp_path) as server:
+        driver = auto_driver_of(server)
+        stuck = pool.submit(get, port, f"/await-sleep?s={WAIT}", WAIT, "asgi-by-hand")
+        request = wait_listed(server, "asgi-by-hand", "running")
+        assert request is not None and request["task_kind"] == "task"
+        proc = cli("stack", server.wheel, "asgi-by-hand")
+        assert proc.returncode == 0, proc
+        assert re.search(r'File ".*/tests/apps/asgi_stuck\.py", line \d+, in await_sleep\n', proc.stdout), proc.stdout
+        proc = end_by_hand(server, "asgi-by-hand")
+        assert proc.returncode == 0, proc
+        assert stuck.result() == GATEWAY_TIMEOUT
+        assert get(port, "/")[0] == 200
+        assert server.stop(signal.SIGINT) == 0
+        assert_nothing_left_of_asgi(server, driver)

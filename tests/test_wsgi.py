@@ -20,6 +20,7 @@ from _contrib import _greenlet_that_meddles, _reuse_freed_memory, _timer
 import shmwheel
 from shmwheel import _fast
 from shmwheel.contrib import PAYLOAD_SIZE, _body, decode_request
+from shmwheel.contrib._record import KIND_FINISHED
 from shmwheel.contrib.wsgi import TimeoutMiddleware
 
 
@@ -46,8 +47,10 @@ def test_middleware_times_the_whole_response_and_cancels_on_close(make_wheel) ->
     assert b"".join(body) == b"ab"
     [fire_payload] = [decode_request(f.payload) for f in wheel.poll(time.monotonic() + 3600)]
     assert fire_payload is not None and fire_payload.path == "/café"  # PEP 3333's latin-1, read back as UTF-8
-    body.close()  # after the fire: nothing left to cancel
-    assert len(wheel) == 0 and wheel.stats().cancelled == 1
+    body.close()  # after the fire: nothing left to cancel; its driver is told it finished
+    assert wheel.stats().cancelled == 1
+    [word] = [decode_request(f.payload) for f in wheel.poll(time.monotonic() + 7200)]
+    assert word is not None and (word.kind, word.path) == (KIND_FINISHED, "/café")
 
 
 def test_middleware_cancels_when_the_body_is_closed_or_the_app_raises(make_wheel, path: str) -> None:

@@ -45,7 +45,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("_worker",),  # the request's timer
     ("_views",),  # a view's own timeout, on the request's timer
     ("_handler",),  # the driver's side
-    ("_supervisor",),
+    ("_supervisor", "_operator"),
     ("wsgi", "asgi", "timeouts", "sentry", "otel"),  # the adapters, the driver command, the trackers' integrations
     ("uwsgi", "gunicorn"),
     ("__init__",),
@@ -63,6 +63,7 @@ WORKER = (
 DRIVER = (
     "shmwheel.contrib._handler",
     "shmwheel.contrib._metrics",
+    "shmwheel.contrib._operator",
     "shmwheel.contrib._supervisor",
     "shmwheel.contrib.timeouts",
 )

@@ -74,7 +74,7 @@ from typing import Any
 from .._binding import lib
 from .._driver import KEEP_IN_FLIGHT
 from .._errors import ShmwheelError, WheelFullError, one_line
-from .._process import alive, signal_disposition, uids, uses_file
+from .._process import alive, signal_disposition, start_time, uids, uses_file
 from .._results import Fire
 from .._segment import segment_name
 from .._wheel import Wheel, attach
@@ -83,6 +83,8 @@ from ._record import (
     DUMP_SIGNALS,
     KIND_ANSWER,
     KIND_CHECK,
+    KIND_END,
+    KIND_END_KILL,
     KIND_FINISHED,
     KIND_GRACE,
     KIND_GRACEFUL,
@@ -99,7 +101,7 @@ from ._record import (
     with_kind,
 )
 from ._settings import TimeoutActions
-from ._stacks import asked_value
+from ._stacks import ASK_END, asked_value
 
 __all__ = [
     "DUMP_TIME",
@@ -241,6 +243,11 @@ def _gone(count: int, last: str) -> str:
     )
 
 
+def _early(count: int, last: str) -> str:
+    timers = "timers of requests" if count > 1 else "timer of a request"
+    return f"{count} more {timers} fired before the timeout in the last {BURST_EVERY:.0f} s; the last: {last}"
+
+
 def uid_refusal(pid: int) -> str | None:
     """Why this process may not signal ``pid`` by the uid rule, or None if it may.
 
@@ -300,6 +307,8 @@ class _Late:
     interrupted_at: float = 0.0  # time.monotonic() when it was asked to end it
     dumped_at: float = 0.0  # time.monotonic() when faulthandler's dump was asked for
     asked_again: bool = False  # the stack signal was sent a second time, plainly
+    by_hand: str = ""  # an operator ended it (shmwheel end): who, in words
+    kill: bool | None = None  # whether its kill stage follows, where not the actions' (shmwheel end --kill)
 
 
 class TimeoutHandler:
@@ -365,6 +374,11 @@ class TimeoutHandler:
         # ended is still said (_heard).  (pid, start) of the worker, when it
         # was asked to end the request (0.0: it was not), and when it timed out.
         self._running_on: dict[bytes, tuple[tuple[int, int], float, float]] = {}
+        # Requests an operator ended by hand (shmwheel end) whose own timer
+        # this driver moved to now: who asked, in words, and whether with
+        # --kill; until that timer's fire comes.
+        self._by_hand: dict[bytes, tuple[str, bool]] = {}
+        self._early = Burst(_early)  # a request's own timers that fire before its timeout
 
     def spare(self, pid: int) -> None:
         """Never signal ``pid`` (the server's master, which maps the wheel
@@ -451,6 +465,9 @@ class TimeoutHandler:
             # They only spare a worker the dump or the kill: believed on their word.
             self._heard(self._late.get(key), record, key)
             return record
+        if record.kind in (KIND_END, KIND_END_KILL):
+            self._end_asked(fire, record)
+            return record
         # Who added it, first: a timer that names a worker and was added by
         # anyone else is refused whether or not that worker is there still.
         why = self._owner_refusal(fire, record)
@@ -469,7 +486,12 @@ class TimeoutHandler:
         if why is not None:
             self._refuse(fire, record, why)
             return record
-        if record.kind == KIND_LATE or (record.kind == KIND_REQUEST and fire.kept):
+        if record.kind == KIND_REQUEST and key in self._by_hand:
+            who, kill = self._by_hand.pop(key)
+            self._timed_out(fire, record, there, by_hand=who, kill=kill)
+        elif record.kind == KIND_REQUEST and self._fired_early(fire, record):
+            pass
+        elif record.kind == KIND_LATE or (record.kind == KIND_REQUEST and fire.kept):
             self._told_late(fire, record, there)
         elif record.kind in (KIND_CHECK, KIND_GRACE, KIND_GRACEFUL) and fire.owner_pid != os.getpid():
             self._carry_on(fire, record, there)
@@ -493,7 +515,7 @@ class TimeoutHandler:
             late = self._late.get(key)
             if late is not None and late.ended:
                 del self._late[key]
-            else:
+            elif late is None or late.stage != TIMED_OUT:  # (one ended by hand meanwhile is at it already)
                 self._timed_out(fire, record, there)
         elif self._warn_stage(record):
             self._warned(fire, record, there)
@@ -657,15 +679,23 @@ class TimeoutHandler:
         else:
             self._gone.add(line)
 
-    def _timed_out(self, fire: Fire, record: RequestRecord, there: bool) -> None:
+    def _timed_out(
+        self, fire: Fire, record: RequestRecord, there: bool, by_hand: str = "", kill: bool | None = None
+    ) -> None:
+        """The request's timeout stage; or, ``by_hand``, the same stage now,
+        which an operator asked for (``shmwheel end``: who, in words), with
+        its kill stage if ``kill`` (None: as the actions say)."""
         actions = self.actions
-        if there:
+        kill = actions.kill if kill is None else kill
+        if there and by_hand:
+            self._counting().ended_by_hand()
+        elif there:
             self._counting().timeout(record)
         # A worker that ends its requests itself is signalled for that, even
         # with tracebacks off: the same signal has it look.
-        stack, dump = self._stack_signals(record, there and (actions.tracebacks or record.interrupt))
+        stack, dump = self._stack_signals(record, there and (actions.tracebacks or record.interrupt or bool(by_hand)))
         interrupting = bool(stack) and record.interrupt
-        if not actions.tracebacks and not interrupting:
+        if not actions.tracebacks and not interrupting and not by_hand:
             stack = dump = 0
         if actions.log:
             # One line, written before the worker is signalled, so that it
@@ -680,7 +710,7 @@ class TimeoutHandler:
                     steps.append(f"asking it for the request's stack ({signal_name(stack)})")
                 elif dump:
                     steps.append(f"asking it for every thread's stack ({signal_name(dump)})")
-                if actions.kill:
+                if kill:
                     name = signal_name(actions.kill_signal)
                     if interrupting:
                         steps.append(f"then {name} if it has not ended {actions.interrupt_grace:g} s later")
@@ -688,8 +718,9 @@ class TimeoutHandler:
                         steps.append(f"then {name}")
                     steps[-1] += f", and SIGKILL {actions.kill_after:g} s after that"
                 then = "; " + ", ".join(steps) if steps else ""
+            what = f"request ended by hand ({by_hand})" if by_hand else "request timed out"
             line = (
-                f"request timed out: {record.describe()}, running for {_running(record)}"
+                f"{what}: {record.describe()}, running for {_running(record)}"
                 f"{' (redelivered after a driver restart)' if fire.redelivered else ''}{then}"
             )
             self._say(line, there)
@@ -697,10 +728,11 @@ class TimeoutHandler:
             return
         key = fire.payload[1:]
         if stack:
-            if not self._signal(fire, record, stack, asked_value(record.started_ns, True)):
+            if not self._signal(fire, record, stack, asked_value(record.started_ns, ASK_END if by_hand else True)):
                 self._late.pop(key, None)
                 return
             late = self._new_late(key, TIMED_OUT)
+            late.by_hand, late.kill = by_hand, kill
             late.asked_at = time.monotonic()
             self._later(DUMP_TIME / 2, KIND_CHECK, fire.payload)
             if interrupting:
@@ -708,15 +740,15 @@ class TimeoutHandler:
                 self._later(actions.interrupt_grace, KIND_GRACE, fire.payload)
         elif dump:
             self._late.pop(key, None)
-            if self._signal(fire, record, dump) and actions.kill:
+            if self._signal(fire, record, dump) and kill:
                 # The dump runs in the worker's signal handler; a kill_signal
                 # that lands before it is done can end the worker mid-dump
                 # (uWSGI's SIGTERM exits at once), so it follows a little later.
-                self._new_late(key, TIMED_OUT)
+                self._new_late(key, TIMED_OUT).kill = kill
                 self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
-            elif not actions.kill:
+            elif not kill:
                 self._runs_on(key, record, None, interrupted=False)
-        elif actions.kill:
+        elif kill:
             self._late.pop(key, None)
             self._graceful(fire, record)
         else:
@@ -756,6 +788,7 @@ class TimeoutHandler:
         if late is None or time.monotonic() - late.asked_at < DUMP_TIME / 4:
             return  # settled (it ended), or the check of its warn_after stage, which its timeout has overtaken
         waits = late.stage == WARNED or late.interrupted_at > 0  # a timeout stage or an interrupt check follows
+        kill = self._kills(late)
         if not waits:
             self._late.pop(key, None)
         if not there:
@@ -773,17 +806,17 @@ class TimeoutHandler:
             # A real-time one queues: the same value again.
             late.asked_again = True
             value = 0
-            if record.stack_signal >= signal.SIGRTMIN:
-                value = asked_value(record.started_ns, late.stage != WARNED)
+            if record.stack_signal >= signal.SIGRTMIN or late.by_hand:  # (an end by hand is never asked plainly)
+                value = asked_value(record.started_ns, ASK_END if late.by_hand else late.stage != WARNED)
             if self._signal(fire, record, record.stack_signal, value):
                 self._late[key] = late
                 self._later(DUMP_TIME / 2, KIND_CHECK, fire.payload)
                 return
-        if self._dump(fire, record, late) and not waits and self.actions.kill:
+        if self._dump(fire, record, late) and not waits and kill:
             self._late[key] = late
             self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
             return
-        if not waits and self.actions.kill:
+        if not waits and kill:
             self._graceful(fire, record, late)
         elif not waits:
             self._runs_on(key, record, late, interrupted=False)
@@ -820,8 +853,9 @@ class TimeoutHandler:
         if late is not None and late.asked_again:
             self._dump(fire, record, late)  # its stack check is due with this: the dump comes first
         actions = self.actions
+        kill = self._kills(late)
         wait = self._kill_waits(record)
-        if not actions.kill:
+        if not kill:
             then = "; it runs on (kill is off)"
         elif wait > 0:
             then = (
@@ -837,8 +871,8 @@ class TimeoutHandler:
             actions.interrupt_grace,
             then,
         )
-        self._counting().interrupted("killed" if actions.kill else "ran_on")
-        if not actions.kill:
+        self._counting().interrupted("killed" if kill else "ran_on")
+        if not kill:
             self._runs_on(fire.payload[1:], record, late)
             return
         if late is not None and late.dumped_at and time.monotonic() - late.dumped_at < DUMP_TIME:
@@ -847,6 +881,105 @@ class TimeoutHandler:
             self._later(DUMP_TIME, KIND_GRACEFUL, fire.payload)
             return
         self._graceful(fire, record, late)
+
+    def _kills(self, late: _Late | None) -> bool:
+        """Whether a request's kill stage follows: as the actions say, but for one ended by hand."""
+        return self.actions.kill if late is None or late.kill is None else late.kill
+
+    def _fired_early(self, fire: Fire, record: RequestRecord) -> bool:
+        """Whether a request's own timer fired before the timeout its record
+        says, which the wheel never does by itself (its warn_after stage
+        aside): someone moved it, which only an operator's end by hand does
+        (through this driver, which knows it), so a driver that did so and
+        died, or a process that writes the wheel by hand.  Its worker would
+        not take it for a timeout, and a kill stage would follow its
+        silence: said, once a second at most, and not acted on."""
+        timeout_at = record.timeout_at()
+        if record.warn or timeout_at is None or due(timeout_at, time.monotonic_ns()):
+            return False
+        self._early.add(
+            lambda: (
+                f"timer {fire.handle} of {record.describe()} fired {(timeout_at - fire.fired_at_ns) / 1e9:.3f} s "
+                "before the request's timeout: it was moved (an end by hand whose driver died, or a process that "
+                "writes the wheel by hand); not acted on"
+            )
+        )
+        return True
+
+    def _end_asked(self, fire: Fire, record: RequestRecord) -> None:
+        """An operator's ``shmwheel end`` (``KIND_END``, ``KIND_END_KILL``):
+        the request's timeout stage now.  Its own timer, if pending, is
+        moved to now, and its fire begins the stage as its timeout would,
+        marked as done by hand (with its kill stage, for --kill, whatever
+        the actions say); so that whichever comes first, the request's end
+        or the move, the wheel decides: a request that ended first has no
+        timer to move, and one whose timer moved finds it fired when it
+        ends, and says so.  One at its warn_after stage goes to its timeout
+        stage at once; one past its timeout has had it, and with --kill
+        goes on to its kill stage.  Only the wheel's owner, or root, may ask."""
+        kill = record.kind == KIND_END_KILL
+        key = fire.payload[1:]
+        who, why = self._asker(fire.owner_pid)
+        there = why is None and alive(record.pid, record.start)
+        if why is None:
+            why = self._refusal(record) if there else f"{record.describe()} has ended, and its worker is gone"
+        if why is not None or who is None:
+            _log.warning("%s was asked by hand to end, which is not done: %s", record.describe(), why)
+            return
+        late = self._late.get(key)
+        if late is not None and late.stage == WARNED:
+            self._timed_out(fire, record, there, by_hand=who, kill=kill)
+            return
+        if (late is not None and late.stage == TIMED_OUT) or key in self._running_on:
+            if kill:
+                _log.warning(
+                    "%s, past its timeout, ended by hand (%s): its worker's kill stage", record.describe(), who
+                )
+                self._running_on.pop(key, None)
+                self._graceful(fire, record, late)
+            else:
+                _log.warning(
+                    "%s was asked by hand (%s) to end, but it is past its timeout and was asked to end already: "
+                    "shmwheel end --kill goes on to its worker's kill stage",
+                    record.describe(),
+                    who,
+                )
+            return
+        handle = self._own_timer(key, record)
+        if handle is not None:
+            if len(self._by_hand) > 1024:
+                self._by_hand.clear()
+            self._by_hand[key] = (who, kill)
+            if self._open().reset(handle, 0.0):
+                return  # its fire begins the stage
+            del self._by_hand[key]
+        _log.info("%s was asked by hand (%s) to end, but it has ended already", record.describe(), who)
+
+    def _asker(self, pid: int) -> tuple[str | None, str | None]:
+        """Who asked for an end by hand, in words, or why the ask is refused:
+        only a live process of the wheel's owner, or root, that uses the
+        wheel by the kernel's word (the timer's owner is the segment's, which
+        its writers can write)."""
+        ids, start = uids(pid), start_time(pid)
+        if ids is None or start is None:
+            return None, f"pid {pid}, which asked, has exited"
+        dev, ino = self._open().file_id()
+        if not uses_file(pid, start, dev, ino):
+            return None, f"pid {pid}, which the timer names as the asker, does not use wheel {self.name!r}"
+        owner = self._open().owner()[0]
+        if ids[1] not in (owner, 0):
+            return None, f"pid {pid}, which asked, runs as uid {ids[1]}: only the wheel's owner (uid {owner}) or root"
+        return f"shmwheel end, pid {pid}, uid {ids[1]}", None
+
+    def _own_timer(self, key: bytes, record: RequestRecord) -> int | None:
+        """The handle of the request's own timer, pending, if it is: a pass
+        over the wheel's timers, a few hundred at a time (an operator's ask,
+        which comes seldom)."""
+        own = bytes([KIND_REQUEST]) + key
+        for timer in self._open().timers():
+            if not timer.fired and timer.owner_pid == record.pid and timer.payload == own:
+                return timer.handle
+        return None
 
     def _runs_on(self, key: bytes, record: RequestRecord, late: _Late | None, interrupted: bool = True) -> None:
         """Keep a request that runs on past its stages (kill is off): past

@@ -6,16 +6,18 @@ and ``stat`` count, and the driver's metrics report.
 A request is in the wheel for as long as it runs: its own timer, pending
 until its first stage; then, fired, that timer kept in flight by the
 driver while the request's stages run and for as long as the request runs
-on past them (until its worker says it ended, or is gone); and the
-driver's follow-up timers of its stages, which say which stage it is at.
+on past them, until its worker frees it as the request ends (or the
+driver does, once the worker is gone).  So a request is listed while its
+own timer is there, and the driver's follow-up timers of its stages say
+which stage it is at.
 Every timer of a request carries its record, so they are told apart by
 kind and put together by the request's identity: its worker (pid and
 start time) and the moment it started.
 
 What is read is what the segment says, and anyone who can write the
 segment can write it: a request's own timer counts only if the worker it
-names added it, and a follow-up only if the wheel's driver did or it
-belongs to a request seen.
+names added it, and a follow-up says the stage of a request seen (a
+driver's follow-ups outlive it: its successor's are another pid's).
 """
 
 from __future__ import annotations
@@ -28,14 +30,12 @@ from typing import Any
 from .._results import Timer
 from .._wheel import Wheel
 from ._record import (
-    KIND_ANSWER,
     KIND_CHECK,
     KIND_FINISHED,
     KIND_GRACE,
     KIND_GRACEFUL,
     KIND_KILL,
     KIND_LATE,
-    KIND_RELEASED,
     KIND_REQUEST,
     KIND_TIMEOUT,
     RequestRecord,
@@ -49,7 +49,6 @@ RUNNING, WARNED, TIMED_OUT, INTERRUPTED, KILLING = "running", "warned", "timed o
 #: A request's stages, in the order it goes through them.
 STAGES = (RUNNING, WARNED, TIMED_OUT, INTERRUPTED, KILLING)
 _FOLLOW_UPS = frozenset({KIND_CHECK, KIND_GRACE, KIND_GRACEFUL, KIND_KILL, KIND_TIMEOUT, KIND_LATE})
-_WORDS = frozenset({KIND_ANSWER, KIND_FINISHED, KIND_RELEASED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +58,8 @@ class InFlight:
     record: RequestRecord
     stage: str  #: one of STAGES
     timeout_ns: int | None  #: time.monotonic_ns() when it times out, if its timers say
-    handle: int | None  #: its own timer, if that was seen
+    handle: int  #: its own timer
+    payload: bytes = b""  #: the record of its own timer, as the timer holds it
 
     def age(self, now_ns: int) -> float:
         """Seconds since it started."""
@@ -113,23 +113,17 @@ def read(wheel: Wheel) -> WheelRequests:
     alive (or in another PID namespace, where that cannot be told), so
     that neither a worker killed in the middle of a request nor a record
     that names a process which never attached is listed."""
-    stats = wheel.stats()
     timers = wheel.timers()
     workers = {(p.pid, p.start) for p in wheel.producers() if p.alive is not False}
-    return in_flight(timers, stats.driver_pid, workers=workers)
+    return in_flight(timers, workers=workers)
 
 
 def in_flight(
-    timers: Iterable[Timer],
-    driver_pid: int | None = None,
-    now_ns: int | None = None,
-    workers: Container[tuple[int, int]] | None = None,
+    timers: Iterable[Timer], now_ns: int | None = None, workers: Container[tuple[int, int]] | None = None
 ) -> WheelRequests:
     """The requests ``timers`` (:meth:`shmwheel.Wheel.timers`) show in
-    flight, oldest first; ``driver_pid``: the wheel's driver, whose
-    follow-ups count even for a request whose own timer was not seen;
-    ``workers``: the (pid, start) of the workers whose requests count
-    (None: any)."""
+    flight, oldest first; ``workers``: the (pid, start) of the workers
+    whose requests count (None: any)."""
     groups: dict[tuple[int, int, int], list[tuple[Timer, RequestRecord]]] = {}
     own = follow_ups = others = 0
     for timer in timers:
@@ -144,22 +138,26 @@ def in_flight(
             continue
         groups.setdefault((record.pid, record.start, record.started_ns), []).append((timer, record))
     now = time.monotonic_ns() if now_ns is None else now_ns
-    found = [request for group in groups.values() if (request := _request(group, driver_pid, now)) is not None]
+    found = [request for group in groups.values() if (request := _request(group, now)) is not None]
     found.sort(key=lambda request: request.record.started_ns)
     return WheelRequests(found, own, follow_ups, others, now)
 
 
-def _request(group: list[tuple[Timer, RequestRecord]], driver_pid: int | None, now_ns: int) -> InFlight | None:
+def _request(group: list[tuple[Timer, RequestRecord]], now_ns: int) -> InFlight | None:
     """The request one identity's timers show, or None if they show none in flight."""
     own = [(t, r) for t, r in group if r.kind == KIND_REQUEST and t.owner_pid == r.pid]
-    kinds = {r.kind for t, r in group if r.kind in _WORDS or t.owner_pid == driver_pid or own}
-    if KIND_FINISHED in kinds or not (own or kinds & _FOLLOW_UPS):
-        return None  # it has ended (its worker's word is on its way), or it is only a worker's word
+    kinds = {r.kind for _, r in group}
+    if KIND_FINISHED in kinds or not own:
+        # It has ended: its worker's word is on its way, or its worker has
+        # freed its fire (which the driver keeps in flight for as long as
+        # the request's stages run, and it runs on), and the driver's
+        # follow-ups of it have yet to come; or it is only a worker's word.
+        return None
     pending = [(t, r) for t, r in own if not t.fired]
     # The newest record: a request given a new timer (extend()) has a new
     # timeout, and the one its worker added last says it.
-    timer, record = max(pending or own or group, key=lambda tr: (not tr[0].fired, tr[0].deadline_ns))
-    timeout_ns = record.timeout_at() or (timer.deadline_ns if record.kind == KIND_REQUEST else None)
+    timer, record = max(pending or own, key=lambda tr: (not tr[0].fired, tr[0].deadline_ns))
+    timeout_ns = record.timeout_at() or timer.deadline_ns
     if kinds & {KIND_KILL, KIND_GRACEFUL}:
         stage = KILLING
     elif KIND_GRACE in kinds:
@@ -172,4 +170,4 @@ def _request(group: list[tuple[Timer, RequestRecord]], driver_pid: int | None, n
         stage = INTERRUPTED  # asked to end, and run on past the grace (kill is off), or about to be asked
     else:
         stage = TIMED_OUT
-    return InFlight(record, stage, timeout_ns, timer.handle if own else None)
+    return InFlight(record, stage, timeout_ns, timer.handle, timer.payload)

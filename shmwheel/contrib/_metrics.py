@@ -35,6 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from .._errors import ShmwheelError, one_line
 from .._wheel import COUNTERS, Wheel, observe
@@ -43,7 +44,7 @@ from ._record import RequestRecord, signal_name
 from ._routes import compile_routes
 from ._settings import TimeoutActions, metrics_address
 
-__all__ = ["Counts", "MetricsServer", "render", "serve_metrics"]
+__all__ = ["Counts", "MetricsServer", "driver_note", "render", "serve_metrics"]
 
 _log = logging.getLogger("shmwheel.timeouts")
 
@@ -62,7 +63,8 @@ SIGKILL = KILL_SIGNAL + 1
 LATENESS_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENESS = SIGKILL + 1  # + bucket
 LATENESS_NS = LATENESS + len(LATENESS_BOUNDS) + 1  # their sum, ns
-assert LATENESS_NS < COUNTERS
+BY_HAND = LATENESS_NS + 1  # requests an operator ended (shmwheel end)
+assert BY_HAND < COUNTERS
 
 
 class Counts:
@@ -76,7 +78,15 @@ class Counts:
         self._wheel = wheel
         routes = actions.routes[: ROUTES - 1]
         self._lookup = compile_routes({key: place for place, key in enumerate(routes, 1)}, 0) if routes else None
-        note = json.dumps({"routes": list(routes), "kill_signal": signal_name(actions.kill_signal)}).encode()
+        note = json.dumps(
+            {
+                "routes": list(routes),
+                "kill_signal": signal_name(actions.kill_signal),
+                "kill": actions.kill,
+                "kill_after": actions.kill_after,
+                "interrupt_grace": actions.interrupt_grace,
+            }
+        ).encode()
         with contextlib.suppress(ShmwheelError):
             if wheel.note != note:
                 wheel.set_note(note)
@@ -96,6 +106,9 @@ class Counts:
     def interrupted(self, outcome: str) -> None:
         self._add(INTERRUPTED + OUTCOMES.index(outcome))
 
+    def ended_by_hand(self) -> None:
+        self._add(BY_HAND)
+
     def kill(self, sigkill: bool = False) -> None:
         self._add(SIGKILL if sigkill else KILL_SIGNAL)
 
@@ -112,14 +125,23 @@ class Counts:
             pass  # the wheel is gone or replaced: its counts with it
 
 
-def _note(wheel: Wheel) -> tuple[list[str], str]:
-    """The routes and the kill signal the wheel's driver counts by, from its note."""
+def driver_note(wheel: Wheel) -> dict[str, Any]:
+    """What the wheel's driver wrote in its note (:class:`Counts`): the
+    routes it counts by, and its kill signal, kill, kill_after and
+    interrupt_grace; empty if it wrote none (or it was scribbled on)."""
     try:
         note = json.loads(wheel.note or b"{}")
-        routes = [str(route) for route in note.get("routes", [])][: ROUTES - 1]
-        return routes, str(note.get("kill_signal", "kill_signal"))
-    except (ValueError, AttributeError, TypeError):  # a note scribbled on, or another user's
-        return [], "kill_signal"
+    except ValueError:
+        return {}
+    return note if isinstance(note, dict) else {}
+
+
+def _note(wheel: Wheel) -> tuple[list[str], str]:
+    """The routes and the kill signal the wheel's driver counts by, from its note."""
+    note = driver_note(wheel)
+    routes = note.get("routes")
+    routes = [str(route) for route in routes][: ROUTES - 1] if isinstance(routes, list) else []
+    return routes, str(note.get("kill_signal", "kill_signal"))
 
 
 def _value(text: str) -> str:
@@ -191,6 +213,12 @@ def render(wheel: Wheel) -> str:
         "counter",
         "Requests asked to end at their timeout, by what came of it: ended within the grace, ran on, killed.",
         [({"outcome": outcome}, counters[INTERRUPTED + place]) for place, outcome in enumerate(OUTCOMES)],
+    )
+    text.family(
+        "shmwheel_requests_ended_by_hand_total",
+        "counter",
+        "Requests an operator ended (shmwheel end).",
+        [({}, counters[BY_HAND])],
     )
     kills = [({"signal": kill_signal}, counters[KILL_SIGNAL])]
     if kill_signal == "SIGKILL":

@@ -27,6 +27,8 @@ __all__ = [
     "DUMP_SIGNALS",
     "KIND_ANSWER",
     "KIND_CHECK",
+    "KIND_END",
+    "KIND_END_KILL",
     "KIND_FINISHED",
     "KIND_GRACE",
     "KIND_GRACEFUL",
@@ -44,6 +46,7 @@ __all__ = [
     "decode_request",
     "encode_request",
     "signal_name",
+    "stack_pipe",
 ]
 
 #: Bytes of request record per timer: room for a path of about 180 bytes.
@@ -61,7 +64,12 @@ KIND_RELEASED: int = lib.SHMW_REQ_KIND_RELEASED  #: the worker's: the request ha
 #: The worker's, to a driver it has not told before: the request this names
 #: still runs past its timeout, which a driver that died had asked about.
 KIND_LATE: int = lib.SHMW_REQ_KIND_LATE
-KINDS = frozenset(range(KIND_REQUEST, KIND_LATE + 1))
+#: An operator's (``shmwheel end``), to the driver: end the request this
+#: names now, as its timeout would (and, END_KILL, go on to its worker's
+#: kill stage if it has not ended within its grace).
+KIND_END: int = lib.SHMW_REQ_KIND_END
+KIND_END_KILL: int = lib.SHMW_REQ_KIND_END_KILL
+KINDS = frozenset(range(KIND_REQUEST, KIND_END_KILL + 1))
 
 TRUNCATED: int = lib.SHMW_REQ_TRUNCATED  # flags: the path was cut to fit
 TASK: int = lib.SHMW_REQ_TASK  # flags: the task field is an asyncio task's id
@@ -152,6 +160,13 @@ def _escaped(c: str) -> str:
     if code < 0x100:
         return f"\\x{code:02x}"
     return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def stack_pipe(wheel: str, pid: int, started_ns: int) -> str:
+    """Where ``shmwheel stack`` waits for the stack of the request that
+    worker ``pid`` started at ``started_ns`` on ``wheel``: a FIFO in
+    /dev/shm, beside the wheel, that the worker writes the stack into."""
+    return f"/dev/shm/shmwheel-stack.{wheel.lstrip('/')}.{pid}.{started_ns}"
 
 
 def signal_name(signum: int) -> str:

@@ -48,6 +48,7 @@ import os
 import re
 import signal
 import site
+import stat
 import struct
 import sys
 import sysconfig
@@ -72,6 +73,7 @@ from ._record import (
     decode_request,
     shown,
     signal_name,
+    stack_pipe,
 )
 
 if TYPE_CHECKING:
@@ -358,12 +360,25 @@ def real(module: str, name: str) -> Any:
     return getattr(__import__(module), name)
 
 
-#: The value a driver queues with its signal for a request: its start
-#: (the record's, on CLOCK_MONOTONIC) and the stage it asks about.
-def asked_value(started_ns: int, timed_out: bool) -> int:
-    """What the driver queues with the stack signal for a request at a stage
-    (warn_after, or its timeout): never 0, which a plain kill(2) reads as."""
-    return (((started_ns & (2**61 - 1)) << 1) | timed_out) + 2
+#: What a signal that names a request asks of it: its stack at its
+#: warn_after stage, or at its timeout (and its interrupt); or, by an
+#: operator's hand, its end now (``shmwheel end``, through the driver) or
+#: its stack now, to the pipe the operator waits on (``shmwheel stack``).
+ASK_WARN, ASK_TIMEOUT, ASK_END, ASK_STACK = 0, 1, 2, 3
+_STARTED_MASK = 2**60 - 1
+
+
+def asked_value(started_ns: int, ask: int) -> int:
+    """What is queued with the stack signal for a request (its start, the
+    record's, on CLOCK_MONOTONIC) and what it asks (ASK_*; a bool: the
+    timeout, or the warn_after stage): never 0, which a plain kill(2)
+    reads as."""
+    return (((started_ns & _STARTED_MASK) << 2) | int(ask)) + 2
+
+
+def _asks(values: set[int], ask: int) -> set[int]:
+    """The requests' starts (masked) that ``values`` ask ``ask`` of."""
+    return {(v - 2) >> 2 for v in values if v >= 2 and (v - 2) & 3 == ask}
 
 
 def _report_forever(fd: int, pid: int) -> None:
@@ -422,16 +437,26 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, sig
     answers: list[tuple[RequestTimer, bytes]] = []  # once what the reporters were told is sent
     still: set[tuple[bytes, bool]] = set()
     look_again: int | None = None
+    ends = _asks(asked, ASK_END) if asked is not None else set()
+    stacks = _asks(asked, ASK_STACK) if asked is not None else set()
     for timer in list(_timers()):
         timer.tell_again(_reported)
         for handle, active in timer.in_progress().items():
+            started = _RECORD_STARTED.unpack_from(active.payload, AT_STARTED)[0]
+            if started & _STARTED_MASK in stacks:
+                _stack_by_hand(timer, active, frames, now)
+            if started & _STARTED_MASK in ends and timer.end_by_hand(handle):
+                assert asked is not None
+                asked.add(asked_value(started, ASK_TIMEOUT))  # from now on it is past its timeout, as at it
             # Due exactly when its timer is: the driver fires no timer before
             # its deadline, and its follow-ups at the record's timeout, which
             # is never before this one (milliseconds, rounded up).  So a
-            # signal for another request never brings a stage early.
-            if active.deadline_ns > now:
+            # signal for another request never brings a stage early.  But
+            # for an operator's: one ended by hand is past its timeout now.
+            by_hand = timer.ended_by_hand(handle)
+            if active.deadline_ns > now and not by_hand:
                 continue
-            timed_out = active.timeout_ns <= now
+            timed_out = active.timeout_ns <= now or by_hand
             queued = active.payload[AT_STACK_SIGNAL] >= signal.SIGRTMIN
             if asked is not None and (queued or now - active.deadline_ns < ASK_WAIT_NS):
                 # Only at the stage the driver has asked about, which it said
@@ -442,7 +467,6 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, sig
                 # at most ASK_WAIT, since a signal that came while another
                 # was pending merged with it, and lost the value that named
                 # its request, though the driver had said its line.
-                started = _RECORD_STARTED.unpack_from(active.payload, AT_STARTED)[0]
                 if timed_out and asked_value(started, True) not in asked:
                     timed_out = False
                 if not timed_out and asked_value(started, False) not in asked:
@@ -457,7 +481,7 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, sig
             if new:
                 record = decode_request(active.payload)
                 if record is not None:
-                    stack = report(record, active, frames, now, timed_out)
+                    stack = report(record, active, frames, now, timed_out, ENDED_BY_HAND if by_hand else "")
                     if timer.stacks:
                         server_logger().warning("%s", stack)
                         written += 1
@@ -487,12 +511,72 @@ def report_overdue(now_ns: int | None = None, asked: set[int] | None = None, sig
     return written
 
 
+ENDED_BY_HAND = "ended by hand (shmwheel end)"
+#: How long the reporter tries to write a stack asked for by hand into the
+#: pipe its operator waits on (a pipe holds 64 KiB: a stack fits at once).
+PIPE_WAIT = 1.0
+
+
+def _stack_by_hand(timer: RequestTimer, active: Active, frames: dict[int, FrameType], now: int) -> None:
+    """An operator's ask (``shmwheel stack``): the request's own stack, now,
+    into the pipe the operator waits on, and a line in the server's log
+    that says so; the request is left as it is.  The pipe must be one of
+    this worker's user (made for it by the operator): another user's is
+    not written to."""
+    record = decode_request(active.payload)
+    if record is None:
+        return
+    stack = report(record, active, frames, now, False, "asked for by hand (shmwheel stack)")
+    path = stack_pipe(timer.name, record.pid, record.started_ns)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        server_logger().warning(
+            "shmwheel: the stack of %s was asked for by hand, but its pipe cannot be opened: %s", record.describe(), exc
+        )
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.geteuid():
+            server_logger().warning(
+                "shmwheel: the stack of %s was asked for by hand, but %s is not a pipe of this worker's user: "
+                "nothing written to it",
+                record.describe(),
+                path,
+            )
+            return
+        data = (stack + "\n").encode("utf-8", "replace")
+        give_up = time.monotonic() + PIPE_WAIT
+        while data:
+            try:
+                data = data[os.write(fd, data) :]
+            except BlockingIOError:
+                if time.monotonic() > give_up:
+                    break
+                real("select", "select")([], [fd], [], 0.05)
+        server_logger().info("shmwheel: the stack of %s was asked for by hand (shmwheel stack), and written",
+                             record.describe())  # fmt: skip
+    except OSError as exc:  # the operator gave up meanwhile
+        server_logger().warning("shmwheel: the stack of %s was asked for by hand, but not written: %s",
+                                record.describe(), exc)  # fmt: skip
+    finally:
+        os.close(fd)
+
+
 def report(
-    record: RequestRecord, active: Active, frames: dict[int, FrameType], now_ns: int, timed_out: bool = True
+    record: RequestRecord,
+    active: Active,
+    frames: dict[int, FrameType],
+    now_ns: int,
+    timed_out: bool = True,
+    by_hand: str = "",
 ) -> str:
-    """A late request's header line and its own stack."""
+    """A late request's header line and its own stack (or, ``by_hand``, of
+    one an operator ended or asked the stack of: the words that say so)."""
     running = f"running for {record.running_for(now_ns):.3f} s"
-    if timed_out:
+    if by_hand:
+        head = f"shmwheel: the stack of request {record.describe()}, {running}, {by_hand}"
+    elif timed_out:
         head = f"shmwheel: the stack of timed-out request {record.describe()}, {running}"
     else:
         left = (active.timeout_ns - now_ns) / 1e9

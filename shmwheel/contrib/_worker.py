@@ -16,6 +16,7 @@ import decimal
 import logging
 import math
 import os
+import struct
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from ._body import file_wrapper_for, timed_file
 from ._door import Clerk, core_of, enter, here, leave, new_table
 from ._interrupt import interrupt, listen_for_wake
 from ._record import (
+    AT_STARTED,
     DEFAULT_TRACEBACK_SIGNAL,
     HEAD,
     INTERRUPT,
@@ -94,6 +96,15 @@ LOOK_INTERVAL_NS = 1_000_000_000  # how often a worker checks that its wheel's n
 #: until the dead driver's follow-ups would all have been due).
 ENDED_FOR = 60.0
 ENDED_KEPT = 64
+BY_HAND_KEPT = 64  # requests ended by hand whose end this process has not seen yet, before the gone are let go
+_STARTED = struct.Struct("<q")
+
+
+def started_of(active: Active) -> int:
+    """The start of the request (its record's started_ns): which an ask by hand names it by."""
+    return int(_STARTED.unpack_from(active.payload, AT_STARTED)[0])
+
+
 KEEP_OLD = 2  # wheels replaced under a worker that it keeps open for the cancels of their requests
 ATTACH_TRIES = 3  # an AutoDriver's wheel may be removed between its making and the attach: made again
 
@@ -204,6 +215,9 @@ class RequestTimer:
         self._routes = settings.lookup
         self._warn_ns = 0 if self.warn_after is None else round(self.warn_after * 1e9)
         self._interrupted: set[int] = set()  # handles of the requests interrupted
+        # Requests an operator ended by hand (shmwheel end), by their start
+        # (the record's started_ns): past their timeout from then on.
+        self._by_hand: dict[int, int] = {}
         # Requests that ended after their timer fired: record: when (tell_ended_again).
         self._ended_late: dict[bytes, float] = {}
         self._driver_seen: tuple[int, int] | None = None  # the wheel's driver (pid, start) as last seen
@@ -279,6 +293,7 @@ class RequestTimer:
                 self._old = []
                 self._active = new_table()
                 self._interrupted = set()
+                self._by_hand = {}
                 self._ended_late = {}
                 self._driver_seen = None
                 self._ended_lock = threading.Lock()
@@ -555,7 +570,8 @@ class RequestTimer:
                 server_logger().warning("shmwheel: a timed-out request was answered 504 Gateway Timeout")
                 return
             what, running = record.describe(), record.running_for()
-            server_logger().warning("shmwheel: %s timed out: answered 504 Gateway Timeout, after %.3f s", what, running)
+            how = "was ended by hand" if active is not None and started_of(active) in self._by_hand else "timed out"
+            server_logger().warning("shmwheel: %s %s: answered 504 Gateway Timeout, after %.3f s", what, how, running)
 
     def timed_out(
         self, handle: int, active: Active, record: RequestRecord, stack: str, frames: dict[int, FrameType]
@@ -604,7 +620,8 @@ class RequestTimer:
                 how = interrupt(active.thread, active.task, lambda: handle in self.in_app, mine, end)
             else:
                 how = "its response is being written: it is ended if it goes back into the application"
-            server_logger().warning("shmwheel: interrupting %s: %s", record.describe(), how)
+            by_hand = " (ended by hand: shmwheel end)" if started_of(active) in self._by_hand else ""
+            server_logger().warning("shmwheel: interrupting %s%s: %s", record.describe(), by_hand, how)
 
     def answer(self, payload: bytes) -> None:
         """Tell the driver that the stack of the request ``payload`` names has been written."""
@@ -668,20 +685,42 @@ class RequestTimer:
         timer the C path did not cancel (also from shmwheel._fast.Body)."""
         if self._cancel(active.handle) is not False:
             return
-        # Not cancelled: its timer has fired, and the driver is acting on a
-        # request that has ended.  Told, it leaves the worker alone; and the
-        # fire it keeps in flight while its stages run is freed, so that no
-        # driver that takes over begins them again.
-        if due(active.deadline_ns, _monotonic_ns()):
-            self._acknowledge(active.handle)
-            with self._saying:  # the driver's "ended … after it was interrupted" after "interrupting"
-                self._tell(active.payload, KIND_FINISHED)
-            now = time.monotonic()
-            with self._ended_lock:
-                ended = self._ended_late
-                ended[active.payload] = now
-                if len(ended) > ENDED_KEPT:
-                    del ended[next(iter(ended))]
+        # Not cancelled: its timer has fired (at its deadline, or moved to
+        # now by an operator's end by hand, whose ask may not have come
+        # yet), and the driver is acting on a request that has ended.
+        # Told, it leaves the worker alone; and the fire it keeps in flight
+        # while its stages run is freed, so that no driver that takes over
+        # begins them again.
+        self._by_hand.pop(started_of(active), None)
+        self._acknowledge(active.handle)
+        with self._saying:  # the driver's "ended … after it was interrupted" after "interrupting"
+            self._tell(active.payload, KIND_FINISHED)
+        now = time.monotonic()
+        with self._ended_lock:
+            ended = self._ended_late
+            ended[active.payload] = now
+            if len(ended) > ENDED_KEPT:
+                del ended[next(iter(ended))]
+
+    def end_by_hand(self, handle: int) -> bool:
+        """An operator ended the request of ``handle`` by hand (``shmwheel
+        end``): its driver moved its timer to now and asks it to end.  From
+        now on it is past its timeout here, as at its timeout (in the
+        reporter thread).  Whether it is still in progress."""
+        active = self._active.get(handle)
+        if active is None:
+            return False  # it ended first: its finish() found its timer fired, and told the driver
+        by_hand = self._by_hand
+        by_hand.setdefault(started_of(active), time.monotonic_ns())
+        if len(by_hand) > BY_HAND_KEPT:  # (of requests whose end no finish() saw: a fork's, say)
+            live = {started_of(a) for a in self._active.copy().values()}
+            self._by_hand = {s: t for s, t in by_hand.items() if s in live}
+        return True
+
+    def ended_by_hand(self, handle: int) -> bool:
+        """Whether the request of ``handle`` was ended by hand (end_by_hand)."""
+        active = self._active.get(handle)
+        return active is not None and started_of(active) in self._by_hand
 
     def tell_again(self, asked: Container[tuple[bytes, bool]]) -> None:
         """To a driver other than the one last seen (in the reporter thread,
@@ -753,6 +792,8 @@ class RequestTimer:
         active = self._active.get(handle)
         if active is None or handle in self._interrupted or self._pid != _process.pid:
             return False
+        if started_of(active) in self._by_hand:
+            return False  # an operator ended it
         now = time.monotonic_ns()
         cancelled = self._cancel(active.handle)
         if cancelled is None:
@@ -760,6 +801,8 @@ class RequestTimer:
         if not cancelled:
             if due(active.timeout_ns, now):
                 return False  # its timeout has fired: the driver is acting on it
+            if not due(active.deadline_ns, now):
+                return False  # fired before its deadline: an operator's end by hand, whose ask is on its way
             # Its warn_after stage has fired, and the driver holds its
             # timeout stage: told, it drops that.
             self._acknowledge(active.handle)
