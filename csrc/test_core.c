@@ -245,11 +245,13 @@ static void scribble_run(uint32_t shards)
         for (k = 0; k < 8; k++)
             handles[k] = shmw_add_at_ns(w, now_ns + (1LL << (3 * k)) * 1000000LL, "x", 1, 0);
         for (k = 0; k < 1 + (int)(rnd() % 6); k++) {
-            uint64_t off = rnd() % size, in_shard = off < top_size ? 0 : (off - top_size) % ((size - top_size) / shards);
-            if (off >= top_size && in_shard >= mutex_lo && in_shard < mutex_hi)
+            uint64_t users = size - ALIGN_UP(sizeof(struct shmw_users), 64), off = rnd() % size;
+            uint64_t in_shard = off < top_size || off >= users ? 0 : (off - top_size) % ((users - top_size) / shards);
+            int shard_byte = off >= top_size && off < users;
+            if (shard_byte && in_shard >= mutex_lo && in_shard < mutex_hi)
                 continue;
             params_hit |= off < offsetof(struct shmw_top, producers)
-                || (off >= top_size && in_shard < offsetof(struct shmw_header, elapsed));
+                || (shard_byte && in_shard < offsetof(struct shmw_header, elapsed));
             base[off] = (char)rnd();
         }
         /* Every operation; any result is fine, a sanitizer report is not. */

@@ -35,6 +35,7 @@
  *     struct shmw_bucket[B], uint32_t heap[B]  B = levels << wheel_bits (64-byte aligned)
  *     struct shmw_list[SHMW_LANES][B]          lane k's list of bucket b at k * B + b (64-byte aligned)
  *     slab[capacity]                           `stride` bytes an entry: struct shmw_entry, then the payload
+ *   struct shmw_users                        its users' counters and note (64-byte aligned)
  *
  * Every function of the core that works on a wheel takes a shard's view
  * (shard_t) and locks only that shard; the public calls (shmw_t) pick the
@@ -129,12 +130,17 @@ struct shmw_top {
     uint32_t _pad2;
     int64_t  passed_ns;         /* CLOCK_MONOTONIC when the clock last passed over the shards:
                                  * its heartbeat (it locks only the shards it must) */
+} __attribute__((aligned(64)));
 
-    /* What its users keep here for each other (shmw_count, shmw_set_note):
-     * written by the driver's process, never on a producer's path, so on
-     * lines of their own. */
-    uint64_t counters[SHMW_COUNTERS] __attribute__((aligned(64)));   /* atomics */
+/* What its users keep in a segment for each other (shmw_count,
+ * shmw_set_note), after the last shard: the driver's process writes it,
+ * never a producer's path, so it moves no shard from where it would be
+ * without it (a shard's header lines sit where they did before it was
+ * there: measured, a producer's path notices). */
+struct shmw_users {
+    uint64_t counters[SHMW_COUNTERS];   /* atomics */
     uint32_t note_len;          /* under shard 0's lock, as the note */
+    uint32_t _pad;
     char     note[SHMW_NOTE_SIZE];
 } __attribute__((aligned(64)));
 
@@ -330,6 +336,7 @@ struct shard {
 /* A process's view of an open segment: the shmw_t of the public calls. */
 struct shmw {
     struct shmw_top     *top;
+    struct shmw_users   *users;         /* after the last shard */
     uint64_t             size;
     uint32_t             shards;
     uint32_t             capacity;      /* shards * shard_capacity */

@@ -75,6 +75,7 @@ struct layout {
     uint64_t slab_off;
     uint64_t shard_size;
     uint64_t top_size;
+    uint64_t users_off;
     uint64_t size;
     uint32_t stride;
     uint32_t nbuckets;
@@ -98,7 +99,8 @@ static void compute_layout(const struct shmw_params *p, struct layout *l)
     l->slab_off = l->lists_off + (uint64_t)SHMW_LANES * l->nbuckets * sizeof(struct shmw_list);
     l->shard_size = ALIGN_UP(l->slab_off + (uint64_t)l->shard_capacity * l->stride, 64);
     l->top_size = ALIGN_UP(sizeof(struct shmw_top), 64);
-    l->size = l->top_size + (uint64_t)l->shards * l->shard_size;
+    l->users_off = l->top_size + (uint64_t)l->shards * l->shard_size;
+    l->size = l->users_off + ALIGN_UP(sizeof(struct shmw_users), 64);
 }
 
 int shmw_segment_size(const struct shmw_params *p, uint64_t *size)
@@ -214,6 +216,7 @@ int shmw_init(void *base, uint64_t size, const struct shmw_params *p, int64_t no
         handle_key = (uint64_t)now_ns * 0x9e3779b97f4a7c15ULL ^ (uint64_t)shmw__pid;
 
     memset(base, 0, l.top_size);
+    memset((char *)base + l.users_off, 0, sizeof(struct shmw_users));
     top->version = SHMW_LAYOUT_VERSION;
     top->top_size = sizeof(struct shmw_top);
     top->shards = l.shards;
@@ -331,6 +334,7 @@ int shmw_open(void *base, uint64_t size, shmw_t **out)
     if (!w)
         return SHMW_ENOMEM;
     w->top = top;
+    w->users = (struct shmw_users *)((char *)base + l.users_off);
     w->size = l.size;
     w->shards = l.shards;
     w->capacity = l.shard_capacity * l.shards;

@@ -157,7 +157,7 @@ int shmw_count(shmw_t *w, uint32_t counter, uint64_t n)
         return SHMW_ECLOSED;
     if (counter >= SHMW_COUNTERS)
         return SHMW_EINVAL;
-    __atomic_fetch_add(&w->top->counters[counter], n, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&w->users->counters[counter], n, __ATOMIC_RELAXED);
     return SHMW_OK;
 }
 
@@ -170,7 +170,7 @@ int shmw_counters(shmw_t *w, uint64_t *out, uint32_t n)
     if (!out || n > SHMW_COUNTERS)
         return SHMW_EINVAL;
     for (k = 0; k < n; k++)
-        out[k] = __atomic_load_n(&w->top->counters[k], __ATOMIC_RELAXED);
+        out[k] = __atomic_load_n(&w->users->counters[k], __ATOMIC_RELAXED);
     return SHMW_OK;
 }
 
@@ -184,10 +184,10 @@ int shmw_set_note(shmw_t *w, const char *note, uint32_t len)
         return SHMW_EINVAL;
     if ((rc = shmw__lock(&w->shard[0])))
         return rc;
-    STORE(w->top->note_len, 0);         /* a holder that dies half-way leaves no note, not half of one */
+    STORE(w->users->note_len, 0);         /* a holder that dies half-way leaves no note, not half of one */
     if (len)
-        memcpy(w->top->note, note, len);
-    STORE(w->top->note_len, len);
+        memcpy(w->users->note, note, len);
+    STORE(w->users->note_len, len);
     shmw__unlock(&w->shard[0]);
     return SHMW_OK;
 }
@@ -203,9 +203,9 @@ int shmw_note(shmw_t *w, char *out, uint32_t cap)
         return SHMW_EINVAL;
     if ((rc = shmw__lock(&w->shard[0])))
         return rc;
-    len = w->top->note_len <= SHMW_NOTE_SIZE ? w->top->note_len : 0;       /* (scribbled: none) */
+    len = w->users->note_len <= SHMW_NOTE_SIZE ? w->users->note_len : 0;       /* (scribbled: none) */
     if (len && cap)
-        memcpy(out, w->top->note, len < cap ? len : cap);
+        memcpy(out, w->users->note, len < cap ? len : cap);
     shmw__unlock(&w->shard[0]);
     return (int)len;
 }
