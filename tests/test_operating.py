@@ -621,6 +621,23 @@ def test_gthread_stack_and_end_by_hand_leave_the_worker_and_its_siblings_serving
         assert proc.stderr.startswith("shmwheel: no request 'ended-by-hand' is in flight on wheel"), proc.stderr
         assert len(proc.stderr.splitlines()) == 1
 
+        # A regular expression that holds the GIL for seconds: no Python runs
+        # in the worker to write the stack, and the wait for it is bounded.
+        held = pool.submit(get, port, "/regex?n=27", WAIT, "gil-held")
+        wait_listed(server, "gil-held", "running")
+        time.sleep(0.2)  # into the match
+        proc = cli("stack", server.wheel, "gil-held", "--wait", "0.5")
+        assert proc.returncode == 1 and proc.stdout == "", proc
+        assert re.fullmatch(
+            rf"shmwheel: worker pid {pid} did not write the stack of GET /regex \(request gil-held, .*\) within "
+            rf"0\.5 s: no Python runs in it \(a C call that holds the GIL\?\); kill -s SIGRTMIN(?:\+\d+)? {pid} has "
+            r"faulthandler "
+            r"write every thread's stack to its stderr, where this request's is thread 0x[0-9a-f]{16}\n",
+            proc.stderr,
+        ), proc.stderr
+        assert held.result() == (200, f"done by pid {pid}\n")
+        assert not list((SHM).glob("shmwheel-stack.*")), "the pipe was left behind"
+
 
 @as_root
 def test_gthread_end_of_a_request_in_a_c_call_says_it_runs_on_and_with_kill_ends_its_worker(

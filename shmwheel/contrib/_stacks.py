@@ -531,9 +531,17 @@ def _stack_by_hand(timer: RequestTimer, active: Active, frames: dict[int, FrameT
     try:
         fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        server_logger().warning(
-            "shmwheel: the stack of %s was asked for by hand, but its pipe cannot be opened: %s", record.describe(), exc
-        )
+        if exc.errno in (errno.ENOENT, errno.ENXIO):  # gone, or no reader: it gave up (no Python ran here meanwhile)
+            server_logger().info(
+                "shmwheel: the stack of %s was asked for by hand, but whoever asked has stopped waiting for it",
+                record.describe(),
+            )
+        else:
+            server_logger().warning(
+                "shmwheel: the stack of %s was asked for by hand, but its pipe cannot be opened: %s",
+                record.describe(),
+                exc,
+            )
         return
     try:
         st = os.fstat(fd)
