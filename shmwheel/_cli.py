@@ -600,6 +600,12 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
+    def watched(p: argparse.ArgumentParser, json_help: str, interval_help: str) -> None:
+        """--json, and --watch every --interval until Ctrl-C or SIGTERM."""
+        p.add_argument("--json", action="store_true", help=json_help)
+        p.add_argument("--watch", action="store_true", help="again every interval until Ctrl-C or SIGTERM")
+        p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help=interval_help)
+
     demo = command("demo", _demo, "run worker processes with per-request timeouts and show the fires", named=False)
     # Each worker takes an id in the segment's producer table; the demo and its driver take two more.
     workers = _int_between(1, lib.SHMW_MAX_PRODUCERS - 2)
@@ -654,9 +660,7 @@ def _parser() -> argparse.ArgumentParser:
         "show a wheel's state and its add/cancel/fire rates; it samples the wheel twice, "
         "--interval apart, so it takes that long",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object (one a line with --watch)")
-    p.add_argument("--watch", action="store_true", help="repeat every interval until Ctrl-C or SIGTERM")
-    p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help="sampling interval (default 1)")
+    watched(p, "print one JSON object (one a line with --watch)", "sampling interval (default 1)")
 
     # Parsed by the command itself (shmwheel.contrib.timeouts), which main() hands the rest of the line.
     sub.add_parser(
@@ -672,18 +676,16 @@ def _parser() -> argparse.ArgumentParser:
         "list the requests in flight on a request-timeout wheel, oldest first: their age, timeout and stage "
         "(running, warned, timed out, interrupted, being killed), worker, thread or task, request id and path",
     )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print a JSON array of objects (one array a line with --watch), with the keys request_id, method, "
-        "path, worker_pid, thread, task, age_s, timeout_s and stage",
+    watched(
+        p,
+        "print a JSON array of objects (one array a line with --watch), with the keys request_id, method, path, "
+        "worker_pid, thread, task, age_s, timeout_s and stage",
+        "of --watch, which redraws the list as top does (default 1)",
     )
     p.add_argument(
         "--older-than", type=_seconds, default=0.0, metavar="SECONDS", help="only requests running this long or longer"
     )
     p.add_argument("--worker", type=_int_between(1, 2**31 - 1), metavar="PID", help="only this worker's requests")
-    p.add_argument("--watch", action="store_true", help="refresh every interval, as top does, until Ctrl-C or SIGTERM")
-    p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help="with --watch (default 1)")
 
     p = command(
         "stack",

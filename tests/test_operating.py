@@ -270,6 +270,12 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 STREAMING = "/stream?chunks=6&every=0.5&extend=60"  # the apps' stream, given a minute more before each chunk
 
 
+def uvicorn_cmd(port: int) -> list[str]:
+    """Uvicorn, one worker, serving tests/apps/asgi_stuck.py's ``interrupting``."""
+    return [str(BIN / "uvicorn"), "asgi_stuck:interrupting", "--app-dir", str(APPS), "--host", "127.0.0.1",
+            "--port", str(port), "--workers", "1"]  # fmt: skip
+
+
 def metrics_of(server: Server) -> Callable[[], Samples]:
     """A scrape of the driver's /metrics, at the port its log says it got (it was given port 0)."""
     port = int(server.wait_for(r"metrics of wheel '.*': serving http://127\.0\.0\.1:(\d+)/metrics").group(1))
@@ -418,8 +424,7 @@ def test_uvicorn_requests_and_metrics_show_a_task_that_runs_on_with_its_task_unt
     past its interrupt's grace, listed as interrupted with its task, beside
     a stream that runs; once the thread is back it ends, and is gone."""
     port = free_port()
-    cmd = [str(BIN / "uvicorn"), "asgi_stuck:interrupting", "--app-dir", str(APPS), "--host", "127.0.0.1",
-           "--port", str(port), "--workers", "1"]  # fmt: skip
+    cmd = uvicorn_cmd(port)
     monkeypatch.setenv("SHMWHEEL_TEST_METRICS", "127.0.0.1:0")  # the app's middleware's metrics=
     with serve_asgi(cmd, port, tmp_path) as server:
         driver = auto_driver_of(server)
@@ -722,6 +727,24 @@ def test_a_request_that_ends_as_its_timer_is_moved_by_hand_tells_the_driver_so(m
     assert not wheel.reset(own.handle, 0.0)  # and one that ended first has no timer to move
 
 
+def stack_then_end(
+    server: Server, pool: ThreadPoolExecutor, path: str, request_id: str, file: str, function: str
+) -> dict[str, object]:
+    """A request to ``path``, stuck: ``shmwheel stack`` names ``function``
+    (in ``file``, a pattern), then ``shmwheel end`` gets its client a 504.
+    The request, as it was listed."""
+    stuck = pool.submit(get, server.port, path, WAIT, request_id)
+    request = wait_listed(server, request_id, "running")
+    assert request is not None
+    proc = cli("stack", server.wheel, request_id)
+    assert proc.returncode == 0, proc
+    assert re.search(rf'File ".*{file}", line \d+, in {function}\n', proc.stdout), proc.stdout
+    proc = end_by_hand(server, request_id)
+    assert proc.returncode == 0, proc
+    assert stuck.result() == GATEWAY_TIMEOUT
+    return request
+
+
 def test_uwsgi_stack_and_end_by_hand(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
     """uWSGI: the stack of a request in a Python loop, by hand, names its
     function; its end by hand answers it 504, and the worker serves on
@@ -731,14 +754,7 @@ def test_uwsgi_stack_and_end_by_hand(tmp_path: Path, pool: ThreadPoolExecutor) -
     ini = uwsgi_ini(tmp_path, port, **options)
     with serve([str(BIN / "uwsgi"), "--ini", str(ini)], port, tmp_path, "uwsgi") as server:
         server.wait_for(r"driver \d+: running on wheel 'uwsgi-\d+'")
-        stuck = pool.submit(get, port, f"/spin?s={WAIT}", WAIT, "uwsgi-by-hand")
-        wait_listed(server, "uwsgi-by-hand", "running")
-        proc = cli("stack", server.wheel, "uwsgi-by-hand")
-        assert proc.returncode == 0, proc
-        assert re.search(r'File ".*/examples/app\.py", line \d+, in _spin\n', proc.stdout), proc.stdout
-        proc = end_by_hand(server, "uwsgi-by-hand")
-        assert proc.returncode == 0, proc
-        assert stuck.result() == GATEWAY_TIMEOUT
+        stack_then_end(server, pool, f"/spin?s={WAIT}", "uwsgi-by-hand", r"/examples/app\.py", "_spin")
         server.wait_for(r"request ended by hand \(shmwheel end, pid \d+, uid \d+\): GET /spin \(request uwsgi-by-hand,")
         assert get(port, "/")[0] == 200
         assert "Respawned uWSGI worker" not in server.log()
@@ -754,19 +770,13 @@ def test_uvicorn_stack_and_end_by_hand_of_a_task(
     answers its client 504, while the event loop serves on."""
     port = free_port()
     monkeypatch.setenv("SHMWHEEL_TEST_TIMEOUT", "30")
-    cmd = [str(BIN / "uvicorn"), "asgi_stuck:interrupting", "--app-dir", str(APPS), "--host", "127.0.0.1",
-           "--port", str(port), "--workers", "1"]  # fmt: skip
+    cmd = uvicorn_cmd(port)
     with serve_asgi(cmd, port, tmp_path) as server:
         driver = auto_driver_of(server)
-        stuck = pool.submit(get, port, f"/await-sleep?s={WAIT}", WAIT, "asgi-by-hand")
-        request = wait_listed(server, "asgi-by-hand", "running")
-        assert request is not None and request["task_kind"] == "task"
-        proc = cli("stack", server.wheel, "asgi-by-hand")
-        assert proc.returncode == 0, proc
-        assert re.search(r'File ".*/tests/apps/asgi_stuck\.py", line \d+, in await_sleep\n', proc.stdout), proc.stdout
-        proc = end_by_hand(server, "asgi-by-hand")
-        assert proc.returncode == 0, proc
-        assert stuck.result() == GATEWAY_TIMEOUT
+        request = stack_then_end(
+            server, pool, f"/await-sleep?s={WAIT}", "asgi-by-hand", r"/tests/apps/asgi_stuck\.py", "await_sleep"
+        )
+        assert request["task_kind"] == "task"
         assert get(port, "/")[0] == 200
         assert server.stop(signal.SIGINT) == 0
         assert_nothing_left_of_asgi(server, driver)
