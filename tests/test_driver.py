@@ -11,6 +11,7 @@ import fcntl
 import functools
 import itertools
 import json
+import logging
 import os
 import random
 import shutil
@@ -663,3 +664,39 @@ def test_a_producer_in_another_pid_namespace_is_never_judged_by_its_pid(make_whe
             )
         contained.communicate("\n", timeout=30)
     assert contained.returncode == 0
+
+
+class _LooksAfter:
+    """A handler with a periodic job of its own, whose second run fails."""
+
+    def __init__(self) -> None:
+        self.looks: list[float] = []
+
+    def __call__(self, fire: shmwheel.Fire) -> None:
+        pass
+
+    def look_after(self) -> None:
+        self.looks.append(time.monotonic())
+        if len(self.looks) == 2:
+            raise RuntimeError("a look that fails")
+
+
+def test_a_handlers_look_after_is_called_at_start_and_once_a_second(make_wheel, caplog) -> None:
+    """Once the driver has registered, before on_ready (so that what it keeps
+    in the wheel is there from the start), then with the driver's own
+    periodic jobs; one that raises is logged, and the next comes all the same."""
+    wheel = make_wheel(capacity=100)
+    handler = _LooksAfter()
+    ready: list[int] = []
+    driver = shmwheel.Driver(wheel.name, handler)
+    thread = threading.Thread(target=driver.run, kwargs={"on_ready": lambda: ready.append(len(handler.looks))})
+    with caplog.at_level(logging.ERROR):
+        thread.start()
+        try:
+            wait_for(lambda: len(handler.looks) >= 3)
+        finally:
+            driver.stop()
+            thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert ready == [1]
+    assert "the handler's look_after() failed" in caplog.text
