@@ -57,6 +57,7 @@ nothing.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import heapq
 import itertools
@@ -397,7 +398,8 @@ class TimeoutHandler:
     def __call__(self, fire: Fire) -> Any:
         with self._lock:
             if fire.handle >= 0:  # (not one of the follow-ups kept here, whose lateness is this process's)
-                self._counting().lateness(time.monotonic_ns() - fire.deadline_ns)
+                with contextlib.suppress(ShmwheelError, OSError):  # the wheel gone: its counts with it
+                    self._counting().lateness(time.monotonic_ns() - fire.deadline_ns)
             if self._refused_unread(fire):
                 return None
             key = fire.payload[1:]
@@ -697,7 +699,7 @@ class TimeoutHandler:
         interrupting = bool(stack) and record.interrupt
         if not actions.tracebacks and not interrupting and not by_hand:
             stack = dump = 0
-        if actions.log:
+        if actions.log or by_hand:  # (an operator's act is always said)
             # One line, written before the worker is signalled, so that it
             # comes ahead of the stack the worker writes.
             if not there:
@@ -936,6 +938,8 @@ class TimeoutHandler:
                     "%s, past its timeout, ended by hand (%s): its worker's kill stage", record.describe(), who
                 )
                 self._running_on.pop(key, None)
+                if late is not None:
+                    late.kill = True  # its grace, if still to come, leads to the kill stage under way
                 self._graceful(fire, record, late)
             else:
                 _log.warning(
