@@ -780,3 +780,41 @@ def test_uvicorn_stack_and_end_by_hand_of_a_task(
         assert get(port, "/")[0] == 200
         assert server.stop(signal.SIGINT) == 0
         assert_nothing_left_of_asgi(server, driver)
+
+
+def test_gthread_end_of_a_warned_request_whose_worker_does_not_interrupt_is_its_kill(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """A request past its warn_after stage, whose worker does not
+    interrupt requests: a plain ``shmwheel end`` is refused in one line
+    (nothing could end it but its worker's kill); with ``--kill`` its
+    timeout stage begins at once, by hand (its stack, then the kill the
+    server's kill=False would not have sent), and the command exits 4 once
+    the worker is gone; a new one serves.  The timeout stage its warn_after
+    stage had added for later is dropped: when its time comes, nothing is
+    said or done.  (Before, it began the stage again then, "timed out".)"""
+    port = free_port()
+    stages = "timeout=4.0, warn_after=0.5, kill=False, kill_after=1.0"
+    cmd = gunicorn_app(tmp_path, port, "gthread", "--workers", "1", "--threads", "2", install=stages)
+    with serve(cmd, port, tmp_path, "gunicorn") as server, stopped_cleanly(server):
+        pid = pid_of(get(port, "/"))
+        started = time.monotonic()
+        stuck = pool.submit(get, port, f"/spin?s={WAIT}", WAIT, "warned-then-ended")
+        wait_listed(server, "warned-then-ended", "warned")
+        proc = end_by_hand(server, "warned-then-ended")
+        assert proc.returncode == 1 and proc.stdout == "", proc
+        assert "cannot be ended by itself: its worker ends requests only with interrupt=True" in proc.stderr
+        proc = end_by_hand(server, "warned-then-ended", "--kill")
+        assert proc.returncode == 4, proc
+        server.wait_for(
+            r"request ended by hand \(shmwheel end, pid \d+, uid \d+\): GET /spin \(request warned-then-ended, .*\), "
+            r"running for [\d.]+ s; asking it for the request's stack \(SIG\w+(?:\+\d+)?\), then SIGABRT, and SIGKILL "
+            r"1 s after that$"
+        )
+        server.wait_for(
+            r"the stack of request GET /spin \(request warned-then-ended, .*\), running for [\d.]+ s, ended by hand"
+        )
+        assert stuck.result()[0] in (0, 502)
+        assert pid_of(get(port, "/")) != pid
+        time.sleep(max(0.0, started + 5.0 - time.monotonic()))  # its timeout stage, had it come, has said so
+        assert "request timed out" not in server.log()

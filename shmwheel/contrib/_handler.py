@@ -379,6 +379,10 @@ class TimeoutHandler:
         # this driver moved to now: who asked, in words, and whether with
         # --kill; until that timer's fire comes.
         self._by_hand: dict[bytes, tuple[str, bool]] = {}
+        # Requests warned, then ended by hand: the timeout stage their
+        # warn_after stage added for later is theirs no more.  When it is
+        # due (time.monotonic_ns()), so that those never heard of are let go.
+        self._taken_by_hand: dict[bytes, int] = {}
         self._early = Burst(_early)  # a request's own timers that fire before its timeout
 
     def spare(self, pid: int) -> None:
@@ -517,7 +521,9 @@ class TimeoutHandler:
             late = self._late.get(key)
             if late is not None and late.ended:
                 del self._late[key]
-            elif late is None or late.stage != TIMED_OUT:  # (one ended by hand meanwhile is at it already)
+            elif self._taken_by_hand.pop(key, None) is not None:
+                pass  # ended by hand since its warn_after stage: its timeout stage came then
+            else:
                 self._timed_out(fire, record, there)
         elif self._warn_stage(record):
             self._warned(fire, record, there)
@@ -930,6 +936,11 @@ class TimeoutHandler:
             return
         late = self._late.get(key)
         if late is not None and late.stage == WARNED:
+            now = time.monotonic_ns()
+            taken = self._taken_by_hand
+            if len(taken) > 1024:
+                self._taken_by_hand = taken = {k: t for k, t in taken.items() if now - t < FORGET_AFTER * 1e9}
+            taken[key] = record.timeout_at() or now
             self._timed_out(fire, record, there, by_hand=who, kill=kill)
             return
         if (late is not None and late.stage == TIMED_OUT) or key in self._running_on:
