@@ -499,7 +499,8 @@ def _requests(args: argparse.Namespace) -> int:
                     lines = _request_rows(found)
                     if args.watch:
                         late = f", {found.late} past their timeout" if found.late else ""
-                        title = f"wheel {wheel.name}: {len(requests)} requests in flight{late}, {time.strftime('%X')}"
+                        n = f"{len(requests)} request{'s' * (len(requests) != 1)}"
+                        title = f"wheel {wheel.name}: {n} in flight{late}, {time.strftime('%X')}"
                         lines = [title, "", *lines]
                     if clear:
                         sys.stdout.write("\x1b[H\x1b[2J")  # as top and watch(1) redraw

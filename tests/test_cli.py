@@ -6,8 +6,10 @@ import contextlib
 import itertools
 import json
 import os
+import pty
 import pwd
 import re
+import select
 import shutil
 import signal
 import struct
@@ -280,6 +282,37 @@ def test_requests_watch_prints_a_json_array_a_line_until_a_signal_then_exits_0(
         [("watched", "running", me)]
     ] * 3
     assert lines[0][0]["age_s"] < lines[1][0]["age_s"] < lines[2][0]["age_s"]
+
+
+def test_requests_watch_on_a_terminal_redraws_the_list_as_top_does(make_wheel: MakeWheel) -> None:
+    """On a terminal: the screen cleared and the list drawn again under a
+    title line, each interval, until SIGTERM ends it with status 0."""
+    w = make_wheel(payload_size=256)
+    me = os.getpid()
+    w.add(60, encode_request(KIND_REQUEST, me, start_time(me) or 0, time.monotonic_ns(), "GET", "on-a-tty", "/x"))
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmwheel", "requests", w.name, "--watch", "--interval", "0.05"],
+        stdin=follower, stdout=follower, stderr=subprocess.PIPE, preexec_fn=_as_in_the_foreground,
+    )  # fmt: skip
+    os.close(follower)
+    seen = b""
+    try:
+        give_up = time.monotonic() + 20
+        while seen.count(b"\x1b[H\x1b[2J") < 3 and time.monotonic() < give_up:
+            if select.select([leader], [], [], 1.0)[0]:
+                seen += os.read(leader, 65536)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        proc.kill()
+        os.close(leader)
+        assert proc.stderr is not None
+        proc.stderr.close()
+    frames = seen.decode().split("\x1b[H\x1b[2J")[1:]
+    assert len(frames) >= 3, seen
+    assert all(re.match(rf"wheel {w.name}: 1 request in flight, \d\d:\d\d:\d\d\r\n\r\n +AGE ", f) for f in frames[:3])
+    assert all("on-a-tty" in f and "GET /x" in f for f in frames[:3])
 
 
 def test_requests_of_a_wheel_that_is_not_there_is_a_one_line_error() -> None:
