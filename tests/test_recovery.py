@@ -11,6 +11,7 @@ or not at all, and nothing fires twice unless marked redelivered.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -69,6 +70,28 @@ def make_case(due: int = 3, later: int = 12) -> Case:
     return Case(w, timers)
 
 
+def crashes_at(
+    n: int, op: Callable[[], object], who: str = "child", first: Callable[[], object] = lambda: None
+) -> bool:
+    """Run ``first()``, then ``op()`` in a forked child that dies at store
+    ``n`` (SHMW_CRASH_EXIT) if op makes that many; whether it did.  Any
+    other end of the child fails the test."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 0
+        try:
+            first()
+            lib.shmw_test_crash_after(n)
+            op()
+        except BaseException:
+            code = 3
+        finally:
+            os._exit(code)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    assert code in (0, lib.SHMW_CRASH_EXIT), f"the {who} failed with {code} at store {n}"
+    return code == lib.SHMW_CRASH_EXIT
+
+
 def sweep(op: Callable[[Case], None], verify: Callable[[Case, bool], None], setup=make_case, locks: int = 1) -> int:
     """Run op in a child crashing at store 1, 2, ...; verify after each; return the stores covered.
     ``locks``: how many locks op may hold at once, and so leave to be
@@ -76,19 +99,7 @@ def sweep(op: Callable[[Case], None], verify: Callable[[Case, bool], None], setu
     for n in range(1, 2000):
         try:
             case = setup()
-            pid = os.fork()
-            if pid == 0:  # the child: never returns
-                code = 0
-                try:
-                    lib.shmw_test_crash_after(n)
-                    op(case)
-                except BaseException:
-                    code = 3
-                finally:
-                    os._exit(code)
-            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            assert code in (0, lib.SHMW_CRASH_EXIT), f"child failed with {code} at store {n}"
-            crashed = code == lib.SHMW_CRASH_EXIT
+            crashed = crashes_at(n, functools.partial(op, case))
             case.wheel.check()  # the first lock after a crash repairs
             st = case.wheel.stats()
             assert st.recoveries == int(crashed) or crashed and 1 <= st.recoveries <= min(locks, st.shards)
@@ -382,6 +393,15 @@ def _poll_returns(w: shmwheel.Wheel, now: float) -> list[shmwheel.Fire]:
     return result[0]
 
 
+def _register(w: shmwheel.Wheel, registering: bool) -> None:
+    """In a driver's process: register it as the wheel's driver, or release it."""
+    me = os.getpid()
+    if registering:
+        assert lib.shmw_driver_register(w.core, me, start_time(me) or 0, 0, 0) == 0
+    else:
+        lib.shmw_driver_register(w.core, 0, 0, me, start_time(me) or 0)
+
+
 @pytest.mark.parametrize("shards", [2], ids=["two shards"])  # in place of the module's fixture
 @pytest.mark.parametrize("cut", ["registering", "releasing"])
 def test_a_driver_killed_registering_or_releasing_leaves_the_wheel_to_the_next_caller(cut: str, shards: int) -> None:
@@ -396,24 +416,11 @@ def test_a_driver_killed_registering_or_releasing_leaves_the_wheel_to_the_next_c
         for n in range(1, 200):
             case = make_case(due=2, later=3)
             w = case.wheel
-            pid = os.fork()
-            if pid == 0:  # the driver: never returns
-                code = 0
-                try:
-                    me, me_start = os.getpid(), start_time(os.getpid())
-                    if cut == "releasing":
-                        assert lib.shmw_driver_register(w.core, me, me_start, 0, 0) == 0
-                    lib.shmw_test_crash_after(n)
-                    if cut == "releasing":
-                        lib.shmw_driver_register(w.core, 0, 0, me, me_start)
-                    else:
-                        lib.shmw_driver_register(w.core, me, me_start, 0, 0)
-                except BaseException:
-                    code = 3
-                finally:
-                    os._exit(code)
-            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            assert code in (0, lib.SHMW_CRASH_EXIT), f"the driver failed with {code} at store {n}"
+            register, release = functools.partial(_register, w, True), functools.partial(_register, w, False)
+            if cut == "releasing":
+                crashed = crashes_at(n, release, "driver", first=register)
+            else:
+                crashed = crashes_at(n, register, "driver")
             got = _poll_returns(w, w.stats().clock + FAR)
             assert sorted(f.handle for f in got) == sorted(case.timers), f"at store {n}"
             assert [header(w, k).driver_pid for k in range(shards)] == [0] * shards
@@ -421,7 +428,7 @@ def test_a_driver_killed_registering_or_releasing_leaves_the_wheel_to_the_next_c
             w.close()
             shmwheel.unlink(w.name)
             _made.remove(w)
-            if code == 0:
+            if not crashed:
                 break
         assert n > 5, "the crash points were not reached"
     finally:
