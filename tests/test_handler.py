@@ -39,7 +39,7 @@ from shmwheel.contrib import (
     signal_process,
 )
 from shmwheel.contrib._handler import DUMP_TIME, signal_if
-from shmwheel.contrib._record import KIND_FINISHED, KIND_GRACE, KIND_LATE, KIND_RELEASED, with_kind
+from shmwheel.contrib._record import KIND_END, KIND_FINISHED, KIND_GRACE, KIND_LATE, KIND_RELEASED, with_kind
 from shmwheel.contrib._settings import reserve_for
 
 # A stand-in for a worker.  Given a wheel and a timeout, it starts the
@@ -61,7 +61,10 @@ WORKER = textwrap.dedent(
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if len(sys.argv) > 2:
-        timer = RequestTimer(sys.argv[2], float(sys.argv[3]), traceback_signal="USR2" if mode == "lost" else "URG")
+        timer = RequestTimer(
+            sys.argv[2], float(sys.argv[3]), traceback_signal="USR2" if mode == "lost" else "URG",
+            warn_after=0.2 if mode == "warned" else None,
+        )
         assert timer.prepare()
         handle = timer.start("GET", "/slow", "r1")
         assert handle is not None
@@ -673,3 +676,49 @@ def test_handler_reports_a_timer_that_is_not_a_request(make_wheel, caplog) -> No
     with caplog.at_level(logging.WARNING, "shmwheel.timeouts"):
         fire_all(wheel, TimeoutHandler(wheel.name), time.monotonic() + 0.2)
     assert "carries no request record" in caplog.text
+
+
+def test_an_end_by_hand_asked_as_the_requests_warn_stage_fires_begins_its_timeout_stage(
+    make_wheel, worker, caplog
+) -> None:
+    """``shmwheel end`` asked just as a request's warn_after stage comes:
+    the driver is handed the ask while the request's own timer has fired
+    and its fire waits, in flight, to be handled next.  There is nothing
+    to move, and the fire that comes next begins the timeout stage, by
+    hand.  (Before, the ask was said to come after the request's end and
+    the fire was taken for its warning: the command waited out the grace
+    and said that the request ran on.)"""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("warned", wheel.name, 30.0)
+    (own,) = wheel.timers()
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=False))
+    held: list[shmwheel.Fire] = []
+
+    def ask_comes_first(fire: shmwheel.Fire) -> object:
+        if fire.payload[0] == KIND_END:
+            held.append(fire)  # handed over with the warn_after stage's fire, just before it
+            return shmwheel.KEEP_IN_FLIGHT
+        if fire.handle == own.handle:
+            (ask,) = held
+            handler(ask)
+        return handler(fire)
+
+    driver = shmwheel.Driver(wheel.name, ask_comes_first)
+    thread = threading.Thread(target=driver.run)
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        thread.start()
+        try:
+            wheel.add(0.0, with_kind(own.payload, KIND_END), reserved=True)  # as shmwheel end adds it, from here
+            wait_until(lambda: "by hand" in caplog.text, "the end by hand")
+        finally:
+            driver.stop()
+            thread.join()
+    text = caplog.text
+    assert re.search(
+        rf"request ended by hand \(shmwheel end, pid {os.getpid()}, uid {os.getuid()}\): GET /slow \(request r1, "
+        rf"worker pid {proc.pid}, ",
+        text,
+    ), text
+    assert "has ended already" not in text and "request is slow" not in text, text
+    wait_for(proc, "in serving_a_slow_request")  # the stack its timeout stage asked for
+    wheel.acknowledge(h.handle for h in held)

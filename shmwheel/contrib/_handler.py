@@ -76,7 +76,7 @@ from .._binding import lib
 from .._driver import KEEP_IN_FLIGHT
 from .._errors import ShmwheelError, WheelFullError, one_line
 from .._process import alive, signal_disposition, start_time, uids, uses_file
-from .._results import Fire
+from .._results import Fire, Timer
 from .._segment import segment_name
 from .._wheel import Wheel, attach
 from ._metrics import Counts
@@ -960,12 +960,16 @@ class TimeoutHandler:
                     who,
                 )
             return
-        handle = self._own_timer(key, record)
-        if handle is not None:
+        own = self._own_timer(key, record)
+        if own is not None:
             if len(self._by_hand) > 1024:
                 self._by_hand.clear()
             self._by_hand[key] = (who, kill)
-            if self._open().reset(handle, 0.0):
+            if own.fired and late is None and key not in self._kept:
+                # Fired in this batch, after this ask, and not yet handled:
+                # its warn_after stage, or its timeout, come at this moment.
+                return  # that fire begins the stage, by hand
+            if self._open().reset(own.handle, 0.0):
                 return  # its fire begins the stage
             del self._by_hand[key]
         _log.info("%s was asked by hand (%s) to end, but it has ended already", record.describe(), who)
@@ -986,14 +990,14 @@ class TimeoutHandler:
             return None, f"pid {pid}, which asked, runs as uid {ids[1]}: only the wheel's owner (uid {owner}) or root"
         return f"shmwheel end, pid {pid}, uid {ids[1]}", None
 
-    def _own_timer(self, key: bytes, record: RequestRecord) -> int | None:
-        """The handle of the request's own timer, pending, if it is: a pass
-        over the wheel's timers, a few hundred at a time (an operator's ask,
-        which comes seldom)."""
+    def _own_timer(self, key: bytes, record: RequestRecord) -> Timer | None:
+        """The request's own timer, pending or in flight, if it is there: a
+        pass over the wheel's timers, a few hundred at a time (an operator's
+        ask, which comes seldom)."""
         own = bytes([KIND_REQUEST]) + key
         for timer in self._open().timers():
-            if not timer.fired and timer.owner_pid == record.pid and timer.payload == own:
-                return timer.handle
+            if timer.owner_pid == record.pid and timer.payload == own:
+                return timer
         return None
 
     def _runs_on(self, key: bytes, record: RequestRecord, late: _Late | None, interrupted: bool = True) -> None:
