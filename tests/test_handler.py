@@ -721,4 +721,99 @@ def test_an_end_by_hand_asked_as_the_requests_warn_stage_fires_begins_its_timeou
     ), text
     assert "has ended already" not in text and "request is slow" not in text, text
     wait_for(proc, "in serving_a_slow_request")  # the stack its timeout stage asked for
-    wheel.acknowledge(h.handle for h in held)
+    assert not [t for t in wheel.timers() if t.payload[0] == KIND_END]  # the ask, done, let go of
+
+
+def test_a_requests_own_timer_moved_by_someone_else_keeps_its_timeout(make_wheel, worker, caplog) -> None:
+    """A request's own timer that fires before its timeout, with no end by
+    hand behind it (a process that writes the wheel moved it): nothing is
+    done then, and its timeout stage still comes at its time.  (Before,
+    the fire was passed over, and the request had no timeout left.)"""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("polite", wheel.name, 3.0)
+    (own,) = wheel.timers()
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"), driving(wheel.name, TimeoutActions(kill=False)):
+        assert wheel.reset(own.handle, 0.0)
+        wait_until(lambda: "request timed out" in caplog.text, "its timeout stage")
+    text = caplog.text
+    assert re.search(rf"timer {own.handle} of GET /slow \(request r1, .*\) fired [\d.]+ s before", text), text
+    running = re.search(
+        rf"request timed out: GET /slow \(request r1, worker pid {proc.pid}, .*running for ([\d.]+) s", text
+    )
+    assert running is not None and float(running[1]) >= 2.95, text  # at its time, not at the move
+    wait_for(proc, "in serving_a_slow_request")
+
+
+def driver_dies_after_the_move(wheel: shmwheel.Wheel, own: shmwheel.Timer) -> None:
+    """``shmwheel end`` of the request whose own timer is ``own``, asked
+    of a driver that moves the timer and stops before its fire: both the
+    ask and the fire are left in flight, for the next driver."""
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=False))
+    left: list[shmwheel.Fire] = []
+
+    def dies_at_the_fire(fire: shmwheel.Fire) -> object:
+        if fire.handle == own.handle:
+            left.append(fire)
+            return shmwheel.KEEP_IN_FLIGHT  # never handled: the driver is dying
+        return handler(fire)
+
+    with contextlib.ExitStack() as stack:
+        driver = shmwheel.Driver(wheel.name, dies_at_the_fire)
+        thread = threading.Thread(target=driver.run)
+        thread.start()
+        stack.callback(thread.join)
+        stack.callback(driver.stop)
+        wheel.add(0.0, with_kind(own.payload, KIND_END), reserved=True)  # as shmwheel end adds it, from here
+        wait_until(lambda: left, "the moved timer's fire")
+    assert len([t for t in wheel.timers() if t.fired]) == 2  # the ask, and the moved timer's fire
+
+
+@pytest.mark.parametrize("first", ["ask", "fire"])
+def test_an_end_by_hand_whose_driver_died_before_the_moved_timer_fired_is_done_by_the_next(
+    first: str, make_wheel, worker, caplog
+) -> None:
+    """The driver moved the request's timer for ``shmwheel end`` and died
+    before its fire: the next driver is handed the ask, kept in flight
+    till then, and the fire, in either order, and begins the timeout stage
+    by hand, once.  (Before, the ask had been let go at the move, and the
+    fire, early, was passed over: the end was lost, and the request left
+    with no timeout.)"""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("polite", wheel.name, 30.0)
+    (own,) = wheel.timers()
+    driver_dies_after_the_move(wheel, own)
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=False))
+    held: list[shmwheel.Fire] = []
+    began = False
+
+    def in_order(fire: shmwheel.Fire) -> object:
+        nonlocal began
+        ours = fire.payload[0] == KIND_END or fire.handle == own.handle
+        if ours and (fire.payload[0] == KIND_END) == (first == "ask"):
+            began = True
+        elif ours and not began:
+            held.append(fire)  # the other comes first
+            return shmwheel.KEEP_IN_FLIGHT
+        result = handler(fire)
+        while held:
+            late = held.pop()
+            if handler(late) is None:
+                wheel.acknowledge([late.handle])
+        return result
+
+    driver = shmwheel.Driver(wheel.name, in_order)
+    thread = threading.Thread(target=driver.run)
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        thread.start()
+        try:
+            wait_until(lambda: "ended by hand" in caplog.text and not held, "the end by hand")
+            wait_for(proc, "in serving_a_slow_request")  # the stack its timeout stage asked for
+        finally:
+            driver.stop()
+            thread.join()
+    text = caplog.text
+    assert began
+    assert text.count("request ended by hand (shmwheel end, pid") == 1, text
+    assert re.search(rf"request ended by hand \(shmwheel end, pid {os.getpid()}, uid {os.getuid()}\): GET /slow", text)
+    assert "not acted on" not in text and "has ended already" not in text, text
+    assert not [t for t in wheel.timers() if t.payload[0] == KIND_END]  # the ask, done, let go of

@@ -281,8 +281,10 @@ FOLLOW_UPS = {
     KIND_GRACE: "interrupt check",
 }
 _OWN_KINDS = frozenset(bytes([kind]) for kind in (*FOLLOW_UPS, KIND_LATE))  # what this driver adds, by kind byte
+_END_KINDS = frozenset(bytes([kind]) for kind in (KIND_END, KIND_END_KILL))  # an operator's end by hand, by kind byte
 WARNED, TIMED_OUT = "warned", "timed out"  # the stage a late request is at
 FORGET_AFTER = 600.0  # s: how long a worker sent kill_signal, or a late request, is remembered, at most
+ASK_KEPT = 10.0  # s: how long an end by hand waits for the fire of the timer it moved (its request may end first)
 HELD_IDLE = 1.0  # s: how long the thread that brings kept follow-ups back waits for another before it ends
 RUNNING_ON_KEPT = 4096  # requests running on past their interrupt's grace (kill off) kept at most, to say their end
 
@@ -293,6 +295,16 @@ def _running(record: RequestRecord) -> str:
     if record.queued_ms:
         running += f", {record.queued_ms / 1000:.3f} s of it queued by its X-Request-Start"
     return running
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """An operator's end by hand, while its request's own timer, moved, is still to fire."""
+
+    who: str  # in words
+    kill: bool  # shmwheel end --kill
+    handle: int  # the ask's own fire, kept in flight
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -376,9 +388,14 @@ class TimeoutHandler:
         # was asked to end the request (0.0: it was not), and when it timed out.
         self._running_on: dict[bytes, tuple[tuple[int, int], float, float]] = {}
         # Requests an operator ended by hand (shmwheel end) whose own timer
-        # this driver moved to now: who asked, in words, and whether with
-        # --kill; until that timer's fire comes.
-        self._by_hand: dict[bytes, tuple[str, bool]] = {}
+        # this driver moved to now, until that timer's fire comes: the ask,
+        # whose fire is kept in flight till then, so that a driver which
+        # takes over from this one, dead before the move's fire, finds it.
+        self._by_hand: dict[bytes, _Ask] = {}
+        # Asks of a dead driver that this one found in flight, and acted on
+        # at the early fire of their request's own timer: handle, request.
+        # When the ask itself is handed over, it has been done.
+        self._asks_done: dict[int, bytes] = {}
         # Requests warned, then ended by hand: the timeout stage their
         # warn_after stage added for later is theirs no more.  When it is
         # due (time.monotonic_ns()), so that those never heard of are let go.
@@ -421,7 +438,9 @@ class TimeoutHandler:
                 if fire.handle not in handles:
                     handles.append(fire.handle)
             self._release()
-            return KEEP_IN_FLIGHT if keep else None
+            if keep or (key in self._by_hand and self._by_hand[key].handle == fire.handle):
+                return KEEP_IN_FLIGHT
+            return None
 
     def _came(self, key: bytes) -> None:
         count, since = self._due.get(key, (0, 0.0))
@@ -438,6 +457,7 @@ class TimeoutHandler:
             self._counting()  # its note written, so that the metrics have their labels before the first fire
             self._forget_gone()
             self._release()
+            self._let_asks_go(time.monotonic() - ASK_KEPT)
 
     def _release(self) -> None:
         """Acknowledge the fires kept in flight of requests whose stages are
@@ -454,11 +474,21 @@ class TimeoutHandler:
             return
         for key in done:
             self._due.pop(key, None)
-        handles = [handle for key in done for handle in self._kept.pop(key)]
+        self._acknowledge([handle for key in done for handle in self._kept.pop(key)])
+
+    def _acknowledge(self, handles: list[int]) -> None:
+        """Free fires this handler kept in flight."""
         try:
             self._open().acknowledge(handles)
         except ShmwheelError as exc:  # the wheel is gone or replaced: nothing left to free
-            _log.debug("could not acknowledge the fires of requests whose stages are over: %s", one_line(exc))
+            _log.debug("could not acknowledge fires kept in flight: %s", one_line(exc))
+
+    def _let_asks_go(self, before: float) -> None:
+        """Let go of the ends by hand asked before ``before`` whose moved
+        timer has not fired: its request ended meanwhile, and cancelled it."""
+        gone = [key for key, ask in self._by_hand.items() if ask.at < before]
+        if gone:
+            self._acknowledge([self._by_hand.pop(key).handle for key in gone])
 
     def _handle(self, fire: Fire) -> RequestRecord | None:
         """Act on one fire; the record it carries, if any."""
@@ -472,7 +502,8 @@ class TimeoutHandler:
             self._heard(self._late.get(key), record, key)
             return record
         if record.kind in (KIND_END, KIND_END_KILL):
-            self._end_asked(fire, record)
+            if self._asks_done.pop(fire.handle, None) != key:
+                self._end_asked(fire, record)
             return record
         # Who added it, first: a timer that names a worker and was added by
         # anyone else is refused whether or not that worker is there still.
@@ -493,9 +524,10 @@ class TimeoutHandler:
             self._refuse(fire, record, why)
             return record
         if record.kind == KIND_REQUEST and key in self._by_hand:
-            who, kill = self._by_hand.pop(key)
-            self._timed_out(fire, record, there, by_hand=who, kill=kill)
-        elif record.kind == KIND_REQUEST and self._fired_early(fire, record):
+            ask = self._by_hand.pop(key)
+            self._timed_out(fire, record, there, by_hand=ask.who, kill=ask.kill)
+            self._acknowledge([ask.handle])  # (after its follow-ups were added: a driver that takes over has them)
+        elif record.kind == KIND_REQUEST and self._fired_early(fire, record, there):
             pass
         elif record.kind == KIND_LATE or (record.kind == KIND_REQUEST and fire.kept):
             self._told_late(fire, record, there)
@@ -894,25 +926,53 @@ class TimeoutHandler:
         """Whether a request's kill stage follows: as the actions say, but for one ended by hand."""
         return self.actions.kill if late is None or late.kill is None else late.kill
 
-    def _fired_early(self, fire: Fire, record: RequestRecord) -> bool:
+    def _fired_early(self, fire: Fire, record: RequestRecord, there: bool) -> bool:
         """Whether a request's own timer fired before the timeout its record
         says, which the wheel never does by itself (its warn_after stage
-        aside): someone moved it, which only an operator's end by hand does
-        (through this driver, which knows it), so a driver that did so and
-        died, or a process that writes the wheel by hand.  Its worker would
-        not take it for a timeout, and a kill stage would follow its
-        silence: said, once a second at most, and not acted on."""
+        aside): someone moved it, which an operator's end by hand does
+        through this driver (which knows it, and does not come here), or
+        through a driver that died before the fire, or a process that
+        writes the wheel by hand.  A dead driver's ask is still in flight:
+        the stage it asked for begins now, by hand.  Otherwise nothing is
+        done now (its worker would not take it for a timeout, and a kill
+        stage would follow its silence), said once a second at most, and
+        its timeout stage is added for its time, as a warn_after stage
+        adds it: the request keeps its timeout."""
         timeout_at = record.timeout_at()
-        if record.warn or timeout_at is None or due(timeout_at, time.monotonic_ns()):
+        now = time.monotonic_ns()
+        if record.warn or timeout_at is None or due(timeout_at, now):
             return False
+        key = fire.payload[1:]
+        ask = self._ask_in_flight(key, record)
+        if ask is not None:
+            if len(self._asks_done) > 1024:
+                self._asks_done.clear()
+            self._asks_done[ask.handle] = key
+            self._timed_out(fire, record, there, by_hand=ask.who, kill=ask.kill)
+            return True
         self._early.add(
             lambda: (
                 f"timer {fire.handle} of {record.describe()} fired {(timeout_at - fire.fired_at_ns) / 1e9:.3f} s "
                 "before the request's timeout: it was moved (an end by hand whose driver died, or a process that "
-                "writes the wheel by hand); not acted on"
+                "writes the wheel by hand); not acted on but for its timeout stage, kept for its time"
             )
         )
+        if there:
+            self._later((timeout_at - now) / 1e9, KIND_TIMEOUT, fire.payload)
+            self._new_late(key, WARNED)
         return True
+
+    def _ask_in_flight(self, key: bytes, record: RequestRecord) -> _Ask | None:
+        """An end by hand of the request, in flight: asked of a driver that
+        died before the fire of the timer it moved; if its asker may."""
+        for timer in self._open().timers():
+            if timer.fired and timer.payload[:1] in _END_KINDS and timer.payload[1:] == key:
+                who, why = self._asker(timer.owner_pid)
+                if who is None:
+                    _log.warning("%s was asked by hand to end, which is not done: %s", record.describe(), why)
+                    return None
+                return _Ask(who, timer.payload[0] == KIND_END_KILL, timer.handle)
+        return None
 
     def _end_asked(self, fire: Fire, record: RequestRecord) -> None:
         """An operator's ``shmwheel end`` (``KIND_END``, ``KIND_END_KILL``):
@@ -963,11 +1023,12 @@ class TimeoutHandler:
         own = self._own_timer(key, record)
         if own is not None:
             if len(self._by_hand) > 1024:
-                self._by_hand.clear()
-            self._by_hand[key] = (who, kill)
+                self._let_asks_go(math.inf)
+            self._by_hand[key] = _Ask(who, kill, fire.handle)
             if own.fired and late is None and key not in self._kept:
-                # Fired in this batch, after this ask, and not yet handled:
-                # its warn_after stage, or its timeout, come at this moment.
+                # Fired, and handed to this driver after this ask: its
+                # warn_after stage, or its timeout, come at this moment; or
+                # a driver that died after the move left both in flight.
                 return  # that fire begins the stage, by hand
             if self._open().reset(own.handle, 0.0):
                 return  # its fire begins the stage
