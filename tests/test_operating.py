@@ -267,7 +267,11 @@ def pool() -> Iterator[ThreadPoolExecutor]:
         yield executor
 
 
-STREAMING = "/stream?chunks=6&every=0.5&extend=60"  # the apps' stream, given a minute more before each chunk
+# The apps' stream, given a minute more before each chunk.  The requests
+# beside it run as long (HELD s), so that both are still in flight after
+# the tests' dozen commands on a slow machine.
+HELD = 10
+STREAMING = f"/stream?chunks={2 * HELD}&every=0.5&extend=60"
 
 
 def uvicorn_cmd(port: int) -> list[str]:
@@ -316,7 +320,7 @@ def test_gthread_requests_and_metrics_show_a_request_past_its_timeout_and_a_runn
         before = scrape()
         assert sample(before, "shmwheel_requests_in_flight", route="/c-sleep") == 0
         assert sample(before, "shmwheel_request_timeouts_total", route="/c-sleep") == 0
-        stuck = pool.submit(get, port, "/c-sleep?s=4", WAIT, "stuck-c-sleep")
+        stuck = pool.submit(get, port, f"/c-sleep?s={HELD}", WAIT, "stuck-c-sleep")
         streaming = pool.submit(get, port, STREAMING, WAIT, "streaming")
         assert get(port, f"/spin?s={WAIT}", WAIT, "spun") == GATEWAY_TIMEOUT
         line = running_on_interrupted(server, "/c-sleep", "stuck-c-sleep")
@@ -429,7 +433,7 @@ def test_uvicorn_requests_and_metrics_show_a_task_that_runs_on_with_its_task_unt
     with serve_asgi(cmd, port, tmp_path) as server:
         driver = auto_driver_of(server)
         scrape = metrics_of(server)
-        waiting = pool.submit(get, port, "/thread-then-await?s=3", WAIT, "asgi-waits")
+        waiting = pool.submit(get, port, f"/thread-then-await?s={HELD}", WAIT, "asgi-waits")
         streaming = pool.submit(get, port, STREAMING, WAIT, "asgi-streaming")
         line = running_on_interrupted(server, "/thread-then-await", "asgi-waits")
         requests = listed(server)
