@@ -312,6 +312,20 @@ int     shmw_signal_owner(int signum);
  * to tell one handler from another; 0 on error. */
 uint64_t shmw_signal_handler(int signum);
 
+/* A gate before the handler signum has (faulthandler's dump of every
+ * thread, which reads the other threads' frames with no lock and can
+ * crash a process in which Python runs): from now on, for a signal
+ * queued with a value (the driver's), it is called only while the
+ * reporter thread shows no sign of life since the last stack signal,
+ * neither at work (shmw_signal_reporter(1)) nor begun since; else one line
+ * on stderr says it was not.  A plain one (an operator's kill) reaches it
+ * as before.  0, -ENOENT (signum has no handler to gate), or -errno. */
+int     shmw_signal_gate_dump(int signum);
+
+/* The reporter thread begins (busy 1) or ends (0) a pass over the late
+ * requests: it runs, so Python does, and no dump is let through. */
+void    shmw_signal_reporter(int busy);
+
 /* ---- cffi end ------------------------------------------------------------ */
 
 #endif /* SHMWHEEL_H */

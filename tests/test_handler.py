@@ -35,6 +35,7 @@ from shmwheel.contrib import (
     PAYLOAD_SIZE,
     TimeoutActions,
     TimeoutHandler,
+    _handler,
     encode_request,
     signal_process,
 )
@@ -64,6 +65,7 @@ WORKER = textwrap.dedent(
         timer = RequestTimer(
             sys.argv[2], float(sys.argv[3]), traceback_signal="USR2" if mode == "lost" else "URG",
             warn_after=0.2 if mode == "warned" else None,
+            on_timeout=(lambda record, stack: time.sleep(2)) if mode == "slow-hook" else None,
         )
         assert timer.prepare()
         handle = timer.start("GET", "/slow", "r1")
@@ -220,6 +222,25 @@ def test_a_worker_in_which_no_python_runs_gets_faulthandlers_dump(make_wheel, wo
     assert "the stack of timed-out request" not in err
 
 
+def test_a_worker_slow_to_answer_is_not_dumped_while_python_runs_in_it(make_wheel, worker, caplog) -> None:
+    """A worker whose on_timeout hook takes 2 s: it has not answered when
+    the driver's dump signal comes, though Python runs in it.  The dump is
+    not done (faulthandler reads the other threads' frames with no lock,
+    and crashed a worker so), and one line says why; the stack comes.
+    (Before, faulthandler dumped every thread while the reporter ran.)"""
+    wheel = make_wheel(payload_size=PAYLOAD_SIZE)
+    proc = worker("slow-hook", wheel.name)
+    handler = TimeoutHandler(wheel.name, TimeoutActions(kill=False))
+    with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
+        fire_all(wheel, handler, time.monotonic() + 1.0)
+        assert "did not write the stack of GET /slow" in caplog.text  # and sent the dump signal
+        err = wait_for(proc, "dump of every thread not done: Python runs in this worker")
+        fire_all(wheel, handler, time.monotonic() + 2.0)
+    err = wait_for(proc, "in serving_a_slow_request")
+    assert "most recent call first" not in err, err  # faulthandler's
+    assert proc.poll() is None
+
+
 def test_a_stack_signal_the_worker_does_not_catch_is_not_sent(make_wheel, worker, caplog) -> None:
     """The record names the signal, but the worker no longer catches it (its
     default action would end it): the driver says so and falls back to the
@@ -261,15 +282,20 @@ def test_a_signal_with_a_handler_is_caught_even_while_the_main_thread_blocks_it(
         proc.communicate("")
 
 
-def test_a_request_that_ends_after_its_timeout_fired_spares_its_worker_the_kill(make_wheel, worker, caplog) -> None:
+def test_a_request_that_ends_after_its_timeout_fired_spares_its_worker_the_kill(
+    make_wheel, worker, caplog, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The timer fired and the worker was asked for the stack; then the
     request ended: the worker says so, and the driver, which would have
-    sent the kill signal next, leaves it alone and says why."""
+    sent the kill signal next, leaves it alone and says why.  (The check
+    that would send it comes DUMP_TIME / 2 after the ask: 1 s here, so that
+    the worker's end, 0.2 s after its timeout, comes first on a slow machine.)"""
+    monkeypatch.setattr(_handler, "DUMP_TIME", 2.0)
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
     proc = worker("ends", wheel.name)
     handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, kill_after=0.5))
     with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
-        fire_all(wheel, handler, time.monotonic() + 1.5)
+        fire_all(wheel, handler, time.monotonic() + 2.5)
     lines = [r.getMessage() for r in caplog.records]
     assert lines[-1] == f"GET /slow (request r1, worker pid {proc.pid}, thread " + lines[-1].split(", thread ")[1]
     assert lines[-1].endswith(f"has finished since it timed out: worker pid {proc.pid} is left alone")

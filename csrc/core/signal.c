@@ -19,6 +19,20 @@
  * Python's own signal.signal() will not do here: its handlers run in the
  * main thread, between bytecodes, and a server's main thread may sit in C
  * for its whole life (uWSGI's), so the Python handler would never run.
+ *
+ * And a gate before faulthandler's dump of every thread, the driver's
+ * fallback for a worker in which no Python runs (a C call that holds the
+ * GIL).  faulthandler reads the other threads' frames from a signal
+ * handler with no lock; while Python runs in any of them, frames are
+ * pushed and freed under it, and the dump can crash the worker (it did, a
+ * slow worker's, whose reporter had not answered in time).  So the dump
+ * is let through only while the reporter thread, which needs the GIL, has
+ * shown no sign of life since the last ask: it is not at work on a report
+ * and has not begun one since.  Otherwise one line says why it was not
+ * done.  Only the driver's dump is gated, which it queues with a value:
+ * a plain one (an operator's kill, who chose to) is let through, as is one
+ * with no ask ever before it (a worker whose stack signal is not this
+ * handler's), as faulthandler alone would.
  */
 #include <errno.h>
 #include <signal.h>
@@ -40,6 +54,13 @@ static volatile sig_atomic_t overflowed;          /* a record did not fit in the
 static volatile uint64_t wake_dev[SIGNALS], wake_ino[SIGNALS];
 static struct sigaction before[SIGNALS];          /* the handler each had, called after ours */
 static volatile sig_atomic_t chained[SIGNALS];    /* before[signum] is set and called */
+
+/* The gated dump signal, and the handler it had (faulthandler's). */
+static volatile sig_atomic_t dump_signum;
+static struct sigaction dump_then;
+static int reporter_busy;         /* __atomic: the reporter is at work on a report */
+static int64_t reporter_began_ns; /* __atomic: CLOCK_MONOTONIC, when it last began one */
+static int64_t asked_ns;          /* __atomic: when a stack signal last came (0: never) */
 
 /* before[signum] is running in this thread: not again from within it.  Per
  * thread, so that a signal on another thread still reaches it; initial-exec
@@ -63,6 +84,7 @@ static void on_signal(int signum, siginfo_t *info, void *context)
          * driver: the request it asks about); 0 for a plain kill(2). */
         if (info && info->si_code == SI_QUEUE)
             value = (uint64_t)(uintptr_t)info->si_value.sival_ptr;
+        __atomic_store_n(&asked_ns, shmw_now_ns(), __ATOMIC_RELEASE); /* (vDSO: no system call) */
         record[0] = (unsigned char)signum;
         for (i = 0; i < 8; i++)
             record[1 + i] = (unsigned char)(value >> (8 * i));
@@ -85,6 +107,60 @@ static void on_signal(int signum, siginfo_t *info, void *context)
         }
     }
     errno = saved;
+}
+
+static void on_dump(int signum, siginfo_t *info, void *context)
+{
+    static const char refused[] =
+        "shmwheel: faulthandler's dump of every thread not done: Python runs in this worker (its reporter has "
+        "been at work since it was asked), and a dump while it runs could crash it\n";
+    int saved = errno;
+    if (signum == dump_signum) {
+        int64_t asked = __atomic_load_n(&asked_ns, __ATOMIC_ACQUIRE);
+        int drivers = info != NULL && info->si_code == SI_QUEUE; /* a plain kill is an operator's choice */
+        if (drivers && (__atomic_load_n(&reporter_busy, __ATOMIC_ACQUIRE) ||
+                        (asked != 0 && __atomic_load_n(&reporter_began_ns, __ATOMIC_ACQUIRE) >= asked))) {
+            ssize_t n = write(STDERR_FILENO, refused, sizeof refused - 1);
+            (void)n;
+        } else if (dump_then.sa_flags & SA_SIGINFO) {
+            errno = saved;
+            dump_then.sa_sigaction(signum, info, context);
+        } else if (dump_then.sa_handler != SIG_DFL && dump_then.sa_handler != SIG_IGN) {
+            errno = saved;
+            dump_then.sa_handler(signum);
+        }
+    }
+    errno = saved;
+}
+
+int shmw_signal_gate_dump(int signum)
+{
+    struct sigaction sa, now;
+    if (signum <= 0 || signum >= SIGNALS || signum == SIGKILL || signum == SIGSTOP)
+        return -EINVAL;
+    if (sigaction(signum, NULL, &now) != 0)
+        return -errno;
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_dump)
+        return 0;                       /* gated already (a fork's) */
+    if (!(now.sa_flags & SA_SIGINFO) && (now.sa_handler == SIG_DFL || now.sa_handler == SIG_IGN))
+        return -ENOENT;                 /* nothing to gate */
+    dump_signum = 0;                    /* not called while it changes */
+    dump_then = now;
+    dump_signum = signum;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_dump;
+    sa.sa_flags = SA_SIGINFO | (now.sa_flags & (SA_RESTART | SA_ONSTACK | SA_NODEFER));
+    sa.sa_mask = now.sa_mask;
+    if (sigaction(signum, &sa, NULL) != 0)
+        return -errno;
+    return 0;
+}
+
+void shmw_signal_reporter(int busy)
+{
+    if (busy)
+        __atomic_store_n(&reporter_began_ns, shmw_now_ns(), __ATOMIC_RELEASE);
+    __atomic_store_n(&reporter_busy, busy != 0, __ATOMIC_RELEASE);
 }
 
 static int is_ours(const struct sigaction *sa)

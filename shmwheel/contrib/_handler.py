@@ -117,6 +117,8 @@ _log = logging.getLogger("shmwheel.timeouts")
 #: Seconds a worker has to write a request's stack before the driver takes
 #: it that no Python can run there; and from the dump to kill_signal.
 DUMP_TIME = 0.5
+#: The value the driver's dump signal is queued with (asks are 2 and up).
+DUMP_ASKED = 1
 
 
 def signal_process(pid: int, start: int, signum: int) -> bool:
@@ -879,7 +881,10 @@ class TimeoutHandler:
             signal_name(record.dump_signal),
             record.thread,
         )
-        if not self._signal(fire, record, record.dump_signal):
+        # Queued with a value, which tells the worker's gate that this is the
+        # driver's dump, let through only if no Python runs there (a plain
+        # one, an operator's kill, is let through as faulthandler would).
+        if not self._signal(fire, record, record.dump_signal, DUMP_ASKED):
             return False
         late.dumped_at = time.monotonic()
         return True

@@ -28,7 +28,12 @@ and, with ``interrupt``, ends the request (:mod:`shmwheel.contrib._interrupt`).
 It then tells the driver, with a timer of kind ``KIND_ANSWER`` due at
 once: a driver that hears nothing sends the dump signal, on which
 :mod:`faulthandler` writes every thread's stack from C (the fallback for a
-worker in which no Python can run: a C call that holds the GIL).
+worker in which no Python can run: a C call that holds the GIL).  Only
+then: faulthandler reads the other threads' frames with no lock, and can
+crash a process in which Python runs, so a gate in C lets the driver's dump
+through only while this module's reporter thread, which needs the GIL,
+shows no sign of life (``shmw_signal_gate_dump``): a worker that is only
+slow to answer is not dumped, and says so in one line.
 
 The reporter is a real thread even under gevent's monkey-patching, so that
 it runs while the hub is blocked; it reads the other threads' frames and
@@ -217,6 +222,15 @@ def _dump_signal() -> int:
     for signum in DUMP_SIGNALS:
         if lib.shmw_signal_owner(signum) == 0:  # the default action: no one's
             faulthandler.register(signum, file=sys.stderr, all_threads=True)
+            # Let through only while no Python runs (see shmw_signal_gate_dump).
+            gated = lib.shmw_signal_gate_dump(signum)
+            if gated < 0:
+                server_logger().warning(
+                    "shmwheel: the dump of every thread on %s cannot wait for Python to stop running (%s): "
+                    "one that comes while it runs could crash this process",
+                    signal_name(signum),
+                    os.strerror(-gated),
+                )
             _dump_signum = signum
             break
         taken.append(signal_name(signum))
@@ -403,11 +417,14 @@ def _report_forever(fd: int, pid: int) -> None:
         # A plain kill (an operator's, an older driver's), or records lost: every late request.
         overflowed = lib.shmw_signal_overflowed()  # read (and cleared) whatever the values say
         everyone = overflowed or 0 in values
+        lib.shmw_signal_reporter(1)  # Python runs here: no dump of every thread while it does
         try:
             report_overdue(asked=None if everyone else values, signalled=bool(whole) or overflowed)
         except Exception:  # noqa: BLE001 - one failed report must not end the reporter
             with contextlib.suppress(Exception):
                 _log.exception("shmwheel: writing a timed-out request's stack failed")
+        finally:
+            lib.shmw_signal_reporter(0)
 
 
 _reported: set[tuple[bytes, bool]] = set()  # (record, timed out) whose stack has been written
