@@ -347,6 +347,7 @@ def _after_fork() -> None:
     (the parent's did not come along) starts with its first listen()."""
     global _lock, _pipe
     _lock = threading.Lock()  # another thread may have held it at the fork
+    lib.shmw_signal_reporter(0)  # the parent's reporter, at work at the fork, did not come along
     if _pipe[0] < 0:
         return
     for fd in _pipe:
