@@ -16,8 +16,10 @@ import os
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -508,7 +510,15 @@ def test_jsonl_output_cut_short_delivers_only_the_lines_written_whole() -> None:
     ends = list(itertools.accumulate(len(_json_line(f)) for f in fires))
     assert ends[-1] > size
     driver = _JsonLinesDriver("unused", w)
-    leave = threading.Timer(0.2, os.close, (r,))  # the reader goes away while the write waits for it
+
+    def leave_once_full() -> None:  # the reader goes away while the write waits for it
+        give_up = time.monotonic() + 30
+        while struct.unpack("i", fcntl.ioctl(r, termios.FIONREAD, b"\0" * 4))[0] < size:
+            assert time.monotonic() < give_up
+            time.sleep(0.01)
+        os.close(r)
+
+    leave = threading.Thread(target=leave_once_full)
     leave.start()
     try:
         with pytest.raises(OutputFailed) as failed:
@@ -547,7 +557,9 @@ def test_external_consumer_reads_a_fifo_and_acknowledges(make_wheel, tmp_path: P
 
 def _add_and_die(name: str, ready, cancel_on_exit: bool) -> None:
     w = shmwheel.attach(name)
-    w.add(1.5, b"owned", cancel_on_exit=cancel_on_exit)
+    # The owned one far enough off that the driver's look (once a second)
+    # cancels it first on a slow machine; the other due soon, to fire.
+    w.add(30.0 if cancel_on_exit else 1.5, b"owned", cancel_on_exit=cancel_on_exit)
     ready.set()
     time.sleep(3600)  # SIGKILLed here
 
@@ -570,8 +582,8 @@ def test_cancel_on_exit_timers_of_a_dead_producer_are_cancelled(make_wheel, star
     for p in procs:
         os.kill(p.pid, signal.SIGKILL)
         p.join()
-    # The driver looks once a second; the timers are due in 1.5 s.
-    wait_for(lambda: wheel.stats().cancelled == 1, timeout=5)
+    # The driver looks once a second.
+    wait_for(lambda: wheel.stats().cancelled == 1, timeout=15)
     wait_for(lambda: len(read_records(out)) == 1, timeout=5)
     (fire,) = read_records(out)
     assert fire["owner_pid"] == procs[1].pid, "only the timer that did not ask to be cancelled fires"

@@ -184,13 +184,14 @@ def wait_for(proc: subprocess.Popen[str], text: str) -> str:
     return _err(proc)
 
 
-def test_handler_asks_the_worker_for_the_requests_own_stack(make_wheel, worker, caplog) -> None:
+def test_handler_asks_the_worker_for_the_requests_own_stack(make_wheel, worker, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(_handler, "DUMP_TIME", 2.0)  # its answer before the look (1 s) on a slow machine
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
     proc = worker("polite", wheel.name)
     handler = TimeoutHandler(wheel.name, TimeoutActions())
     with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
         # The request, the worker's answer, and the driver's look for it.
-        assert fire_all(wheel, handler, time.monotonic() + 1.2) == 3
+        assert fire_all(wheel, handler, time.monotonic() + 2.0) == 3
     [line] = [r.getMessage() for r in caplog.records]
     assert re.fullmatch(
         rf"request timed out: GET /slow \(request r1, worker pid {proc.pid}, thread (0x[0-9a-f]{{16}})\), "
@@ -302,15 +303,16 @@ def test_a_request_that_ends_after_its_timeout_fired_spares_its_worker_the_kill(
     assert proc.poll() is None  # no SIGTERM came
 
 
-def test_handler_kills_a_worker_that_ignores_the_graceful_signal(make_wheel, worker, caplog) -> None:
+def test_handler_kills_a_worker_that_ignores_the_graceful_signal(make_wheel, worker, caplog, monkeypatch) -> None:
     """Both requests of the stubborn worker time out: it is sent SIGTERM once,
     for the first, and SIGKILL ends it; the polite one exits on SIGTERM."""
+    monkeypatch.setattr(_handler, "DUMP_TIME", 2.0)  # each answer before its look (1 s) on a slow machine
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
     stubborn, polite = worker("stubborn", wheel.name), worker("polite", wheel.name)
     handler = TimeoutHandler(wheel.name, TimeoutActions(kill=True, kill_after=0.5))
     with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
         # Each of the three requests and its look; two SIGKILL follow-ups.
-        kinds = fire_kinds(wheel, handler, time.monotonic() + 2.5)
+        kinds = fire_kinds(wheel, handler, time.monotonic() + 3.5)
         assert kinds == {KIND_REQUEST: 3, KIND_CHECK: 3, KIND_KILL: 2}
     assert polite.wait(WAIT) == -signal.SIGTERM
     assert stubborn.wait(WAIT) == -signal.SIGKILL

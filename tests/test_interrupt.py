@@ -65,6 +65,9 @@ from _servers import (
     uwsgi_ini,
 )
 
+from shmwheel._wheel import observe
+from shmwheel.contrib import KIND_REQUEST
+
 TIMEOUT = 1.0  # s: every server's, but the kill test's
 THREAD = r"thread 0x[0-9a-f]{16}(?:, (?:task|greenlet) 0x[0-9a-f]+)?"
 # How the worker says it ends a request: a thread armed, a task that blocks its loop; in the main thread, woken too.
@@ -357,7 +360,11 @@ def test_a_request_in_a_c_call_that_holds_the_gil_goes_on_to_the_kill(tmp_path: 
         before = pid_of(get(port, "/"))
         # The thread that answered has its post_request hook yet to run, which
         # ends its request: once the regex holds the GIL, it never would.
-        time.sleep(0.3)
+        with observe(server.wheel) as wheel:
+            give_up = time.monotonic() + WAIT
+            while any(t.payload[:1] == bytes([KIND_REQUEST]) for t in wheel.timers()):
+                assert time.monotonic() < give_up
+                time.sleep(0.05)
         assert get(port, "/regex?n=27", WAIT, "regex")[0] == 0  # 2**27 steps: ended under the request
         pid = driver_pid(server, "/regex", "regex")
         assert pid == before

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import sentry_sdk
-from _servers import assert_nothing_left, free_port, get, gunicorn_app, pid_of, serve
+from _servers import WAIT, assert_nothing_left, free_port, get, gunicorn_app, pid_of, serve
 from fastapi import FastAPI
 from flask import Flask
 from sentry_sdk.integrations.flask import FlaskIntegration
@@ -55,9 +55,10 @@ def sentry() -> Iterator[Callable[..., list[dict[str, Any]]]]:
     sentry_sdk.init(dsn=None)
 
 
-def spin(seconds: float) -> None:
+def spin(seconds: float, until_in: list[Any] | None = None) -> None:
+    """A Python loop for ``seconds``, or until ``until_in`` has something (no call in it: its frame is innermost)."""
     until = time.monotonic() + seconds
-    while time.monotonic() < until:
+    while time.monotonic() < until and not until_in:
         pass
 
 
@@ -132,7 +133,7 @@ def test_without_interrupt_the_event_is_sent_and_the_request_runs_on(driven, sen
     events = sentry(ShmwheelIntegration(level="error"))
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        spin(0.8)
+        spin(WAIT, events)  # until its event is out, however slow the machine
         start_response("200 OK", [])
         return [b"late"]
 
