@@ -314,17 +314,28 @@ uint64_t shmw_signal_handler(int signum);
 
 /* A gate before the handler signum has (faulthandler's dump of every
  * thread, which reads the other threads' frames with no lock and can
- * crash a process in which Python runs): from now on, for a signal
- * queued with a value (the driver's), it is called only while the
- * reporter thread shows no sign of life since the last stack signal,
- * neither at work (shmw_signal_reporter(1)) nor begun since; else one line
- * on stderr says it was not.  A plain one (an operator's kill) reaches it
- * as before.  0, -ENOENT (signum has no handler to gate), or -errno. */
-int     shmw_signal_gate_dump(int signum);
+ * crash a process in which Python runs): from now on, for a signal queued
+ * with a value (the driver's), it is called only if a stack signal is
+ * there that the reporter thread has not taken, and the reporter woke
+ * (shmw_signal_wait) and has not run Python since
+ * (shmw_signal_reporter_runs), for at least min_gil_wait_ns: it waits for
+ * a GIL that no bytecode gives up.  Else one
+ * line on stderr says the dump was not done.  A plain signal (an
+ * operator's kill) reaches it as before.  0, -ENOENT (signum has no
+ * handler to gate), or -errno.  Called again, it sets min_gil_wait_ns. */
+int     shmw_signal_gate_dump(int signum, int64_t min_gil_wait_ns);
 
-/* The reporter thread begins (busy 1) or ends (0) a pass over the late
- * requests: it runs, so Python does, and no dump is let through. */
-void    shmw_signal_reporter(int busy);
+/* Whether signum has the gate of shmw_signal_gate_dump() now. */
+int     shmw_signal_gated(int signum);
+
+/* The reporter thread's wait for the pipe the stack signals write to:
+ * poll(2) of fd for up to timeout_ms (-1: for ever); 1 ready, 0 timed
+ * out, -errno.  Its end is noted: the reporter then waits for the GIL. */
+int     shmw_signal_wait(int fd, int timeout_ms);
+
+/* The reporter runs Python (it holds the GIL, or did a moment ago), and
+ * takes what the pipe holds next. */
+void    shmw_signal_reporter_runs(void);
 
 /* ---- cffi end ------------------------------------------------------------ */
 

@@ -39,7 +39,7 @@ from shmwheel.contrib import (
     encode_request,
     signal_process,
 )
-from shmwheel.contrib._handler import DUMP_TIME, signal_if
+from shmwheel.contrib._handler import DUMP_ASKED, DUMP_TIME, signal_if
 from shmwheel.contrib._record import KIND_END, KIND_FINISHED, KIND_GRACE, KIND_LATE, KIND_RELEASED, with_kind
 from shmwheel.contrib._settings import reserve_for
 
@@ -142,6 +142,46 @@ def test_an_ask_with_no_room_for_its_value_still_gets_there_plainly() -> None:
         proc.wait()
 
 
+def test_the_drivers_dump_is_never_sent_plainly() -> None:
+    """A worker out of room for queued signals (RLIMIT_SIGPENDING 0): the
+    driver's dump, which its gate tells by the value queued with it, is not
+    sent at all, since sent plainly it would pass the gate as an operator's."""
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_WAITER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        start = start_time(proc.pid)
+        assert start is not None
+        assert not signal_if(proc.pid, start, signal.SIGRTMIN + 5, None, DUMP_ASKED, plain=False)
+        assert signal_if(proc.pid, start, signal.SIGRTMIN + 5, None, 12345)  # an ask still goes, plainly
+        assert proc.stdout.readline() == "plain\n"
+        assert proc.wait(WAIT) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+
+
+GATE_KEPT = """
+import faulthandler, signal, sys
+from shmwheel._binding import lib
+from shmwheel.contrib import _stacks
+dump = _stacks.listen(signal.SIGURG, lambda: [])
+print(lib.shmw_signal_gated(dump), end=" ")
+faulthandler.unregister(dump)
+faulthandler.register(dump, file=sys.stderr)  # the application's own, after shmwheel's
+print(lib.shmw_signal_gated(dump), end=" ")
+_stacks.keep_listening()  # once a second, from a request's start
+print(lib.shmw_signal_gated(dump))
+"""
+
+
+def test_the_dump_signal_is_gated_again_after_the_application_registers_it() -> None:
+    """faulthandler registered anew on the dump signal by the application:
+    the look once a second puts the gate back in front of it."""
+    done = subprocess.run([sys.executable, "-c", GATE_KEPT], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "1 0 1\n"), done
+
+
 def fire_all(wheel: shmwheel.Wheel, handler: TimeoutHandler, until: float) -> int:
     """Poll until ``until`` (monotonic), handing every fire to the handler."""
     n = 0
@@ -217,7 +257,7 @@ def test_a_worker_in_which_no_python_runs_gets_faulthandlers_dump(make_wheel, wo
     thread = re.search(r"thread (0x[0-9a-f]{16})", timed_out)
     assert thread is not None
     assert no_answer.startswith(f"worker pid {proc.pid} did not write the stack of GET /slow")
-    assert no_answer.endswith(f"on SIGRTMIN, and the request's is thread {thread[1]}")
+    assert no_answer.endswith(f"where it can tell that no Python runs; the request's is thread {thread[1]}")
     err = wait_for(proc, "in serving_a_slow_request")
     assert f"Current thread {thread[1]} (most recent call first)" in err  # faulthandler's
     assert "the stack of timed-out request" not in err
@@ -235,7 +275,7 @@ def test_a_worker_slow_to_answer_is_not_dumped_while_python_runs_in_it(make_whee
     with caplog.at_level(logging.INFO, "shmwheel.timeouts"):
         fire_all(wheel, handler, time.monotonic() + 1.0)
         assert "did not write the stack of GET /slow" in caplog.text  # and sent the dump signal
-        err = wait_for(proc, "dump of every thread not done: Python runs in this worker")
+        err = wait_for(proc, "dump of every thread not done: nothing shows that no Python runs in this worker")
         fire_all(wheel, handler, time.monotonic() + 2.0)
     err = wait_for(proc, "in serving_a_slow_request")
     assert "most recent call first" not in err, err  # faulthandler's
@@ -245,7 +285,8 @@ def test_a_worker_slow_to_answer_is_not_dumped_while_python_runs_in_it(make_whee
 def test_a_stack_signal_the_worker_does_not_catch_is_not_sent(make_wheel, worker, caplog) -> None:
     """The record names the signal, but the worker no longer catches it (its
     default action would end it): the driver says so and falls back to the
-    dump signal, which it does catch."""
+    dump signal, which it does catch; the worker, never asked, cannot tell
+    that no Python runs in it, and does not dump."""
     wheel = make_wheel(payload_size=PAYLOAD_SIZE)
     proc = worker("lost", wheel.name)
     handler = TimeoutHandler(wheel.name, TimeoutActions())
@@ -257,7 +298,8 @@ def test_a_stack_signal_the_worker_does_not_catch_is_not_sent(make_wheel, worker
         "default action to it): not sent"
     )
     assert lines[1].endswith("; asking it for every thread's stack (SIGRTMIN)")
-    wait_for(proc, "in serving_a_slow_request")  # faulthandler's
+    err = wait_for(proc, "faulthandler's dump of every thread not done: nothing shows that no Python runs")
+    assert "most recent call first" not in err
     assert proc.poll() is None
 
 

@@ -130,8 +130,8 @@ def stuck_requests_are_timed_out_with_their_own_stacks(server: Server, name: str
         pid, thread = the_one_driver_line(server, REGEX, f"{name}{REGEX}")
         server.wait_for(
             rf"worker pid {pid} did not write the stack of GET {REGEX} \(request {re.escape(name + REGEX)}, .*\) "
-            rf"within [\d.]+ s: .*; faulthandler writes every thread's stack to its stderr on SIGRTMIN, and the "
-            rf"request's is thread 0x{thread}$"
+            rf"within [\d.]+ s: .*; asking it for faulthandler's dump of every thread on SIGRTMIN, to its stderr, "
+            rf"which it writes where it can tell that no Python runs; the request's is thread 0x{thread}$"
         )
         dump = (
             rf"^(?:Current thread|Thread) 0x{thread} \(most recent call first\):\n(?:  .*\n)*?"

@@ -25,16 +25,18 @@
  * GIL).  faulthandler reads the other threads' frames from a signal
  * handler with no lock; while Python runs in any of them, frames are
  * pushed and freed under it, and the dump can crash the worker (it did, a
- * slow worker's, whose reporter had not answered in time).  So the dump
- * is let through only while the reporter thread, which needs the GIL, has
- * shown no sign of life since the last ask: it is not at work on a report
- * and has not begun one since.  Otherwise one line says why it was not
- * done.  Only the driver's dump is gated, which it queues with a value:
- * a plain one (an operator's kill, who chose to) is let through, as is one
- * with no ask ever before it (a worker whose stack signal is not this
- * handler's), as faulthandler alone would.
+ * slow worker's, whose reporter had not answered in time).  So the
+ * driver's dump is let through only on evidence that no Python runs: an
+ * ask is there that the reporter thread has not taken, and the reporter
+ * woke (for it, or at the end of a timed wait) and has been waiting for
+ * the GIL since, for longer than a thread that runs bytecode keeps it
+ * from a waiter (many switch intervals).  Anything else (the
+ * reporter at work, not woken, not scheduled, gone) is no such evidence,
+ * and one line says the dump was not done.  A plain one (an operator's
+ * kill, who chose to) is let through, as faulthandler alone would.
  */
 #include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -58,9 +60,11 @@ static volatile sig_atomic_t chained[SIGNALS];    /* before[signum] is set and c
 /* The gated dump signal, and the handler it had (faulthandler's). */
 static volatile sig_atomic_t dump_signum;
 static struct sigaction dump_then;
-static int reporter_busy;         /* __atomic: the reporter is at work on a report */
-static int64_t reporter_began_ns; /* __atomic: CLOCK_MONOTONIC, when it last began one */
-static int64_t asked_ns;          /* __atomic: when a stack signal last came (0: never) */
+static int64_t gil_wait_ns;       /* how long the reporter must have waited for the GIL */
+/* __atomic, CLOCK_MONOTONIC: */
+static int64_t asked_ns;          /* the oldest stack signal the reporter has not taken (0: none) */
+static int64_t woke_ns;           /* when its wait last ended: it then waits for the GIL */
+static int64_t ran_ns;            /* when it last ran Python, after a wait */
 
 /* before[signum] is running in this thread: not again from within it.  Per
  * thread, so that a signal on another thread still reaches it; initial-exec
@@ -84,7 +88,8 @@ static void on_signal(int signum, siginfo_t *info, void *context)
          * driver: the request it asks about); 0 for a plain kill(2). */
         if (info && info->si_code == SI_QUEUE)
             value = (uint64_t)(uintptr_t)info->si_value.sival_ptr;
-        __atomic_store_n(&asked_ns, shmw_now_ns(), __ATOMIC_RELEASE); /* (vDSO: no system call) */
+        int64_t none = 0; /* the oldest ask not taken is kept (a re-ask must not hide the first's wait) */
+        __atomic_compare_exchange_n(&asked_ns, &none, shmw_now_ns(), 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
         record[0] = (unsigned char)signum;
         for (i = 0; i < 8; i++)
             record[1 + i] = (unsigned char)(value >> (8 * i));
@@ -112,14 +117,18 @@ static void on_signal(int signum, siginfo_t *info, void *context)
 static void on_dump(int signum, siginfo_t *info, void *context)
 {
     static const char refused[] =
-        "shmwheel: faulthandler's dump of every thread not done: Python runs in this worker (its reporter has "
-        "been at work since it was asked), and a dump while it runs could crash it\n";
+        "shmwheel: faulthandler's dump of every thread not done: nothing shows that no Python runs in this worker "
+        "(its reporter thread has not been waiting for the GIL since it was asked), and a dump while Python runs "
+        "could crash it\n";
     int saved = errno;
     if (signum == dump_signum) {
-        int64_t asked = __atomic_load_n(&asked_ns, __ATOMIC_ACQUIRE);
         int drivers = info != NULL && info->si_code == SI_QUEUE; /* a plain kill is an operator's choice */
-        if (drivers && (__atomic_load_n(&reporter_busy, __ATOMIC_ACQUIRE) ||
-                        (asked != 0 && __atomic_load_n(&reporter_began_ns, __ATOMIC_ACQUIRE) >= asked))) {
+        int64_t asked = __atomic_load_n(&asked_ns, __ATOMIC_ACQUIRE);
+        int64_t woke = __atomic_load_n(&woke_ns, __ATOMIC_ACQUIRE);
+        int64_t ran = __atomic_load_n(&ran_ns, __ATOMIC_ACQUIRE);
+        /* An ask not taken, and the reporter woken and not run since: it waits for the GIL. */
+        int stuck = asked != 0 && ran < woke && shmw_now_ns() - woke >= gil_wait_ns;
+        if (drivers && !stuck) {
             ssize_t n = write(STDERR_FILENO, refused, sizeof refused - 1);
             (void)n;
         } else if (dump_then.sa_flags & SA_SIGINFO) {
@@ -133,15 +142,16 @@ static void on_dump(int signum, siginfo_t *info, void *context)
     errno = saved;
 }
 
-int shmw_signal_gate_dump(int signum)
+int shmw_signal_gate_dump(int signum, int64_t min_gil_wait_ns)
 {
     struct sigaction sa, now;
-    if (signum <= 0 || signum >= SIGNALS || signum == SIGKILL || signum == SIGSTOP)
+    if (signum <= 0 || signum >= SIGNALS || signum == SIGKILL || signum == SIGSTOP || min_gil_wait_ns <= 0)
         return -EINVAL;
+    gil_wait_ns = min_gil_wait_ns;
     if (sigaction(signum, NULL, &now) != 0)
         return -errno;
     if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_dump)
-        return 0;                       /* gated already (a fork's) */
+        return 0;                       /* gated already (a fork's, or a look again) */
     if (!(now.sa_flags & SA_SIGINFO) && (now.sa_handler == SIG_DFL || now.sa_handler == SIG_IGN))
         return -ENOENT;                 /* nothing to gate */
     dump_signum = 0;                    /* not called while it changes */
@@ -156,11 +166,29 @@ int shmw_signal_gate_dump(int signum)
     return 0;
 }
 
-void shmw_signal_reporter(int busy)
+int shmw_signal_gated(int signum)
 {
-    if (busy)
-        __atomic_store_n(&reporter_began_ns, shmw_now_ns(), __ATOMIC_RELEASE);
-    __atomic_store_n(&reporter_busy, busy != 0, __ATOMIC_RELEASE);
+    struct sigaction now;
+    if (signum <= 0 || signum >= SIGNALS || sigaction(signum, NULL, &now) != 0)
+        return 0;
+    return (now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_dump;
+}
+
+int shmw_signal_wait(int fd, int timeout_ms)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int rc = poll(&p, 1, timeout_ms);
+    int err = errno;
+    __atomic_store_n(&woke_ns, shmw_now_ns(), __ATOMIC_RELEASE);
+    if (rc < 0)
+        return -err;
+    return rc > 0;
+}
+
+void shmw_signal_reporter_runs(void)
+{
+    __atomic_store_n(&asked_ns, 0, __ATOMIC_RELEASE); /* what the pipe holds is taken next */
+    __atomic_store_n(&ran_ns, shmw_now_ns(), __ATOMIC_RELEASE);
 }
 
 static int is_ours(const struct sigaction *sa)

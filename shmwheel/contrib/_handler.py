@@ -117,7 +117,8 @@ _log = logging.getLogger("shmwheel.timeouts")
 #: Seconds a worker has to write a request's stack before the driver takes
 #: it that no Python can run there; and from the dump to kill_signal.
 DUMP_TIME = 0.5
-#: The value the driver's dump signal is queued with (asks are 2 and up).
+#: The value the driver's dump signal is queued with (asks are 2 and up),
+#: which the worker's gate tells from an operator's plain one.
 DUMP_ASKED = 1
 
 
@@ -133,10 +134,13 @@ def signal_process(pid: int, start: int, signum: int) -> bool:
     return signal_if(pid, start, signum, None)
 
 
-def signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None, value: int = 0) -> bool:
+def signal_if(
+    pid: int, start: int, signum: int, may: Callable[[], bool] | None, value: int = 0, plain: bool = True
+) -> bool:
     """signal_process(), asking ``may()`` too once the process is known to be
     the one that started at ``start``, right before the signal; with
-    ``value`` queued with it (sigqueue's), where the kernel has pidfds."""
+    ``value`` queued with it (sigqueue's), where the kernel has pidfds.
+    Not ``plain``: only queued with its value, or not sent."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -144,7 +148,7 @@ def signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None,
     except OSError as exc:
         if exc.errno != errno.ENOSYS:
             raise
-        if not alive(pid, start) or (may is not None and not may()):
+        if not plain or not alive(pid, start) or (may is not None and not may()):
             return False
         try:
             os.kill(pid, signum)
@@ -155,6 +159,8 @@ def signal_if(pid: int, start: int, signum: int, may: Callable[[], bool] | None,
         if not alive(pid, start) or (may is not None and not may()):
             return False
         rc = lib.shmw_pidfd_sigqueue(fd, signum, value) if value else -errno.EAGAIN
+        if rc == -errno.EAGAIN and not plain:
+            return False
         if rc == -errno.EAGAIN:
             # No value, or no room for it: the worker's user has as many
             # real-time signals queued as RLIMIT_SIGPENDING allows.  A plain
@@ -782,7 +788,7 @@ class TimeoutHandler:
                 self._later(actions.interrupt_grace, KIND_GRACE, fire.payload)
         elif dump:
             self._late.pop(key, None)
-            if self._signal(fire, record, dump) and kill:
+            if self._signal(fire, record, dump, DUMP_ASKED, plain=False) and kill:
                 # The dump runs in the worker's signal handler; a kill_signal
                 # that lands before it is done can end the worker mid-dump
                 # (uWSGI's SIGTERM exits at once), so it follows a little later.
@@ -873,8 +879,8 @@ class TimeoutHandler:
             return False
         _log.warning(
             "worker pid %d did not write the stack of %s within %.3f s: no Python runs in it (a C call that holds "
-            "the GIL?); faulthandler writes every thread's stack to its stderr on %s, and the request's is "
-            "thread 0x%016x",
+            "the GIL?); asking it for faulthandler's dump of every thread on %s, to its stderr, which it writes "
+            "where it can tell that no Python runs; the request's is thread 0x%016x",
             record.pid,
             record.describe(),
             time.monotonic() - late.asked_at,
@@ -883,8 +889,9 @@ class TimeoutHandler:
         )
         # Queued with a value, which tells the worker's gate that this is the
         # driver's dump, let through only if no Python runs there (a plain
-        # one, an operator's kill, is let through as faulthandler would).
-        if not self._signal(fire, record, record.dump_signal, DUMP_ASKED):
+        # one, an operator's kill, is let through as faulthandler would);
+        # never plainly, then.
+        if not self._signal(fire, record, record.dump_signal, DUMP_ASKED, plain=False):
             return False
         late.dumped_at = time.monotonic()
         return True
@@ -1254,11 +1261,12 @@ class TimeoutHandler:
             _log.error("killed worker pid %d with SIGKILL: %s (%s had run for %.3f s)", record.pid, why,
                        record.describe(), record.running_for())  # fmt: skip
 
-    def _signal(self, fire: Fire, record: RequestRecord, signum: int, value: int = 0) -> bool:
+    def _signal(self, fire: Fire, record: RequestRecord, signum: int, value: int = 0, plain: bool = True) -> bool:
         """``signum`` to the record's worker, if it is still there and still
         passes the uid rule right before the signal; whether it was sent.
         ``value``, queued with it, names the request and the stage asked
-        about, so that the worker acts on no other before its line."""
+        about, so that the worker acts on no other before its line; not
+        ``plain``, it is sent with it or not at all."""
 
         def may() -> bool:
             why = uid_refusal(record.pid) or self._not_using(record.pid, record.start, fresh=True)
@@ -1266,7 +1274,7 @@ class TimeoutHandler:
                 self._refuse(fire, record, why)
             return why is None
 
-        return signal_if(record.pid, record.start, signum, may, value)
+        return signal_if(record.pid, record.start, signum, may, value, plain)
 
     def _not_using(self, pid: int, start: int, fresh: bool = False) -> str | None:
         """Why ``pid`` (started at ``start``) is not a process that uses this

@@ -31,9 +31,13 @@ once: a driver that hears nothing sends the dump signal, on which
 worker in which no Python can run: a C call that holds the GIL).  Only
 then: faulthandler reads the other threads' frames with no lock, and can
 crash a process in which Python runs, so a gate in C lets the driver's dump
-through only while this module's reporter thread, which needs the GIL,
-shows no sign of life (``shmw_signal_gate_dump``): a worker that is only
-slow to answer is not dumped, and says so in one line.
+through only on evidence that none runs: an ask is there that this
+module's reporter thread has not taken, and the reporter, whose wait for
+the pipe is in C (``shmw_signal_wait``), has woken and waited for the GIL
+ever since, far longer than bytecode keeps it from a waiter
+(``shmw_signal_gate_dump``).
+A worker that is only slow to answer is not dumped, and says so in one
+line.
 
 The reporter is a real thread even under gevent's monkey-patching, so that
 it runs while the hub is blocked; it reads the other threads' frames and
@@ -212,6 +216,16 @@ def _python_handler() -> int:
     return 0
 
 
+def _gil_wait_ns() -> int:
+    """How long the reporter must have waited for the GIL for the driver's
+    dump to be let through: many times what a thread that runs bytecode
+    keeps it from a waiter (the switch interval), and never under 0.3 s;
+    for ever where there is no GIL (a free-threaded build)."""
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return 2**62
+    return max(300_000_000, int(20 * sys.getswitchinterval() * 1e9))
+
+
 def _dump_signal() -> int:
     """The signal faulthandler dumps every thread on in this process (under
     _lock): the first of DUMP_SIGNALS with no handler, registered once."""
@@ -223,7 +237,7 @@ def _dump_signal() -> int:
         if lib.shmw_signal_owner(signum) == 0:  # the default action: no one's
             faulthandler.register(signum, file=sys.stderr, all_threads=True)
             # Let through only while no Python runs (see shmw_signal_gate_dump).
-            gated = lib.shmw_signal_gate_dump(signum)
+            gated = lib.shmw_signal_gate_dump(signum, _gil_wait_ns())
             if gated < 0:
                 server_logger().warning(
                     "shmwheel: the dump of every thread on %s cannot wait for Python to stop running (%s): "
@@ -283,6 +297,10 @@ def keep_listening() -> set[int]:
     lost: set[int] = set()
     if _reporter_pid != os.getpid():
         return lost
+    if _dump_signum:
+        # The switch interval as it is now; and gated again if faulthandler
+        # was registered anew, nothing if it was unregistered.
+        lib.shmw_signal_gate_dump(_dump_signum, _gil_wait_ns())
     for signum in list(_listening):
         if lib.shmw_signal_owner(signum) == 2:
             continue
@@ -347,7 +365,7 @@ def _after_fork() -> None:
     (the parent's did not come along) starts with its first listen()."""
     global _lock, _pipe
     _lock = threading.Lock()  # another thread may have held it at the fork
-    lib.shmw_signal_reporter(0)  # the parent's reporter, at work at the fork, did not come along
+    lib.shmw_signal_reporter_runs()  # the parent's reporter's wait is not this child's
     if _pipe[0] < 0:
         return
     for fd in _pipe:
@@ -400,16 +418,20 @@ def _report_forever(fd: int, pid: int) -> None:
     global _reporter_ident
     _reporter_ident = real("_thread", "get_ident")()
     read = real("os", "read")
-    wait = real("select", "select")
     size = lib.SHMW_SIGNAL_RECORD
     rest = b""
     while _reporter_pid == pid:
         # A request left for its own ask is looked at again once it is
         # ASK_WAIT late, whether or not a signal comes.
-        timeout = None if _look_again is None else max(_look_again - time.monotonic_ns(), 0) / 1e9
+        timeout_ms = -1 if _look_again is None else -(-max(_look_again - time.monotonic_ns(), 0) // 1_000_000)
+        # In C, the GIL let go, and its end noted: while this thread then
+        # waits for the GIL, no Python runs (see shmw_signal_gate_dump).
+        ready = lib.shmw_signal_wait(fd, timeout_ms)
+        lib.shmw_signal_reporter_runs()
         try:
-            ready = wait([fd], [], [], timeout)[0]
-            data = rest + read(fd, 64 * size) if ready else rest  # those that came meanwhile are one report
+            if ready < 0 and ready != -errno.EINTR:
+                raise OSError(-ready, os.strerror(-ready))
+            data = rest + read(fd, 64 * size) if ready > 0 else rest  # those that came meanwhile are one report
         except OSError:  # closed: a fork of this process replaced it
             return
         whole = len(data) - len(data) % size
@@ -418,14 +440,11 @@ def _report_forever(fd: int, pid: int) -> None:
         # A plain kill (an operator's, an older driver's), or records lost: every late request.
         overflowed = lib.shmw_signal_overflowed()  # read (and cleared) whatever the values say
         everyone = overflowed or 0 in values
-        lib.shmw_signal_reporter(1)  # Python runs here: no dump of every thread while it does
         try:
             report_overdue(asked=None if everyone else values, signalled=bool(whole) or overflowed)
         except Exception:  # noqa: BLE001 - one failed report must not end the reporter
             with contextlib.suppress(Exception):
                 _log.exception("shmwheel: writing a timed-out request's stack failed")
-        finally:
-            lib.shmw_signal_reporter(0)
 
 
 _reported: set[tuple[bytes, bool]] = set()  # (record, timed out) whose stack has been written
