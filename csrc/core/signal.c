@@ -168,10 +168,7 @@ int shmw_signal_gate_dump(int signum, int64_t min_gil_wait_ns)
 
 int shmw_signal_gated(int signum)
 {
-    struct sigaction now;
-    if (signum <= 0 || signum >= SIGNALS || sigaction(signum, NULL, &now) != 0)
-        return 0;
-    return (now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_dump;
+    return shmw_signal_handler(signum) == (uint64_t)(uintptr_t)on_dump;
 }
 
 int shmw_signal_wait(int fd, int timeout_ms)
