@@ -8,6 +8,7 @@ server's wsgi.file_wrapper left to send the file itself."""
 from __future__ import annotations
 
 import io
+import logging
 import os
 import sys
 import time
@@ -144,6 +145,43 @@ def test_the_middlewares_call_in_c_files_what_its_own_path_files(make_wheel, env
     in_c.close()  # type: ignore[attr-defined]
     mine.close()  # type: ignore[attr-defined]
     assert len(wheel) == 0 and not mw.timer._active
+
+
+@pytest.mark.parametrize("way", ["c", "python", "direct"])
+def test_an_app_wrapped_twice_is_timed_once_by_the_outer_middleware(make_wheel, caplog, way: str) -> None:
+    """The inner middleware passes the request through, and says once that
+    its settings do nothing, naming the outer one's, which win; the outer
+    called through its C path, its own, or the direct C callable.
+    (Before, each timed the request: two timers, each acting at its own
+    timeout, and no_timeout() or extend() reached the inner one only.)"""
+    outer_wheel, inner_wheel = make_wheel(payload_size=PAYLOAD_SIZE), make_wheel(payload_size=PAYLOAD_SIZE)
+    seen: list[int] = []
+
+    def app(environ: dict[str, object], start_response: Any) -> list[bytes]:
+        seen.append(len(outer_wheel) + len(inner_wheel))
+        start_response("204 No Content", [])
+        return []
+
+    inner = TimeoutMiddleware(app, inner_wheel.name, 20.0, traceback_signal=None)
+    outer = TimeoutMiddleware(inner, outer_wheel.name, 30.0, traceback_signal=None)
+    assert outer.timer.prepare()
+    outer._plain = way != "python"
+    call = outer.direct() if way == "direct" else outer
+    with caplog.at_level(logging.WARNING, "shmwheel"):
+        for _ in range(2):
+            body = call({"REQUEST_METHOD": "GET", "PATH_INFO": "/twice"}, lambda *a: None)
+            list(body)
+            body.close()  # type: ignore[attr-defined]
+    assert seen == [1, 1]
+    assert (outer_wheel.stats().added, inner_wheel.stats().added) == (2, 0)
+    assert len(outer_wheel) == 0
+    [said] = [r.getMessage() for r in caplog.records if "inside another" in r.getMessage()]
+    assert said == (
+        f"shmwheel: {__name__}.test_an_app_wrapped_twice_is_timed_once_by_the_outer_middleware.<locals>.app is "
+        "wrapped in shmwheel.contrib.wsgi.TimeoutMiddleware (timeout 20 s) inside another, which times its "
+        f"requests already (timeout 30 s, on wheel {outer_wheel.name!r}): the outer one's settings win, and this "
+        "one's do nothing; wrap the application once"
+    )
 
 
 def test_a_bodys_close_is_the_body_itself_as_servers_look_it_up(make_wheel) -> None:

@@ -880,6 +880,31 @@ def timer_here() -> RequestTimer | None:
     return None if current is None else current[0]
 
 
+def say_wrapped_twice(middleware: str, app: object, settings: TimeoutSettings, wheel_env: str) -> None:
+    """Say that the application ``app``, wrapped in ``middleware`` (with
+    ``settings``) inside another that times its requests already, is timed
+    by the outer one, whose settings win: an application wrapped twice, by
+    hand, or by hand and by Gunicorn's ``install()`` (on the wheel that
+    ``wheel_env`` names), which wraps it again unless this is the
+    application itself.  From within a request the outer one times."""
+    outer = timer_here()
+    inner = f"{getattr(app, '__module__', None) or '?'}.{getattr(app, '__qualname__', type(app).__qualname__)}"
+    whose = ""
+    if outer is not None:
+        whose = f" ({outer.settings.summary()}, on wheel {outer.name!r}"
+        if outer.name == os.environ.get(wheel_env):
+            whose += ": under Gunicorn, install() wraps the application in one"
+        whose += ")"
+    server_logger().warning(
+        "shmwheel: %s is wrapped in %s (%s) inside another, which times its requests already%s: the outer one's "
+        "settings win, and this one's do nothing; wrap the application once",
+        inner,
+        middleware,
+        settings.summary(),
+        whose,
+    )
+
+
 def extend(seconds: float) -> bool:
     """Give the request in progress ``seconds`` from now before it times
     out, whatever its timeout was: for an upload, a streaming response that

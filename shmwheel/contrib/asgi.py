@@ -68,7 +68,7 @@ from ._settings import (
     TimeoutSettings,
 )
 from ._stacks import server_logger
-from ._worker import RequestTimer, timed_apps, timer_here
+from ._worker import RequestTimer, say_wrapped_twice, timed_apps
 
 __all__ = ["TIMED", "TimeoutMiddleware", "own_wheel_name"]
 
@@ -255,26 +255,9 @@ class TimeoutMiddleware:
     def _say_inside(self) -> None:
         """Say, once a process, that another TimeoutMiddleware outside this
         one times its requests already, so that this one's settings do
-        nothing: an application wrapped twice, by hand, or by hand and by
-        Gunicorn's ``install()``, which wraps it again unless this is the
-        application itself."""
+        nothing."""
         self._said_inside = _process.pid
-        outer = timer_here()  # the outer one's request, in this task
-        app = self.app
-        inner = f"{getattr(app, '__module__', None) or '?'}.{getattr(app, '__qualname__', type(app).__qualname__)}"
-        whose = ""
-        if outer is not None:
-            whose = f" ({outer.settings.summary()}, on wheel {outer.name!r}"
-            if outer.name == os.environ.get(WHEEL_ENV):
-                whose += ": under Gunicorn, install() wraps the application in one"
-            whose += ")"
-        server_logger().warning(
-            "shmwheel: %s is wrapped in shmwheel.contrib.asgi.TimeoutMiddleware (%s) inside another, which times its "
-            "requests already%s: the outer one's settings win, and this one's do nothing; wrap the application once",
-            inner,
-            self.settings.summary(),
-            whose,
-        )
+        say_wrapped_twice("shmwheel.contrib.asgi.TimeoutMiddleware", self.app, self.settings, WHEEL_ENV)
 
 
 # The C way: the call of an instance goes to shmwheel._fast.Coroutine,

@@ -12,6 +12,12 @@ elsewhere: :class:`shmwheel.contrib.DriverSupervisor` in the
 server's master process, or ``shmwheel timeouts NAME
 --create`` run beside the server (by systemd, say).  The Gunicorn and
 uWSGI integrations set both up for you.
+
+A request that an outer TimeoutMiddleware has timed already carries
+``"shmwheel.handle"`` in its environ and is passed through, so wrapping an
+application twice times it once, by the outer one; the inner one says so,
+once a process, at its first such request, since its settings then do
+nothing.
 """
 
 from __future__ import annotations
@@ -19,19 +25,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from .. import _process
 from .._checks import check_flag
 from ._body import Environ, file_wrapper_of, is_timed_file, timed_file, timing_file_wrapper
 from ._door import closing_body, in_c, wsgi_in_c
 from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RESPONSE_STATUS, RequestTimeout
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
 from ._routes import Routes
-from ._settings import TimeoutActions, TimeoutSettings
-from ._worker import RequestTimer, timed_apps
+from ._settings import WHEEL_ENV, TimeoutActions, TimeoutSettings
+from ._worker import RequestTimer, say_wrapped_twice, timed_apps
 
 __all__ = ["InterruptibleApp", "TimeoutMiddleware"]
 
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
+TIMED = "shmwheel.handle"  #: the environ's key for the request's handle (None: no timer), once a middleware timed it
 
 
 class TimeoutMiddleware:
@@ -99,6 +107,8 @@ class TimeoutMiddleware:
         #: What times this process's requests outside the middleware (set by
         #: :meth:`stand_aside`), which then passes them through untimed.
         self.timed_outside: str | None = None
+        self.settings = settings
+        self._said_inside = 0  # the process that has said an outer middleware times this one's requests
         timed_apps.add(self)
 
     def stand_aside(self, by: str) -> None:
@@ -130,6 +140,11 @@ class TimeoutMiddleware:
         path (shmwheel._fast's Clerk.wsgi) tried it and gave it back, so its
         timer takes the waiting path (RequestTimer.start_declined); else the
         C path could not read it, or does not serve this middleware."""
+        if TIMED in environ:  # by a middleware outside this one (the C path gives these back)
+            if self._said_inside != _process.pid:
+                self._said_inside = _process.pid
+                say_wrapped_twice("shmwheel.contrib.wsgi.TimeoutMiddleware", self.app, self.settings, WHEEL_ENV)
+            return self.app(environ, start_response)
         timer = self.timer
         method, path, request_id = environ.get("REQUEST_METHOD", "-"), _path(environ), environ.get("HTTP_X_REQUEST_ID")
         if declined:
@@ -137,7 +152,7 @@ class TimeoutMiddleware:
         else:
             queued_since = environ.get("HTTP_X_REQUEST_START") if self.x_request_start else None
             handle = timer.start(method, path, request_id, queued_since=queued_since)
-        environ["shmwheel.handle"] = handle
+        environ[TIMED] = handle
         try:
             if handle is not None:
                 timing_file_wrapper(environ, timer)

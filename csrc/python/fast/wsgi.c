@@ -198,8 +198,8 @@ static int is_timed_file(ClerkObject *self, PyObject *body, PyObject *key)
  * timed file that wrapper was given); the timer finished if the
  * application raises.
  * NotImplemented, having called nothing, where the middleware's own path
- * takes the request: an environ that is not a dict or has a field that is
- * not an ASCII str.  None, having called nothing, for a request it tried
+ * takes the request: an environ that is not a dict, has a field that is
+ * not an ASCII str, or that a middleware outside this one has timed.  None, having called nothing, for a request it tried
  * and gave back (what start() gives back None for): the middleware's
  * waiting path takes it (TimeoutMiddleware._serve with declined). */
 static PyObject *Clerk_wsgi(ClerkObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -215,6 +215,8 @@ static PyObject *Clerk_wsgi(ClerkObject *self, PyObject *const *args, Py_ssize_t
     environ = args[1];
     if (!PyDict_CheckExact(environ))
         Py_RETURN_NOTIMPLEMENTED;
+    if ((r = PyDict_Contains(environ, str_environ_key)) != 0)
+        return r < 0 ? NULL : Py_NewRef(Py_NotImplemented); /* timed already, outside: the middleware says so */
     now = monotonic_ns();
     if ((r = ready(self, now)) <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
