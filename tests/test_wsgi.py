@@ -175,6 +175,11 @@ def test_an_app_wrapped_twice_is_timed_once_by_the_outer_middleware(make_wheel, 
     assert seen == [1, 1]
     assert (outer_wheel.stats().added, inner_wheel.stats().added) == (2, 0)
     assert len(outer_wheel) == 0
+    # A handle left in an environ that a server reuses: its request has
+    # ended, and this one is timed.
+    body = inner({"REQUEST_METHOD": "GET", "PATH_INFO": "/reused", "shmwheel.handle": 12345}, lambda *a: None)
+    body.close()  # type: ignore[attr-defined]
+    assert (seen[-1], inner_wheel.stats().added, len(inner_wheel)) == (1, 1, 0)
     [said] = [r.getMessage() for r in caplog.records if "inside another" in r.getMessage()]
     assert said == (
         f"shmwheel: {__name__}.test_an_app_wrapped_twice_is_timed_once_by_the_outer_middleware.<locals>.app is "

@@ -33,7 +33,7 @@ from ._interrupt import RESPONSE_BODY, RESPONSE_HEADERS, RESPONSE_STATUS, Reques
 from ._record import DEFAULT_TRACEBACK_SIGNAL, RequestRecord
 from ._routes import Routes
 from ._settings import WHEEL_ENV, TimeoutActions, TimeoutSettings
-from ._worker import RequestTimer, say_wrapped_twice, timed_apps
+from ._worker import RequestTimer, say_wrapped_twice, timed_apps, timer_here
 
 __all__ = ["InterruptibleApp", "TimeoutMiddleware"]
 
@@ -140,7 +140,11 @@ class TimeoutMiddleware:
         path (shmwheel._fast's Clerk.wsgi) tried it and gave it back, so its
         timer takes the waiting path (RequestTimer.start_declined); else the
         C path could not read it, or does not serve this middleware."""
-        if TIMED in environ:  # by a middleware outside this one (the C path gives these back)
+        # Timed by a middleware outside this one (the C path gives these
+        # back): its request in progress here, or none it times.  Not a
+        # handle left in an environ a server reuses (which PEP 3333 does not
+        # allow): that request has ended.
+        if TIMED in environ and (environ[TIMED] is None or timer_here() is not None):
             if self._said_inside != _process.pid:
                 self._said_inside = _process.pid
                 say_wrapped_twice("shmwheel.contrib.wsgi.TimeoutMiddleware", self.app, self.settings, WHEEL_ENV)
