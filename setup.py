@@ -30,6 +30,14 @@ setup(
                 "-Werror=implicit-function-declaration",
             ],
         ),
+        # Where the GIL counts the times it changed hands, for the worker's
+        # gate before faulthandler's dump (csrc/core/signal.c): the one
+        # module built with CPython's internal headers.
+        Extension(
+            "shmwheel._gil",
+            sources=["csrc/python/gil.c"],
+            extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden"],
+        ),
         # CPython 3.11's way to have a timed-out request's own thread check,
         # line by line, where it may be interrupted (3.12 and later have
         # sys.monitoring): off every request's path.

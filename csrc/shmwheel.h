@@ -318,20 +318,29 @@ uint64_t shmw_signal_handler(int signum);
  * with a value (the driver's), it is called only if a stack signal is
  * there that the reporter thread has not taken, and the reporter woke
  * (shmw_signal_wait) and has not run Python since
- * (shmw_signal_reporter_runs), for at least min_gil_wait_ns: it waits for
- * a GIL that no bytecode gives up.  Else one
- * line on stderr says the dump was not done.  A plain signal (an
+ * (shmw_signal_reporter_runs) for min_gil_wait_ns and twenty of the
+ * GIL's switch intervals (an unsigned long of microseconds at
+ * gil_interval), while the GIL's count of handoffs at gil_switches (an
+ * unsigned long's address; both are shmwheel._gil's) stayed as it was and
+ * the process spent at least half that time on a CPU: a C call holds the
+ * GIL, and no bytecode runs.  Else one line on stderr says the dump was
+ * not done; always, with either address 0.  A plain signal (an
  * operator's kill) reaches it as before.  0, -ENOENT (signum has no
- * handler to gate), or -errno.  Called again, it sets min_gil_wait_ns. */
-int     shmw_signal_gate_dump(int signum, int64_t min_gil_wait_ns);
+ * handler to gate), or -errno.  Called again, it sets what it was given. */
+int     shmw_signal_gate_dump(int signum, int64_t min_gil_wait_ns, uint64_t gil_switches, uint64_t gil_interval);
 
 /* Whether signum has the gate of shmw_signal_gate_dump() now. */
 int     shmw_signal_gated(int signum);
 
 /* The reporter thread's wait for the pipe the stack signals write to:
  * poll(2) of fd for up to timeout_ms (-1: for ever); 1 ready, 0 timed
- * out, -errno.  Its end is noted: the reporter then waits for the GIL. */
+ * out, -EBADF (fd closed), -EPIPE (no writer left), -errno.  Its end is
+ * noted: the reporter then waits for the GIL. */
 int     shmw_signal_wait(int fd, int timeout_ms);
+
+/* Whether the reporter is in its wait now (a reporter stuck before its
+ * first wait, its process stuck as it started, gives no evidence). */
+int     shmw_signal_waiting(void);
 
 /* The reporter runs Python (it holds the GIL, or did a moment ago), and
  * takes what the pipe holds next. */

@@ -68,6 +68,10 @@ WORKER = textwrap.dedent(
             on_timeout=(lambda record, stack: time.sleep(2)) if mode == "slow-hook" else None,
         )
         assert timer.prepare()
+        if mode == "gil":
+            from shmwheel._binding import lib
+            while not lib.shmw_signal_waiting():  # the reporter at its wait, as in a worker that has served a while
+                time.sleep(0.01)
         handle = timer.start("GET", "/slow", "r1")
         assert handle is not None
         if mode == "lost":  # something took the stack signal since its start's look: its default action ends it
@@ -143,6 +147,43 @@ def test_an_ask_with_no_room_for_its_value_still_gets_there_plainly() -> None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         proc.wait()
+
+
+BYTECODE_HOLDS_THE_GIL = """
+import os, signal, subprocess, sys, time
+from shmwheel.contrib import _stacks
+dump = _stacks.listen(signal.SIGURG, lambda: [])
+ask = _stacks.ask_signal()
+# As the driver asks, and dumps half a second on, with the value it queues.
+asks = f\"\"\"
+import os, time
+from shmwheel._binding import lib
+fd = os.pidfd_open({os.getpid()})
+time.sleep(0.3)
+lib.shmw_pidfd_sigqueue(fd, {ask}, 12345)
+time.sleep(0.5)
+lib.shmw_pidfd_sigqueue(fd, {dump}, 1)
+\"\"\"
+sys.setswitchinterval(1.0)  # bytecode keeps the GIL from the reporter for a second
+driver = subprocess.Popen([sys.executable, "-c", asks])
+until = time.monotonic() + 2.0
+while time.monotonic() < until:
+    pass
+driver.wait()
+print("done", flush=True)
+"""
+
+
+def test_the_drivers_dump_is_not_done_while_bytecode_keeps_the_gil_from_the_reporter() -> None:
+    """A worker whose main thread runs bytecode with a switch interval of a
+    second (set after the gate was): its reporter, woken by the ask, waits
+    for the GIL half a second when the driver's dump comes.  The gate reads
+    the interval where the GIL keeps it, and does not dump.  (The first
+    gate took 0.3 s of waiting for proof that no Python ran, and dumped.)"""
+    done = subprocess.run([sys.executable, "-c", BYTECODE_HOLDS_THE_GIL], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "done\n"), done
+    assert "faulthandler's dump of every thread not done" in done.stderr, done.stderr
+    assert "most recent call first" not in done.stderr, done.stderr
 
 
 GATE_KEPT = """

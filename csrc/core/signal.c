@@ -27,13 +27,18 @@
  * pushed and freed under it, and the dump can crash the worker (it did, a
  * slow worker's, whose reporter had not answered in time).  So the
  * driver's dump is let through only on evidence that no Python runs: an
- * ask is there that the reporter thread has not taken, and the reporter
- * woke (for it, or at the end of a timed wait) and has been waiting for
- * the GIL since, for longer than a thread that runs bytecode keeps it
- * from a waiter (many switch intervals).  Anything else (the
- * reporter at work, not woken, not scheduled, gone) is no such evidence,
- * and one line says the dump was not done.  A plain one (an operator's
- * kill, who chose to) is let through, as faulthandler alone would.
+ * ask is there that the reporter thread has not taken; the reporter woke
+ * (for it, or at the end of a timed wait) and has not run since, for
+ * longer than a thread that runs bytecode keeps the GIL from a waiter
+ * (twenty switch intervals, read where the GIL keeps it, and 0.3 s);
+ * the GIL has not changed hands since it woke (the count of its own that
+ * shmwheel._gil gives the address of: a thread that runs bytecode while
+ * another waits gives it up within a switch interval, however many wait,
+ * and one in a C call that holds it never does); and the process has
+ * spent half that time on a CPU meanwhile (not stopped, or starved, with
+ * a wait that no one could end).  Anything else is no such evidence, and
+ * one line says the dump was not done.  A plain one (an operator's kill,
+ * who chose to) is let through, as faulthandler alone would.
  */
 #include <errno.h>
 #include <poll.h>
@@ -61,10 +66,25 @@ static volatile sig_atomic_t chained[SIGNALS];    /* before[signum] is set and c
 static volatile sig_atomic_t dump_signum;
 static struct sigaction dump_then;
 static int64_t gil_wait_ns;       /* how long the reporter must have waited for the GIL */
+static const unsigned long *switches; /* the GIL's count of handoffs; NULL: unknown, no dump */
+static const unsigned long *interval; /* its switch interval, in microseconds */
 /* __atomic, CLOCK_MONOTONIC: */
 static int64_t asked_ns;          /* the oldest stack signal the reporter has not taken (0: none) */
 static int64_t woke_ns;           /* when its wait last ended: it then waits for the GIL */
 static int64_t ran_ns;            /* when it last ran Python, after a wait */
+static unsigned long woke_switches; /* __atomic: the GIL's count then */
+static int waiting;               /* __atomic: the reporter is in its wait */
+static int64_t woke_cpu_ns;       /* __atomic: the process's CPU time then */
+
+_Static_assert(__atomic_always_lock_free(sizeof(int64_t), 0), "a signal handler reads these without a lock");
+
+static int64_t cpu_ns(void)
+{
+    struct timespec ts;
+    if (clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts) != 0) /* async-signal-safe */
+        return 0;
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
 
 /* before[signum] is running in this thread: not again from within it.  Per
  * thread, so that a signal on another thread still reaches it; initial-exec
@@ -126,8 +146,15 @@ static void on_dump(int signum, siginfo_t *info, void *context)
         int64_t asked = __atomic_load_n(&asked_ns, __ATOMIC_ACQUIRE);
         int64_t woke = __atomic_load_n(&woke_ns, __ATOMIC_ACQUIRE);
         int64_t ran = __atomic_load_n(&ran_ns, __ATOMIC_ACQUIRE);
-        /* An ask not taken, and the reporter woken and not run since: it waits for the GIL. */
-        int stuck = asked != 0 && ran < woke && shmw_now_ns() - woke >= gil_wait_ns;
+        const unsigned long *count = switches, *every = interval;
+        int64_t wait = gil_wait_ns;
+        if (every != NULL && (int64_t)(__atomic_load_n(every, __ATOMIC_RELAXED) * 20000ULL) > wait)
+            wait = (int64_t)(__atomic_load_n(every, __ATOMIC_RELAXED) * 20000ULL); /* twenty switch intervals */
+        /* An ask not taken, and the reporter woken and not run since: it
+         * waits for the GIL, which has not changed hands since. */
+        int stuck = count != NULL && every != NULL && asked != 0 && ran < woke && shmw_now_ns() - woke >= wait &&
+                    __atomic_load_n(count, __ATOMIC_RELAXED) == __atomic_load_n(&woke_switches, __ATOMIC_ACQUIRE) &&
+                    cpu_ns() - __atomic_load_n(&woke_cpu_ns, __ATOMIC_ACQUIRE) >= wait / 2;
         if (drivers && !stuck) {
             ssize_t n = write(STDERR_FILENO, refused, sizeof refused - 1);
             (void)n;
@@ -142,12 +169,14 @@ static void on_dump(int signum, siginfo_t *info, void *context)
     errno = saved;
 }
 
-int shmw_signal_gate_dump(int signum, int64_t min_gil_wait_ns)
+int shmw_signal_gate_dump(int signum, int64_t min_gil_wait_ns, uint64_t gil_switches, uint64_t gil_interval)
 {
     struct sigaction sa, now;
     if (signum <= 0 || signum >= SIGNALS || signum == SIGKILL || signum == SIGSTOP || min_gil_wait_ns <= 0)
         return -EINVAL;
     gil_wait_ns = min_gil_wait_ns;
+    switches = (const unsigned long *)(uintptr_t)gil_switches;
+    interval = (const unsigned long *)(uintptr_t)gil_interval;
     if (sigaction(signum, NULL, &now) != 0)
         return -errno;
     if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_dump)
@@ -155,7 +184,9 @@ int shmw_signal_gate_dump(int signum, int64_t min_gil_wait_ns)
     if (!(now.sa_flags & SA_SIGINFO) && (now.sa_handler == SIG_DFL || now.sa_handler == SIG_IGN))
         return -ENOENT;                 /* nothing to gate */
     dump_signum = 0;                    /* not called while it changes */
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
     dump_then = now;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
     dump_signum = signum;
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_dump;
@@ -174,12 +205,29 @@ int shmw_signal_gated(int signum)
 int shmw_signal_wait(int fd, int timeout_ms)
 {
     struct pollfd p = {.fd = fd, .events = POLLIN};
+    __atomic_store_n(&waiting, 1, __ATOMIC_RELEASE);
     int rc = poll(&p, 1, timeout_ms);
     int err = errno;
+    __atomic_store_n(&waiting, 0, __ATOMIC_RELEASE);
+    const unsigned long *count = switches;
+    /* What the gate compares with: the count and CPU time first, the
+     * time last, so that a handler that sees this wake sees them too. */
+    if (count != NULL)
+        __atomic_store_n(&woke_switches, __atomic_load_n(count, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+    __atomic_store_n(&woke_cpu_ns, cpu_ns(), __ATOMIC_RELAXED);
     __atomic_store_n(&woke_ns, shmw_now_ns(), __ATOMIC_RELEASE);
     if (rc < 0)
         return -err;
+    if (rc > 0 && (p.revents & (POLLNVAL | POLLERR)))
+        return -EBADF;                  /* closed, or not a pipe's end it can read */
+    if (rc > 0 && (p.revents & POLLHUP) && !(p.revents & POLLIN))
+        return -EPIPE;                  /* every writer gone: nothing will come */
     return rc > 0;
+}
+
+int shmw_signal_waiting(void)
+{
+    return __atomic_load_n(&waiting, __ATOMIC_ACQUIRE);
 }
 
 void shmw_signal_reporter_runs(void)

@@ -47,6 +47,7 @@ never changes them.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import errno
 import faulthandler
@@ -69,7 +70,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from .._binding import lib
+from .._binding import ffi, lib
 from .._process import after_fork
 from ._door import Active
 from ._record import (
@@ -217,13 +218,70 @@ def _python_handler() -> int:
 
 
 def _gil_wait_ns() -> int:
-    """How long the reporter must have waited for the GIL for the driver's
-    dump to be let through: many times what a thread that runs bytecode
-    keeps it from a waiter (the switch interval), and never under 0.3 s;
-    for ever where there is no GIL (a free-threaded build)."""
+    """How long, at least, the reporter must have waited for the GIL, with
+    the GIL in the same hands, for the driver's dump to be let through:
+    0.3 s (and twenty switch intervals, which the gate reads where the GIL
+    keeps it); for ever where there is no GIL (a free-threaded build)."""
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
         return 2**62
-    return max(300_000_000, int(20 * sys.getswitchinterval() * 1e9))
+    return 300_000_000
+
+
+_gil_fields: tuple[int, int] | None = None  # the addresses of the GIL's count of handoffs, its switch interval
+
+
+def _gil_count() -> tuple[int, int]:
+    """The addresses of the count the GIL keeps of the times it changed
+    hands, and of its switch interval (shmwheel._gil), once the count is
+    seen to move when the GIL goes to another thread and back, and the
+    interval to be sys.getswitchinterval(); (0, 0), said once, where they
+    cannot be had or are not right: then the driver's dump is never let
+    through in this process."""
+    global _gil_fields
+    if _gil_fields is None:
+        why, every = "", 0
+        try:
+            from .. import _gil
+
+            address, every = _gil.switches_address(), _gil.interval_address()
+        except ImportError as exc:
+            address, why = 0, f"shmwheel._gil cannot be loaded ({exc})"
+        if address and ffi.cast("unsigned long *", every)[0] != round(sys.getswitchinterval() * 1e6):
+            address, why = 0, "the switch interval is not where shmwheel looks for it"
+        if address:
+            count = ffi.cast("unsigned long *", address)
+            before = count[0]
+            done = real("_thread", "allocate_lock")()  # real threads, under gevent too
+            done.acquire()
+            real("_thread", "start_new_thread")(done.release, ())  # the GIL to it, and back
+            done.acquire()
+            if count[0] == before:
+                address, why = 0, "the count it keeps of the times it changed hands does not move"
+        elif not why:
+            why = "where this CPython keeps its count of the times it changed hands is not known to shmwheel"
+        if why:
+            server_logger().warning(
+                "shmwheel: the driver's fallback for a worker that does not answer, faulthandler's dump of every "
+                "thread, is off in this process: it is done only where the GIL shows that no Python runs, and here "
+                "%s",
+                why,
+            )
+        _gil_fields = (address, every) if address else (0, 0)
+    return _gil_fields
+
+
+def _gate_dump(signum: int) -> int:
+    """The gate before faulthandler's handler of ``signum``, as this
+    process is now (its switch interval): 0, or -errno.  Shut for good as
+    the interpreter exits: its finalization runs bytecode while the
+    reporter, which it ends, may seem to wait for the GIL."""
+    if not _closing:
+        _closing.append(signum)
+        atexit.register(lambda: lib.shmw_signal_gate_dump(signum, 2**62, 0, 0))
+    return int(lib.shmw_signal_gate_dump(signum, _gil_wait_ns(), *_gil_count()))
+
+
+_closing: list[int] = []  # the dump signal whose gate is shut at exit
 
 
 def _dump_signal() -> int:
@@ -237,7 +295,7 @@ def _dump_signal() -> int:
         if lib.shmw_signal_owner(signum) == 0:  # the default action: no one's
             faulthandler.register(signum, file=sys.stderr, all_threads=True)
             # Let through only while no Python runs (see shmw_signal_gate_dump).
-            gated = lib.shmw_signal_gate_dump(signum, _gil_wait_ns())
+            gated = _gate_dump(signum)
             if gated < 0:
                 server_logger().warning(
                     "shmwheel: the dump of every thread on %s cannot wait for Python to stop running (%s): "
@@ -298,9 +356,9 @@ def keep_listening() -> set[int]:
     if _reporter_pid != os.getpid():
         return lost
     if _dump_signum:
-        # The switch interval as it is now; and gated again if faulthandler
-        # was registered anew, nothing if it was unregistered.
-        lib.shmw_signal_gate_dump(_dump_signum, _gil_wait_ns())
+        # Gated again if faulthandler was registered anew; nothing if it
+        # was unregistered.
+        _gate_dump(_dump_signum)
     for signum in list(_listening):
         if lib.shmw_signal_owner(signum) == 2:
             continue
