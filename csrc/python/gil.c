@@ -13,13 +13,18 @@
  * interval's, which the gate reads from a signal handler (aligned words,
  * read as they are); 0 where this CPython's layout is not known here.
  */
-#define Py_BUILD_CORE_MODULE 1
-#include <Python.h>
+#include <patchlevel.h> /* PY_VERSION_HEX, before Python.h: the internal headers only where known */
 
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000
+#define Py_BUILD_CORE_MODULE 1
+#define KNOWN_LAYOUT 1
+#endif
+
+#include <Python.h>
+
+#ifdef KNOWN_LAYOUT
 #include "internal/pycore_interp.h"
 #include "internal/pycore_runtime.h"
-#define KNOWN_LAYOUT 1
 #endif
 
 static PyObject *switches_address(PyObject *module, PyObject *unused)
@@ -63,7 +68,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "shmwheel._gil", "Where the GIL counts the times it changed hands.", 0, methods,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "shmwheel._gil",
+    .m_doc = "Where the GIL counts the times it changed hands, and keeps its switch interval.",
+    .m_size = 0,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__gil(void)
