@@ -120,8 +120,9 @@ def stuck_requests_write_their_own_stacks(server: Server, errors: Server, prefix
         else:  # no Python runs in the worker: the driver says so, and faulthandler dumps every thread
             errors.wait_for(
                 rf"worker pid {pid} did not write the stack of GET {route} \(request {request_id}, .*\) within "
-                r"[\d.]+ s: no Python runs in it \(a C call that holds the GIL\?\); faulthandler writes every "
-                rf"thread's stack to its stderr on SIGRTMIN, and the request's is thread {thread}$"
+                r"[\d.]+ s: no Python runs in it \(a C call that holds the GIL\?\); asking it for faulthandler's "
+                r"dump of every thread on SIGRTMIN, to its stderr, which it writes where it can tell that no Python "
+                rf"runs; the request's is thread {thread}$"
             )
             server.wait_for(
                 rf"^Current thread {thread} \(most recent call first\):\n"
