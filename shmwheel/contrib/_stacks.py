@@ -217,20 +217,16 @@ def _python_handler() -> int:
     return 0
 
 
-def _gil_wait_ns() -> int:
-    """How long, at least, the reporter must have waited for the GIL, with
-    the GIL in the same hands, for the driver's dump to be let through:
-    0.3 s (and twenty switch intervals, which the gate reads where the GIL
-    keeps it); for ever where there is no GIL (a free-threaded build)."""
-    if not getattr(sys, "_is_gil_enabled", lambda: True)():
-        return 2**62
-    return 300_000_000
+#: How long, at least, the reporter must have waited for the GIL, with the
+#: GIL in the same hands, for the driver's dump to be let through: besides
+#: twenty switch intervals, which the gate reads where the GIL keeps them.
+GIL_WAIT_NS = 300_000_000
 
 
 _gil_fields: tuple[int, int] | None = None  # the addresses of the GIL's count of handoffs, its switch interval
 
 
-def _gil_count() -> tuple[int, int]:
+def _gil_fields_of_this_process() -> tuple[int, int]:
     """The addresses of the count the GIL keeps of the times it changed
     hands, and of its switch interval (shmwheel._gil), once the count is
     seen to move when the GIL goes to another thread and back, and the
@@ -278,7 +274,7 @@ def _gate_dump(signum: int) -> int:
     if not _closing:
         _closing.append(signum)
         atexit.register(lambda: lib.shmw_signal_gate_dump(signum, 2**62, 0, 0))
-    return int(lib.shmw_signal_gate_dump(signum, _gil_wait_ns(), *_gil_count()))
+    return int(lib.shmw_signal_gate_dump(signum, GIL_WAIT_NS, *_gil_fields_of_this_process()))
 
 
 _closing: list[int] = []  # the dump signal whose gate is shut at exit
